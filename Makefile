@@ -1,0 +1,43 @@
+# The README's two commands: `make demo` and `make test`. Both set everything up on a fresh machine.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+TORCH := torch==2.13.0
+
+.PHONY: demo test test-fast test-rdma test-sglang lint typecheck setup sysdeps clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q "$(TORCH)"
+	$(VPY) -m pip install -q -e ".[client,dev]"
+	@touch $(STAMP)
+
+# System packages the tests use (iperf3 for the tcp benchmark); only as root, never fatal.
+sysdeps:
+	@scripts/sysdeps.sh
+
+demo: setup
+	$(VENV)/bin/weightwire demo
+
+test: setup sysdeps
+	$(VPY) -m ruff check .
+	$(VPY) -m mypy
+	$(VPY) -m pytest -q -ra
+	@$(MAKE) --no-print-directory test-rdma-if-possible
+
+test-fast: setup
+	$(VPY) -m pytest -q -ra -m "not slow"
+
+lint: setup
+	$(VPY) -m ruff check .
+
+typecheck: setup
+	$(VPY) -m mypy
+
+clean:
+	rm -rf $(VENV) build *.egg-info
