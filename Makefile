@@ -26,7 +26,7 @@ demo: setup
 
 test: setup sysdeps
 	$(VPY) -m ruff check .
-	$(VPY) -m mypy
+	scripts/typecheck.sh
 	$(VPY) -m pytest -q -ra
 	@$(MAKE) --no-print-directory test-rdma-if-possible
 
@@ -37,7 +37,7 @@ lint: setup
 	$(VPY) -m ruff check .
 
 typecheck: setup
-	$(VPY) -m mypy
+	scripts/typecheck.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,55 @@
+"""ZeroMQ multipart framing: `[kind, msgpack header, *raw buffers]`; never pickle.
+
+One `Codec` per socket type, made once, holding the one decoder of that socket's
+tagged union. Every failure is a `ProtocolError` that names what was wrong.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Generic, TypeVar
+
+import msgspec
+
+from .errors import ErrorCode, ProtocolError
+
+T = TypeVar("T")
+
+DEFAULT_MAX_BYTES = 16 << 20
+
+
+def tag_of(msg: msgspec.Struct) -> str:
+    return str(msg.__struct_config__.tag)
+
+
+class Codec(Generic[T]):
+    def __init__(self, union: Any, *, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        self._decoder: msgspec.msgpack.Decoder[T] = msgspec.msgpack.Decoder(union)
+        self._encoder = msgspec.msgpack.Encoder()
+        self.max_bytes = max_bytes
+
+    def encode(self, msg: msgspec.Struct, *buffers: memoryview | bytes) -> list[Any]:
+        return [tag_of(msg).encode(), self._encoder.encode(msg), *buffers]
+
+    def decode(self, frames: Sequence[Any]) -> tuple[T, list[memoryview]]:
+        """The message and its raw buffers (zero-copy views of the frames)."""
+        if len(frames) < 2:
+            raise ProtocolError(f"expected [kind, header, *buffers], got {len(frames)} frame(s)")
+        views = [memoryview(f.buffer if hasattr(f, "buffer") else f) for f in frames]
+        size = sum(v.nbytes for v in views)
+        if size > self.max_bytes:
+            raise ProtocolError(
+                f"message of {size} bytes exceeds the limit of {self.max_bytes} bytes",
+                code=ErrorCode.TOO_LARGE,
+            )
+        kind = bytes(views[0])
+        try:
+            msg = self._decoder.decode(views[1])
+        except msgspec.ValidationError as exc:
+            raise ProtocolError(f"invalid {kind!r} message: {exc}", code=ErrorCode.INVALID) from None
+        except msgspec.DecodeError as exc:
+            raise ProtocolError(f"undecodable {kind!r} message: {exc}") from None
+        assert isinstance(msg, msgspec.Struct)
+        if tag_of(msg).encode() != kind:
+            raise ProtocolError(f"frame kind {kind!r} does not match header type {tag_of(msg)!r}")
+        return msg, views[2:]

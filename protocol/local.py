@@ -1,0 +1,193 @@
+"""Messages on a daemon's local socket, between the daemon and the ranks of its host.
+
+Requests carry `req`, a number the client picks; the reply to a request carries
+the same `req`. Notifications from the daemon (`req` = 0) are unsolicited.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from .plan import RankPlan
+from .tensors import DestTensor, Name, NonNeg, SourceTensor
+
+Role = Literal["trainer", "engine", "admin"]
+Req = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+Version = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+
+
+class LocalMsg(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+    req: Req = 0
+
+
+# --- handshake -------------------------------------------------------------
+
+
+class Hello(LocalMsg, frozen=True, tag="hello"):
+    protocol: int
+    role: Role
+    rank: NonNeg = 0
+    world_size: Annotated[int, msgspec.Meta(ge=1)] = 1
+    job: Name = "default"
+    pid: int = 0
+    client: str = ""
+
+
+class Welcome(LocalMsg, frozen=True, tag="welcome"):
+    protocol: int
+    node: str
+    session: str
+    daemon_version: str = ""
+
+
+# --- registration ----------------------------------------------------------
+
+
+class RegisterRegion(LocalMsg, frozen=True, tag="register_region"):
+    """Shared host memory the rank created (a /dev/shm file); the daemon maps it once."""
+
+    path: Name
+    length: Annotated[int, msgspec.Meta(gt=0)]
+    purpose: Literal["staging", "weights"] = "weights"
+    kind: Literal["cpu", "gpu"] = "cpu"
+
+
+class RegionRegistered(LocalMsg, frozen=True, tag="region_registered"):
+    region: NonNeg
+
+
+class DeclareSources(LocalMsg, frozen=True, tag="declare_sources"):
+    """A trainer rank's tensors: global name, dtype, shape, and the box it holds."""
+
+    tensors: tuple[SourceTensor, ...]
+
+
+class EngineLayout(msgspec.Struct, frozen=True, kw_only=True):
+    """How an engine rank's tensors are sharded, for rules that derive recipes by name."""
+
+    family: str = ""
+    tp_size: int = 1
+    tp_rank: int = 0
+    ep_size: int = 1
+    ep_rank: int = 0
+    replica: int = 0
+    model: dict[str, int | float | str | bool | None | list[int]] = {}
+    dest_dtype: str = ""
+
+
+class DeclareDestinations(LocalMsg, frozen=True, tag="declare_destinations"):
+    """An engine rank's receive tensors, placed in its registered regions."""
+
+    tensors: tuple[DestTensor, ...]
+    layout: EngineLayout | None = None
+
+
+class Ok(LocalMsg, frozen=True, tag="ok"):
+    detail: str = ""
+
+
+class Error(LocalMsg, frozen=True, tag="error"):
+    code: str
+    message: str
+
+
+# --- trainer ---------------------------------------------------------------
+
+
+class GetPlan(LocalMsg, frozen=True, tag="get_plan"):
+    """Reply when this rank's plan exists (or with NOT_READY after `timeout_s`)."""
+
+    timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 60.0
+
+
+class PlanReply(LocalMsg, frozen=True, tag="plan"):
+    plan: RankPlan
+
+
+class BeginVersion(LocalMsg, frozen=True, tag="begin_version"):
+    version: Version
+    plan_hash: str
+
+
+class BucketReady(LocalMsg, frozen=True, tag="bucket_ready"):
+    """Bucket `bucket` of `version` is packed in staging: post its writes. No reply."""
+
+    version: Version
+    bucket: NonNeg
+
+
+class AbortVersion(LocalMsg, frozen=True, tag="abort_version"):
+    version: Version
+    reason: str = ""
+
+
+class PublishResult(LocalMsg, frozen=True, tag="publish_result"):
+    """All of a rank's writes of `version` landed (ok) or the version failed (code/message)."""
+
+    version: Version
+    ok: bool
+    nbytes: NonNeg = 0
+    writes: NonNeg = 0
+    seconds: float = 0.0
+    code: str = ""
+    message: str = ""
+
+
+# --- engine ----------------------------------------------------------------
+
+
+class WaitVersion(LocalMsg, frozen=True, tag="wait_version"):
+    version: Version
+    timeout_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] = 300.0
+
+
+class VersionComplete(LocalMsg, frozen=True, tag="version_complete"):
+    rank: NonNeg
+    version: Version
+    nbytes: NonNeg = 0
+    seconds: float = 0.0
+
+
+class VersionFailed(LocalMsg, frozen=True, tag="version_failed"):
+    rank: NonNeg
+    version: Version
+    code: str
+    message: str
+
+
+# --- admin -----------------------------------------------------------------
+
+
+class StatusRequest(LocalMsg, frozen=True, tag="status"):
+    pass
+
+
+class StatusReply(LocalMsg, frozen=True, tag="status_reply"):
+    """A snapshot for humans and tools; `body` is the JSON-able status document."""
+
+    body: dict[str, object]
+
+
+LocalMessage = (
+    Hello
+    | Welcome
+    | RegisterRegion
+    | RegionRegistered
+    | DeclareSources
+    | DeclareDestinations
+    | Ok
+    | Error
+    | GetPlan
+    | PlanReply
+    | BeginVersion
+    | BucketReady
+    | AbortVersion
+    | PublishResult
+    | WaitVersion
+    | VersionComplete
+    | VersionFailed
+    | StatusRequest
+    | StatusReply
+)

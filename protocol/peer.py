@@ -1,0 +1,128 @@
+"""Messages between node daemons (ZeroMQ, CURVE-authenticated in production)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from .local import EngineLayout, Version
+from .plan import NodePlan
+from .regions import RegionDescriptor, TransportEndpoints
+from .tensors import DestTensor, NonNeg, SourceTensor
+
+
+class PeerMsg(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+    req: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] = 0
+
+
+class Member(msgspec.Struct, frozen=True, kw_only=True):
+    node: str
+    endpoint: str  # the node's peer socket, tcp://host:port
+    incarnation: str  # changes every time the daemon starts
+    transports: TransportEndpoints = TransportEndpoints()
+    public_key: str = ""  # z85 CURVE key, when CURVE is on
+
+
+class PeerHello(PeerMsg, frozen=True, tag="peer_hello"):
+    protocol: int
+    member: Member
+
+
+class PeerWelcome(PeerMsg, frozen=True, tag="peer_welcome"):
+    protocol: int
+    coordinator: str
+
+
+class RankAdvert(msgspec.Struct, frozen=True, kw_only=True):
+    """One rank of the advertising node, with what it holds or needs."""
+
+    role: Literal["trainer", "engine"]
+    rank: NonNeg
+    world_size: int
+    sources: tuple[SourceTensor, ...] = ()
+    destinations: tuple[DestTensor, ...] = ()
+    layout: EngineLayout | None = None
+    regions: tuple[RegionDescriptor, ...] = ()
+
+
+class Advertise(PeerMsg, frozen=True, tag="advertise"):
+    """A node's complete current set of ranks for a job (replaces the previous one)."""
+
+    node: str
+    incarnation: str
+    job: str
+    ranks: tuple[RankAdvert, ...]
+    seq: NonNeg = 0
+
+
+class Membership(PeerMsg, frozen=True, tag="membership"):
+    members: tuple[Member, ...]
+    lost: tuple[str, ...] = ()
+
+
+class AssignPlan(PeerMsg, frozen=True, tag="assign_plan"):
+    plan: NodePlan
+
+
+class PlanProblem(PeerMsg, frozen=True, tag="plan_problem"):
+    """The coordinator could not make a plan for `job`; every rank of it is told why."""
+
+    job: str
+    code: str
+    message: str
+
+
+class Heartbeat(PeerMsg, frozen=True, tag="heartbeat"):
+    node: str
+    incarnation: str
+    seq: NonNeg = 0
+
+
+class VersionStart(PeerMsg, frozen=True, tag="version_start"):
+    """A source rank starts writing `version` to this node's engine ranks."""
+
+    job: str
+    version: Version
+    source_node: str
+    source_rank: NonNeg
+
+
+class VersionAbort(PeerMsg, frozen=True, tag="version_abort"):
+    """A source gave up on `version`: the destinations must fail it, never complete it."""
+
+    job: str
+    version: Version
+    source_node: str
+    source_rank: NonNeg
+    code: str
+    message: str
+
+
+class TransportSignal(PeerMsg, frozen=True, tag="transport_signal"):
+    """Opaque bring-up data between two nodes' instances of one transport (e.g. QP numbers)."""
+
+    transport: str
+    node: str
+    payload: bytes
+    reply: bool = False
+
+
+class PeerError(PeerMsg, frozen=True, tag="peer_error"):
+    code: str
+    message: str
+
+
+PeerMessage = (
+    PeerHello
+    | PeerWelcome
+    | Advertise
+    | Membership
+    | AssignPlan
+    | PlanProblem
+    | Heartbeat
+    | VersionStart
+    | VersionAbort
+    | TransportSignal
+    | PeerError
+)

@@ -1,0 +1,98 @@
+"""The routing plan, as data: what each trainer rank packs and writes, what each engine expects.
+
+Computing a plan is `weightwire.plan`'s job; this module only says what one is.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from .regions import RegionDescriptor
+from .tensors import Box, NonNeg, Transform
+
+IMM_VERSION_BITS = 16
+IMM_SLOT_BITS = 16
+MAX_SLOTS = 1 << IMM_SLOT_BITS
+
+
+def encode_imm(version: int, slot: int) -> int:
+    """The 32-bit immediate of a write: the version's low bits and the destination's counter."""
+    return ((version & 0xFFFF) << IMM_SLOT_BITS) | (slot & 0xFFFF)
+
+
+def decode_imm(imm: int) -> tuple[int, int]:
+    """(version low bits, slot) of an immediate."""
+    return (imm >> IMM_SLOT_BITS) & 0xFFFF, imm & 0xFFFF
+
+
+class PackOp(msgspec.Struct, frozen=True, kw_only=True):
+    """Fill `nbytes` of staging at `staging_offset` from `box` (in the rank's local tensor).
+
+    `box` is relative to what the rank holds of `source`, so a rank never needs the
+    global picture to pack.
+    """
+
+    source: str
+    box: Box
+    transform: Transform
+    staging_offset: NonNeg
+    nbytes: NonNeg
+
+
+class WriteOp(msgspec.Struct, frozen=True, kw_only=True):
+    """One write: staging bytes to a destination region, counted in `slot` on arrival."""
+
+    src_offset: NonNeg
+    length: Annotated[int, msgspec.Meta(gt=0)]
+    dst_node: str
+    dst_region: NonNeg
+    dst_offset: NonNeg
+    slot: Annotated[int, msgspec.Meta(ge=0, lt=MAX_SLOTS)]
+    dst_rank: NonNeg = 0
+
+
+class Bucket(msgspec.Struct, frozen=True, kw_only=True):
+    index: NonNeg
+    kind: Literal["dense", "experts"] = "dense"
+    packs: tuple[PackOp, ...] = ()
+    writes: tuple[WriteOp, ...] = ()
+    nbytes: NonNeg = 0  # staging bytes packed by this bucket
+
+
+class RankPlan(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything one trainer rank does per version, in order."""
+
+    plan_hash: str
+    rank: NonNeg
+    staging_bytes: NonNeg
+    buckets: tuple[Bucket, ...]
+    regions: tuple[RegionDescriptor, ...] = ()  # every destination region it writes to
+
+    @property
+    def write_count(self) -> int:
+        return sum(len(b.writes) for b in self.buckets)
+
+    @property
+    def write_bytes(self) -> int:
+        return sum(w.length for b in self.buckets for w in b.writes)
+
+
+class Expect(msgspec.Struct, frozen=True, kw_only=True):
+    """An engine rank's version is complete after `count` immediates in `slot` (`nbytes`)."""
+
+    rank: NonNeg
+    slot: Annotated[int, msgspec.Meta(ge=0, lt=MAX_SLOTS)]
+    count: NonNeg
+    nbytes: NonNeg
+    sources: tuple[str, ...] = ()  # nodes that write to this rank
+
+
+class NodePlan(msgspec.Struct, frozen=True, kw_only=True):
+    """A daemon's part of the plan: its trainer ranks' work and its engine ranks' counts."""
+
+    plan_hash: str
+    job: str
+    sends: tuple[RankPlan, ...] = ()
+    expects: tuple[Expect, ...] = ()
