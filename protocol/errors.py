@@ -76,7 +76,7 @@ class RegionError(TransferError):
     code = ErrorCode.UNKNOWN_REGION
 
 
-class TimeoutError_(WeightwireError):  # noqa: N801 - the builtin name is taken
+class TimeoutError_(WeightwireError):
     code = ErrorCode.TIMEOUT
 
 

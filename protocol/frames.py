@@ -46,7 +46,9 @@ class Codec(Generic[T]):
         try:
             msg = self._decoder.decode(views[1])
         except msgspec.ValidationError as exc:
-            raise ProtocolError(f"invalid {kind!r} message: {exc}", code=ErrorCode.INVALID) from None
+            raise ProtocolError(
+                f"invalid {kind!r} message: {exc}", code=ErrorCode.INVALID
+            ) from None
         except msgspec.DecodeError as exc:
             raise ProtocolError(f"undecodable {kind!r} message: {exc}") from None
         assert isinstance(msg, msgspec.Struct)

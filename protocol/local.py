@@ -73,7 +73,7 @@ class EngineLayout(msgspec.Struct, frozen=True, kw_only=True):
     ep_size: int = 1
     ep_rank: int = 0
     replica: int = 0
-    model: dict[str, int | float | str | bool | None | list[int]] = {}
+    model: dict[str, int | float | str | bool | list[int] | None] = {}
     dest_dtype: str = ""
 
 

@@ -1,0 +1,123 @@
+"""The transport contract every data plane implements (tcp, verbs, cuda).
+
+    write(src_region, src_offset, dst_region, dst_offset, length, imm)
+
+resolves when the bytes are in the destination's memory (which implies the source
+buffer may be reused), and delivers `imm` at the destination, through the handler
+given to `start`, only after those bytes are visible there. A write that cannot be
+done raises a `TransferError` subclass naming the cause; the destination never
+sees the immediate of a refused or failed write.
+
+Transports are created and driven on the daemon's event loop. Blocking work
+(sockets, verbs polling, CUDA copies) runs on threads of the transport's own, which
+hand completions back to the loop.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+from weightwire.protocol.errors import ErrorCode, RegionError
+from weightwire.protocol.regions import RegionDescriptor, RegionKeys, TransportEndpoints
+
+ImmHandler = Callable[[int, str], None]
+"""Called on the event loop as `handler(imm, source_node)` once a write's bytes have landed."""
+
+Signal = Callable[[str, bytes], Awaitable[bytes]]
+"""Sends an opaque bring-up message to a node's instance of this transport, returns its reply."""
+
+
+@dataclass(eq=False)
+class LocalRegion:
+    """Memory on this node that a transport may read (source) or write (destination)."""
+
+    id: int
+    kind: Literal["cpu", "gpu"]
+    length: int
+    view: memoryview | None = None  # host-addressable bytes (cpu regions)
+    fd: int | None = None  # a file descriptor backing it: shm file (cpu), dma-buf (gpu)
+    address: int = 0  # virtual address (cpu) or device pointer (gpu)
+    device: int | None = None  # CUDA device ordinal of a gpu region
+    owner: str = ""  # who it belongs to, for logs
+    extra: dict[str, object] = field(default_factory=dict)
+
+    def check(self, offset: int, length: int, what: str) -> None:
+        if offset < 0 or length < 0 or offset + length > self.length:
+            raise RegionError(
+                f"{what} [{offset}, {offset + length}) is outside region {self.id} "
+                f"of {self.length} bytes",
+                code=ErrorCode.OUT_OF_BOUNDS,
+            )
+
+
+class Transport(abc.ABC):
+    """One data-plane engine of a node. See the module docstring for the contract."""
+
+    name: ClassVar[str]
+
+    @abc.abstractmethod
+    async def start(self, on_imm: ImmHandler) -> None:
+        """Open listeners/devices. `on_imm` receives immediates of writes that landed here."""
+
+    @abc.abstractmethod
+    def endpoints(self) -> TransportEndpoints:
+        """This node's endpoint(s) for this transport, to advertise to peers."""
+
+    @abc.abstractmethod
+    def can_reach(self, endpoints: TransportEndpoints) -> bool:
+        """Whether this transport can write to a node that advertised `endpoints`."""
+
+    @abc.abstractmethod
+    def register(self, region: LocalRegion) -> RegionKeys:
+        """Make a region reachable (once, when it appears); returns the keys peers need."""
+
+    @abc.abstractmethod
+    def deregister(self, region_id: int) -> None:
+        """Stop accepting writes to the region and release what registration held."""
+
+    @abc.abstractmethod
+    async def connect(self, node: str, endpoints: TransportEndpoints) -> None:
+        """Bring up the data path to `node` (idempotent). Raises PeerLostError if unreachable."""
+
+    @abc.abstractmethod
+    async def disconnect(self, node: str, reason: str) -> None:
+        """Drop the data path to `node`; its in-flight writes fail with PeerLostError."""
+
+    @abc.abstractmethod
+    async def write(
+        self,
+        src: LocalRegion,
+        src_offset: int,
+        dst: RegionDescriptor,
+        dst_offset: int,
+        length: int,
+        imm: int | None,
+    ) -> None:
+        """Write `length` bytes; see the module docstring."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Fail everything in flight, stop threads, release resources. Bounded in time."""
+
+    def set_signal(self, signal: Signal) -> None:  # noqa: B027 - optional hook
+        """Give the transport a channel to its peers (only transports that need one use it)."""
+
+    async def on_signal(self, node: str, payload: bytes) -> bytes:
+        """Handle a bring-up message from `node`'s instance of this transport."""
+        raise NotImplementedError(f"transport {self.name} takes no signals")
+
+    def stats(self) -> dict[str, int]:
+        return {}
+
+
+def check_destination(dst: RegionDescriptor, dst_offset: int, length: int) -> None:
+    """The writer-side check of a write against what the destination advertised."""
+    if dst_offset < 0 or length < 0 or dst_offset + length > dst.length:
+        raise RegionError(
+            f"write [{dst_offset}, {dst_offset + length}) is outside region {dst.id} of node "
+            f"{dst.node} ({dst.length} bytes)",
+            code=ErrorCode.OUT_OF_BOUNDS,
+        )

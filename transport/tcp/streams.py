@@ -1,0 +1,328 @@
+"""The two ends of one tcp data connection, each driven by threads of its own.
+
+Sockets are blocking with kernel timeouts (SO_SNDTIMEO/SO_RCVTIMEO), so payloads move
+with `os.sendfile` from the source region's file and `recv_into` the destination
+region: the kernel does all the copying and the GIL is released while it does.
+Completions go back to the event loop with `call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import queue
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import structlog
+from weightwire.protocol.data import PREFIX, Ack, Refused, Write
+from weightwire.protocol.errors import (
+    PeerLostError,
+    TimeoutError_,
+    WeightwireError,
+    error_from_code,
+)
+from weightwire.transport.base import LocalRegion
+
+from . import wire
+
+log = structlog.get_logger("weightwire.transport.tcp")
+
+TICK_S = 0.5  # how often a blocked thread wakes to check for stalls and shutdown
+
+
+def tune(sock: socket.socket, send_timeout_s: float) -> None:
+    sock.setblocking(True)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sec = int(send_timeout_s)
+    sock.setsockopt(
+        socket.SOL_SOCKET,
+        socket.SO_SNDTIMEO,
+        struct.pack("ll", sec, int((send_timeout_s - sec) * 1e6)),
+    )
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, int(TICK_S * 1e6)))
+
+
+def recv_exact(sock: socket.socket, view: memoryview, closed: threading.Event) -> None:
+    """Fill `view`, waking every TICK_S to notice shutdown. EOF is a PeerLostError."""
+    while view:
+        try:
+            n = sock.recv_into(view)
+        except (BlockingIOError, TimeoutError):
+            if closed.is_set():
+                raise PeerLostError("connection closed locally") from None
+            continue
+        if n == 0:
+            raise PeerLostError("connection closed by peer")
+        view = view[n:]
+
+
+Settle = Callable[[asyncio.Future[None], BaseException | None], None]
+
+
+@dataclass(eq=False, slots=True)
+class Pending:
+    seq: int
+    future: asyncio.Future[None]
+    header: bytes
+    src: LocalRegion
+    src_offset: int
+    length: int
+
+
+@dataclass(eq=False)
+class OutgoingStream:
+    """Sends writes to one peer over one connection; a second thread reads the acks."""
+
+    node: str
+    sock: socket.socket
+    loop: asyncio.AbstractEventLoop
+    stall_timeout_s: float
+    on_sent: Callable[[int], None]
+    inflight: dict[int, Pending] = field(default_factory=dict)
+    outstanding_bytes: int = 0
+    dead: BaseException | None = None
+    _queue: queue.SimpleQueue[Pending | None] = field(default_factory=queue.SimpleQueue)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _closed: threading.Event = field(default_factory=threading.Event)
+    _last_progress: float = field(default_factory=time.monotonic)
+    _threads: list[threading.Thread] = field(default_factory=list)
+
+    def start(self) -> None:
+        for target, role in ((self._send_loop, "send"), (self._ack_loop, "ack")):
+            t = threading.Thread(target=target, name=f"ww-tcp-{role}-{self.node}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def submit(self, pending: Pending) -> None:
+        with self._lock:
+            if self.dead is not None:
+                raise PeerLostError(f"connection to {self.node} is down: {self.dead}")
+            if not self.inflight:
+                self._last_progress = time.monotonic()
+            self.inflight[pending.seq] = pending
+            self.outstanding_bytes += pending.length
+        self._queue.put(pending)
+
+    def _send_loop(self) -> None:
+        fd = self.sock.fileno()
+        while True:
+            p = self._queue.get()
+            if p is None or self.dead is not None:
+                return
+            try:
+                self.sock.sendall(p.header, socket.MSG_MORE)
+                if p.src.fd is not None:
+                    off, left = p.src_offset, p.length
+                    while left:
+                        n = os.sendfile(fd, p.src.fd, off, left)
+                        if n == 0:
+                            raise PeerLostError("sendfile made no progress")
+                        off += n
+                        left -= n
+                else:
+                    assert p.src.view is not None
+                    self.sock.sendall(p.src.view[p.src_offset : p.src_offset + p.length])
+                self.on_sent(p.length)
+            except BlockingIOError:
+                self.fail(
+                    TimeoutError_(
+                        f"send to {self.node} made no progress for {self.stall_timeout_s:.0f} s"
+                    )
+                )
+                return
+            except (OSError, WeightwireError) as exc:
+                self.fail(PeerLostError(f"send to {self.node} failed: {exc}"))
+                return
+
+    def _ack_loop(self) -> None:
+        prefix = bytearray(PREFIX.size)
+        header = bytearray(4096)
+        while not self._closed.is_set():
+            try:
+                self._recv_ticking(memoryview(prefix))
+                kind, hlen = wire.decode_prefix(prefix)
+                self._recv_ticking(memoryview(header)[:hlen])
+                msg = wire.decode_header(kind, memoryview(header)[:hlen])
+            except WeightwireError as exc:
+                self.fail(
+                    exc
+                    if isinstance(exc, PeerLostError | TimeoutError_)
+                    else PeerLostError(f"bad frame from {self.node}: {exc}")
+                )
+                return
+            except OSError as exc:
+                self.fail(PeerLostError(f"connection to {self.node} failed: {exc}"))
+                return
+            match msg:
+                case Ack(seq=seq):
+                    self._settle(seq, None)
+                case Refused(seq=seq, code=code, message=message):
+                    self._settle(seq, error_from_code(code, f"{self.node} refused: {message}"))
+                case _:
+                    self.fail(PeerLostError(f"unexpected {type(msg).__name__} from {self.node}"))
+                    return
+
+    def _recv_ticking(self, view: memoryview) -> None:
+        while view:
+            try:
+                n = self.sock.recv_into(view)
+            except (BlockingIOError, TimeoutError):
+                if self._closed.is_set():
+                    raise PeerLostError("connection closed locally") from None
+                with self._lock:
+                    stalled = bool(self.inflight) and (
+                        time.monotonic() - self._last_progress > self.stall_timeout_s
+                    )
+                if stalled:
+                    raise TimeoutError_(
+                        f"no acknowledgement from {self.node} for {self.stall_timeout_s:.0f} s"
+                    ) from None
+                continue
+            if n == 0:
+                raise PeerLostError(f"connection closed by {self.node}")
+            view = view[n:]
+
+    def _settle(self, seq: int, exc: BaseException | None) -> None:
+        with self._lock:
+            p = self.inflight.pop(seq, None)
+            if p is None:
+                return
+            self.outstanding_bytes -= p.length
+            self._last_progress = time.monotonic()
+        self._resolve(p.future, exc)
+
+    def _resolve(self, fut: asyncio.Future[None], exc: BaseException | None) -> None:
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits any more
+            self.loop.call_soon_threadsafe(_set_outcome, fut, exc)
+
+    def fail(self, exc: BaseException) -> None:
+        """Mark the stream dead and fail every write in flight or queued with `exc`."""
+        with self._lock:
+            if self.dead is not None:
+                return
+            self.dead = exc
+            pending = list(self.inflight.values())
+            self.inflight.clear()
+            self.outstanding_bytes = 0
+        self._closed.set()
+        _shutdown(self.sock)
+        self._queue.put(None)
+        for p in pending:
+            self._resolve(p.future, exc)
+        if not isinstance(exc, _LocalClose):
+            log.warning("tcp stream failed", peer=self.node, error=str(exc))
+
+    def close(self, reason: str) -> None:
+        self.fail(_LocalClose(reason))
+
+    def join(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        self.sock.close()
+
+
+class _LocalClose(PeerLostError):
+    pass
+
+
+def _set_outcome(fut: asyncio.Future[None], exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(exc)
+
+
+@dataclass(eq=False)
+class IncomingStream:
+    """Receives writes from one peer over one connection, straight into region memory."""
+
+    sock: socket.socket
+    address: str
+    loop: asyncio.AbstractEventLoop
+    machine: wire.ReceiveMachine
+    on_imm: Callable[[int, str], None]
+    stall_timeout_s: float
+    on_received: Callable[[int], None]
+    on_refused: Callable[[], None]
+    _closed: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(
+            target=self._serve, name=f"ww-tcp-recv-{self.address}", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def peer(self) -> str:
+        return self.machine.peer or self.address
+
+    def _serve(self) -> None:
+        m = self.machine
+        stalled_since = time.monotonic()
+        try:
+            while not self._closed.is_set():
+                try:
+                    n = self.sock.recv_into(m.buffer())
+                except (BlockingIOError, TimeoutError):
+                    if not m.mid_frame:
+                        stalled_since = time.monotonic()
+                    elif time.monotonic() - stalled_since > self.stall_timeout_s:
+                        log.warning("tcp peer stalled mid-frame; closing", peer=self.peer)
+                        return
+                    continue
+                if n == 0:
+                    return
+                stalled_since = time.monotonic()
+                try:
+                    event = m.received(n)
+                except wire.FrameViolation as v:
+                    self.on_refused()
+                    log.warning(
+                        "tcp write refused; closing connection",
+                        peer=self.peer,
+                        code=v.code.value,
+                        error=v.message,
+                        seq=v.seq,
+                    )
+                    self.sock.sendall(wire.refused(v.seq, v))
+                    return
+                if isinstance(event, wire.Landed):
+                    w: Write = event.write
+                    self.on_received(w.length)
+                    if w.imm >= 0:
+                        self.loop.call_soon_threadsafe(self.on_imm, w.imm, self.peer)
+                    self.sock.sendall(wire.ack(w.seq))
+        except OSError as exc:
+            if not self._closed.is_set():
+                log.info("tcp receive stream ended", peer=self.peer, error=str(exc))
+        except RuntimeError:  # loop closed during shutdown
+            pass
+        finally:
+            _shutdown(self.sock)
+
+    def close(self) -> None:
+        self._closed.set()
+        _shutdown(self.sock)
+
+    def join(self, timeout: float) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self.sock.close()
+
+
+def _shutdown(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+
+
+__all__ = ["IncomingStream", "OutgoingStream", "Pending", "tune"]

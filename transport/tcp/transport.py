@@ -1,0 +1,311 @@
+"""The tcp transport: one-sided writes over plain TCP, several streams per peer.
+
+Every region gets a random 64-bit key when it is registered (tcp's rkey); a write
+must name the region, its key, and stay inside it, or it is refused, logged, and
+its connection closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import ClassVar
+
+import structlog
+from weightwire.protocol import PROTOCOL_VERSION
+from weightwire.protocol.data import DataHello, Write
+from weightwire.protocol.errors import (
+    ErrorCode,
+    PeerLostError,
+    RegionError,
+    TimeoutError_,
+)
+from weightwire.protocol.regions import (
+    RegionDescriptor,
+    RegionKeys,
+    TcpEndpoint,
+    TcpKey,
+    TransportEndpoints,
+)
+from weightwire.transport.base import ImmHandler, LocalRegion, Transport, check_destination
+
+from . import wire
+from .streams import IncomingStream, OutgoingStream, Pending, tune
+
+log = structlog.get_logger("weightwire.transport.tcp")
+
+
+@dataclass(frozen=True, slots=True)
+class _Registered:
+    region: LocalRegion
+    rkey: int
+
+
+class RegionTable:
+    """The receive side's view of registered regions (read from receive threads)."""
+
+    def __init__(self) -> None:
+        self._regions: dict[int, _Registered] = {}
+
+    def add(self, region: LocalRegion, rkey: int) -> None:
+        self._regions[region.id] = _Registered(region, rkey)
+
+    def remove(self, region_id: int) -> None:
+        self._regions.pop(region_id, None)
+
+    def target(self, write: Write) -> memoryview:
+        reg = self._regions.get(write.region)
+        if reg is None:
+            raise RegionError(f"unknown region {write.region}", code=ErrorCode.UNKNOWN_REGION)
+        if reg.rkey != write.rkey:
+            raise RegionError(f"wrong key for region {write.region}", code=ErrorCode.UNAUTHORIZED)
+        reg.region.check(write.offset, write.length, "write")
+        view = reg.region.view
+        if view is None:
+            raise RegionError(f"region {write.region} is not host memory")
+        return view[write.offset : write.offset + write.length]
+
+    def landed(self, write: Write) -> None:
+        pass
+
+
+class TcpTransport(Transport):
+    name: ClassVar[str] = "tcp"
+
+    def __init__(
+        self,
+        node: str,
+        *,
+        bind_host: str = "0.0.0.0",
+        port: int = 0,
+        advertise_host: str | None = None,
+        streams: int = 4,
+        stall_timeout_s: float = 30.0,
+        connect_timeout_s: float = 10.0,
+    ) -> None:
+        self.node = node
+        self._bind = (bind_host, port)
+        self._advertise_host = advertise_host
+        self.streams = streams
+        self.stall_timeout_s = stall_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self._table = RegionTable()
+        self._peers: dict[str, list[OutgoingStream]] = {}
+        self._connecting: dict[str, asyncio.Lock] = {}
+        self._incoming: set[IncomingStream] = set()
+        self._listener: socket.socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._on_imm: ImmHandler | None = None
+        self._seq = itertools.count(1)
+        self._counter_lock = threading.Lock()
+        self._stats = {"bytes_sent": 0, "bytes_received": 0, "writes": 0, "refused": 0}
+
+    # --- lifecycle -----------------------------------------------------------
+
+    async def start(self, on_imm: ImmHandler) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._on_imm = on_imm
+        family = socket.AF_INET6 if ":" in self._bind[0] else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(self._bind)
+        sock.listen(256)
+        sock.setblocking(False)
+        self._listener = sock
+        self._loop.add_reader(sock.fileno(), self._accept)
+        log.debug("tcp transport listening", endpoint=self.endpoints().tcp)
+
+    @property
+    def port(self) -> int:
+        assert self._listener is not None, "start() first"
+        return int(self._listener.getsockname()[1])
+
+    def endpoints(self) -> TransportEndpoints:
+        host = self._advertise_host or self._bind[0]
+        if host in ("0.0.0.0", "::", ""):
+            host = socket.gethostbyname(socket.gethostname())
+        return TransportEndpoints(tcp=TcpEndpoint(host=host, port=self.port, streams=self.streams))
+
+    def can_reach(self, endpoints: TransportEndpoints) -> bool:
+        return endpoints.tcp is not None
+
+    async def close(self) -> None:
+        if self._loop is not None and self._listener is not None:
+            self._loop.remove_reader(self._listener.fileno())
+            self._listener.close()
+            self._listener = None
+        outgoing = [s for streams in self._peers.values() for s in streams]
+        self._peers.clear()
+        for s in outgoing:
+            s.close("transport closed")
+        incoming = list(self._incoming)
+        self._incoming.clear()
+        for r in incoming:
+            r.close()
+
+        def join_all() -> None:
+            deadline = time.monotonic() + 5.0
+            for out in outgoing:
+                out.join(max(0.0, deadline - time.monotonic()))
+            for inc in incoming:
+                inc.join(max(0.0, deadline - time.monotonic()))
+
+        await asyncio.to_thread(join_all)
+
+    # --- regions -------------------------------------------------------------
+
+    def register(self, region: LocalRegion) -> RegionKeys:
+        if region.view is None:
+            raise RegionError(
+                f"tcp can only register host memory; region {region.id} is {region.kind}"
+            )
+        rkey = secrets.randbits(64)
+        self._table.add(region, rkey)
+        return RegionKeys(tcp=TcpKey(rkey=rkey))
+
+    def deregister(self, region_id: int) -> None:
+        self._table.remove(region_id)
+
+    # --- receive side --------------------------------------------------------
+
+    def _accept(self) -> None:
+        assert self._listener is not None and self._loop is not None
+        try:
+            conn, addr = self._listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        tune(conn, self.stall_timeout_s)
+        stream = IncomingStream(
+            sock=conn,
+            address=f"{addr[0]}:{addr[1]}",
+            loop=self._loop,
+            machine=wire.ReceiveMachine(self._table),
+            on_imm=self._deliver_imm,
+            stall_timeout_s=self.stall_timeout_s,
+            on_received=self._count_received,
+            on_refused=self._count_refused,
+        )
+        self._incoming.add(stream)
+        stream.start()
+
+    def _deliver_imm(self, imm: int, peer: str) -> None:
+        if self._on_imm is not None:
+            self._on_imm(imm, peer)
+
+    def _count_received(self, n: int) -> None:
+        with self._counter_lock:
+            self._stats["bytes_received"] += n
+
+    def _count_refused(self) -> None:
+        with self._counter_lock:
+            self._stats["refused"] += 1
+
+    def _count_sent(self, n: int) -> None:
+        with self._counter_lock:
+            self._stats["bytes_sent"] += n
+            self._stats["writes"] += 1
+
+    # --- send side -----------------------------------------------------------
+
+    async def connect(self, node: str, endpoints: TransportEndpoints) -> None:
+        ep = endpoints.tcp
+        if ep is None:
+            raise PeerLostError(f"node {node} has no tcp endpoint")
+        lock = self._connecting.setdefault(node, asyncio.Lock())
+        async with lock:
+            current = self._peers.get(node)
+            if current and all(s.dead is None for s in current):
+                return
+            if current:
+                for s in current:
+                    s.close("reconnecting")
+            streams = []
+            try:
+                for _ in range(max(1, min(self.streams, ep.streams))):
+                    streams.append(await self._open_stream(node, ep))
+            except BaseException:
+                for s in streams:
+                    s.close("connect failed")
+                raise
+            self._peers[node] = streams
+            log.debug("tcp connected", peer=node, streams=len(streams))
+
+    async def _open_stream(self, node: str, ep: TcpEndpoint) -> OutgoingStream:
+        assert self._loop is not None
+        infos = await self._loop.getaddrinfo(ep.host, ep.port, type=socket.SOCK_STREAM)
+        family, _, _, _, addr = infos[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            await asyncio.wait_for(self._loop.sock_connect(sock, addr), self.connect_timeout_s)
+        except TimeoutError:
+            sock.close()
+            raise TimeoutError_(
+                f"tcp connect to {node} at {ep.host}:{ep.port} timed out after "
+                f"{self.connect_timeout_s:.0f} s"
+            ) from None
+        except OSError as exc:
+            sock.close()
+            raise PeerLostError(f"tcp connect to {node} at {ep.host}:{ep.port}: {exc}") from None
+        tune(sock, self.stall_timeout_s)
+        sock.sendall(wire.encode(DataHello(protocol=PROTOCOL_VERSION, node=self.node)))
+        stream = OutgoingStream(
+            node=node,
+            sock=sock,
+            loop=self._loop,
+            stall_timeout_s=self.stall_timeout_s,
+            on_sent=self._count_sent,
+        )
+        stream.start()
+        return stream
+
+    async def disconnect(self, node: str, reason: str) -> None:
+        for s in self._peers.pop(node, []):
+            s.fail(PeerLostError(f"{node}: {reason}"))
+
+    async def write(
+        self,
+        src: LocalRegion,
+        src_offset: int,
+        dst: RegionDescriptor,
+        dst_offset: int,
+        length: int,
+        imm: int | None,
+    ) -> None:
+        src.check(src_offset, length, "source")
+        check_destination(dst, dst_offset, length)
+        if src.view is None and src.fd is None:
+            raise RegionError(f"tcp cannot read region {src.id} ({src.kind} memory)")
+        if dst.keys.tcp is None:
+            raise RegionError(f"region {dst.id} of node {dst.node} has no tcp key")
+        streams = self._peers.get(dst.node)
+        if not streams:
+            raise PeerLostError(f"not connected to node {dst.node}")
+        live = [s for s in streams if s.dead is None]
+        if not live:
+            raise PeerLostError(f"every connection to {dst.node} is down: {streams[0].dead}")
+        stream = min(live, key=lambda s: s.outstanding_bytes)
+        assert self._loop is not None
+        seq = next(self._seq)
+        fut: asyncio.Future[None] = self._loop.create_future()
+        header = wire.encode(
+            Write(
+                seq=seq,
+                region=dst.id,
+                rkey=dst.keys.tcp.rkey,
+                offset=dst_offset,
+                length=length,
+                imm=-1 if imm is None else imm,
+            )
+        )
+        stream.submit(Pending(seq, fut, header, src, src_offset, length))
+        await fut
+
+    def stats(self) -> dict[str, int]:
+        with self._counter_lock:
+            return dict(self._stats)
