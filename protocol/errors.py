@@ -100,7 +100,7 @@ _BY_CODE: dict[ErrorCode, type[WeightwireError]] = {
     ErrorCode.TRANSFER: TransferError,
     ErrorCode.ABORTED: TransferError,
     ErrorCode.TIMEOUT: TimeoutError_,
-    ErrorCode.UNAUTHORIZED: ProtocolError,
+    ErrorCode.UNAUTHORIZED: RegionError,
     ErrorCode.INTERNAL: WeightwireError,
 }
 

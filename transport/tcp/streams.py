@@ -87,6 +87,7 @@ class OutgoingStream:
     inflight: dict[int, Pending] = field(default_factory=dict)
     outstanding_bytes: int = 0
     dead: BaseException | None = None
+    send_error: BaseException | None = None
     _queue: queue.SimpleQueue[Pending | None] = field(default_factory=queue.SimpleQueue)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _closed: threading.Event = field(default_factory=threading.Event)
@@ -137,7 +138,11 @@ class OutgoingStream:
                 )
                 return
             except (OSError, WeightwireError) as exc:
-                self.fail(PeerLostError(f"send to {self.node} failed: {exc}"))
+                # The peer may have refused a write and closed: let the ack reader take its
+                # Refused frame (the precise reason) before the stream is failed.
+                self.send_error = exc
+                with contextlib.suppress(OSError):
+                    self.sock.shutdown(socket.SHUT_WR)
                 return
 
     def _ack_loop(self) -> None:
@@ -150,11 +155,11 @@ class OutgoingStream:
                 self._recv_ticking(memoryview(header)[:hlen])
                 msg = wire.decode_header(kind, memoryview(header)[:hlen])
             except WeightwireError as exc:
-                self.fail(
-                    exc
-                    if isinstance(exc, PeerLostError | TimeoutError_)
-                    else PeerLostError(f"bad frame from {self.node}: {exc}")
-                )
+                if self.send_error is not None:
+                    exc = PeerLostError(f"send to {self.node} failed: {self.send_error}")
+                elif not isinstance(exc, PeerLostError | TimeoutError_):
+                    exc = PeerLostError(f"bad frame from {self.node}: {exc}")
+                self.fail(exc)
                 return
             except OSError as exc:
                 self.fail(PeerLostError(f"connection to {self.node} failed: {exc}"))
@@ -163,7 +168,14 @@ class OutgoingStream:
                 case Ack(seq=seq):
                     self._settle(seq, None)
                 case Refused(seq=seq, code=code, message=message):
-                    self._settle(seq, error_from_code(code, f"{self.node} refused: {message}"))
+                    # The peer closes a stream after refusing on it: fail it now, so that no
+                    # caller who sees this refusal can pick the dying stream again.
+                    refusal = error_from_code(code, f"{self.node} refused: {message}")
+                    self.fail(
+                        PeerLostError(f"{self.node} closed the stream after refusing a write"),
+                        refused=(seq, refusal),
+                    )
+                    return
                 case _:
                     self.fail(PeerLostError(f"unexpected {type(msg).__name__} from {self.node}"))
                     return
@@ -201,8 +213,11 @@ class OutgoingStream:
         with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits any more
             self.loop.call_soon_threadsafe(_set_outcome, fut, exc)
 
-    def fail(self, exc: BaseException) -> None:
-        """Mark the stream dead and fail every write in flight or queued with `exc`."""
+    def fail(self, exc: BaseException, refused: tuple[int, BaseException] | None = None) -> None:
+        """Mark the stream dead and fail every write in flight or queued with `exc`.
+
+        `refused` is a write the peer refused, which fails with its own reason instead.
+        """
         with self._lock:
             if self.dead is not None:
                 return
@@ -214,7 +229,8 @@ class OutgoingStream:
         _shutdown(self.sock)
         self._queue.put(None)
         for p in pending:
-            self._resolve(p.future, exc)
+            own = refused is not None and p.seq == refused[0]
+            self._resolve(p.future, refused[1] if refused is not None and own else exc)
         if not isinstance(exc, _LocalClose):
             log.warning("tcp stream failed", peer=self.node, error=str(exc))
 
@@ -295,6 +311,7 @@ class IncomingStream:
                         seq=v.seq,
                     )
                     self.sock.sendall(wire.refused(v.seq, v))
+                    self._linger()
                     return
                 if isinstance(event, wire.Landed):
                     w: Write = event.write
@@ -309,6 +326,25 @@ class IncomingStream:
             pass
         finally:
             _shutdown(self.sock)
+
+    def _linger(self, limit_s: float = 2.0) -> None:
+        """Half-close and discard what the peer still sends until it closes too.
+
+        Closing with unread bytes queued makes the kernel send RST, which can destroy the
+        Refused frame before the peer reads it.
+        """
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_WR)
+        sink = bytearray(1 << 16)
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline and not self._closed.is_set():
+            try:
+                if self.sock.recv_into(sink) == 0:
+                    return
+            except (BlockingIOError, TimeoutError):
+                continue
+            except OSError:
+                return
 
     def close(self) -> None:
         self._closed.set()

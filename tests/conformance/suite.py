@@ -1,0 +1,216 @@
+"""The transport conformance suite: every transport passes these, bytes checked bitwise.
+
+A test module runs it for one transport by defining a `kit` fixture (a TransportKit)
+and importing the tests: `from tests.conformance.suite import *`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import uvloop
+
+from weightwire.protocol.errors import (
+    ErrorCode,
+    PeerLostError,
+    RegionError,
+    TransferError,
+)
+from weightwire.protocol.regions import RegionDescriptor, RegionKeys, TcpKey
+
+from .harness import Pair, TransportKit, with_pair
+
+MiB = 1 << 20
+
+
+def run(kit: TransportKit, body):  # type: ignore[no-untyped-def]
+    return uvloop.run(asyncio.wait_for(with_pair(kit, body), 120))
+
+
+def rand(n: int, seed: int) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+def test_write_lands_bitwise_at_odd_offsets_and_sizes(kit: TransportKit) -> None:
+    async def body(p: Pair) -> None:
+        src, _ = p.region(p.a, 1, 8 * MiB)
+        dst, desc = p.region(p.b, 2, 8 * MiB)
+        data = rand(8 * MiB, 1)
+        p.kit.fill(src, 0, data)
+        p.kit.fill(dst, 0, bytes(8 * MiB))
+        cases = [(0, 0, 1), (1, 3, 4095), (17, 5000, 65537), (MiB + 3, 3 * MiB + 1, 2 * MiB + 7)]
+        for i, (so, do, n) in enumerate(cases):
+            await p.a.transport.write(src, so, desc, do, n, 1000 + i)
+            assert p.kit.read(dst, do, n) == data[so : so + n], f"case {i} differs"
+        assert sorted(imm for imm, _ in p.b.imms) == [1000, 1001, 1002, 1003]
+        assert {node for _, node in p.b.imms} == {"node-a"}
+
+    run(kit, body)
+
+
+def test_immediate_only_after_bytes_visible(kit: TransportKit) -> None:
+    async def body(p: Pair) -> None:
+        n, count = 4 * MiB, 16
+        src, _ = p.region(p.a, 1, n * count)
+        dst, desc = p.region(p.b, 2, n * count)
+        data = rand(n * count, 2)
+        p.kit.fill(src, 0, data)
+        p.kit.fill(dst, 0, bytes(n * count))
+        seen_bad: list[int] = []
+
+        def check(imm: int, source: str) -> None:
+            i = imm - 500
+            if p.kit.read(dst, i * n, n) != data[i * n : (i + 1) * n]:
+                seen_bad.append(i)
+
+        p.b.on_imm_check = check
+        await asyncio.gather(
+            *(p.a.transport.write(src, i * n, desc, i * n, n, 500 + i) for i in range(count))
+        )
+        assert not seen_bad, f"immediates delivered before their bytes: {seen_bad}"
+        assert sorted(imm for imm, _ in p.b.imms) == [500 + i for i in range(count)]
+        assert p.kit.read(dst, 0, n * count) == data
+
+    run(kit, body)
+
+
+def test_many_concurrent_writes_and_no_immediate_when_none_asked(kit: TransportKit) -> None:
+    async def body(p: Pair) -> None:
+        chunk, count = 256 * 1024, 96
+        src, _ = p.region(p.a, 1, chunk * count)
+        dst, desc = p.region(p.b, 2, chunk * count)
+        data = rand(chunk * count, 3)
+        p.kit.fill(src, 0, data)
+        order = list(range(count))
+        random.Random(4).shuffle(order)
+        await asyncio.gather(
+            *(
+                p.a.transport.write(src, i * chunk, desc, i * chunk, chunk, i if i % 2 else None)
+                for i in order
+            )
+        )
+        assert p.kit.read(dst, 0, chunk * count) == data
+        assert sorted(imm for imm, _ in p.b.imms) == list(range(1, count, 2))
+
+    run(kit, body)
+
+
+def test_both_directions(kit: TransportKit) -> None:
+    async def body(p: Pair) -> None:
+        a_mem, a_desc = p.region(p.a, 1, MiB)
+        b_mem, b_desc = p.region(p.b, 2, MiB)
+        p.kit.fill(a_mem, 0, rand(MiB, 5))
+        p.kit.fill(b_mem, 0, rand(MiB, 6))
+        await asyncio.gather(
+            p.a.transport.write(a_mem, 0, b_desc, 0, MiB // 2, 1),
+            p.b.transport.write(b_mem, MiB // 2, a_desc, MiB // 2, MiB // 2, 2),
+        )
+        assert p.kit.read(b_mem, 0, MiB // 2) == rand(MiB, 5)[: MiB // 2]
+        assert p.kit.read(a_mem, MiB // 2, MiB // 2) == rand(MiB, 6)[MiB // 2 :]
+        assert p.b.imms == [(1, "node-a")] and p.a.imms == [(2, "node-b")]
+
+    run(kit, body)
+
+
+def test_writer_side_bounds_checks(kit: TransportKit) -> None:
+    async def body(p: Pair) -> None:
+        src, _ = p.region(p.a, 1, MiB)
+        _, desc = p.region(p.b, 2, MiB)
+        with pytest.raises(RegionError) as e1:
+            await p.a.transport.write(src, 0, desc, MiB - 10, 11, 1)
+        assert e1.value.code is ErrorCode.OUT_OF_BOUNDS
+        with pytest.raises(RegionError) as e2:
+            await p.a.transport.write(src, MiB - 10, desc, 0, 11, 1)
+        assert e2.value.code is ErrorCode.OUT_OF_BOUNDS
+        assert p.b.imms == []
+
+    run(kit, body)
+
+
+def _forged(desc: RegionDescriptor, **changes: object) -> RegionDescriptor:
+    fields = {f: getattr(desc, f) for f in desc.__struct_fields__}
+    fields.update(changes)
+    return RegionDescriptor(**fields)  # type: ignore[arg-type]
+
+
+def test_receiver_refuses_out_of_bounds_unknown_region_and_bad_key(kit: TransportKit) -> None:
+    """A lying descriptor must not get bytes outside the real region, nor an immediate."""
+
+    async def body(p: Pair) -> None:
+        src, _ = p.region(p.a, 1, 2 * MiB)
+        dst, desc = p.region(p.b, 2, MiB)
+        guard, _ = p.region(p.b, 3, MiB)
+        p.kit.fill(src, 0, rand(2 * MiB, 7))
+        p.kit.fill(dst, 0, bytes(MiB))
+        p.kit.fill(guard, 0, bytes(MiB))
+        forged = [
+            (_forged(desc, length=2 * MiB), 0, 2 * MiB, ErrorCode.OUT_OF_BOUNDS),
+            (_forged(desc, id=99), 0, 1024, ErrorCode.UNKNOWN_REGION),
+        ]
+        if desc.keys.tcp is not None:
+            bad_key = RegionKeys(tcp=TcpKey(rkey=desc.keys.tcp.rkey ^ 1))
+            forged.append((_forged(desc, keys=bad_key), 0, 1024, ErrorCode.UNAUTHORIZED))
+        for lie, off, n, code in forged:
+            with pytest.raises(TransferError) as err:
+                await asyncio.wait_for(p.a.transport.write(src, 0, lie, off, n, 77), 30)
+            if p.kit.precise_codes:
+                assert err.value.code is code, err.value
+            await p.a.transport.connect("node-b", p.b.transport.endpoints())
+        assert p.b.imms == []
+        assert p.kit.read(guard, 0, MiB) == bytes(MiB)
+        # the transport keeps serving honest writes afterwards
+        await p.a.transport.write(src, 0, desc, 0, MiB, 5)
+        assert p.kit.read(dst, 0, MiB) == rand(2 * MiB, 7)[:MiB]
+        assert p.b.imms == [(5, "node-a")]
+
+    run(kit, body)
+
+
+def test_deregistered_region_refuses_writes(kit: TransportKit) -> None:
+    async def body(p: Pair) -> None:
+        src, _ = p.region(p.a, 1, MiB)
+        dst, desc = p.region(p.b, 2, MiB)
+        p.kit.fill(dst, 0, bytes(MiB))
+        p.kit.fill(src, 0, rand(MiB, 8))
+        p.b.transport.deregister(2)
+        with pytest.raises(TransferError):
+            await asyncio.wait_for(p.a.transport.write(src, 0, desc, 0, MiB, 1), 30)
+        assert p.kit.read(dst, 0, MiB) == bytes(MiB)
+        assert p.b.imms == []
+
+    run(kit, body)
+
+
+def test_lost_peer_is_a_typed_error(kit: TransportKit) -> None:
+    async def body(p: Pair) -> None:
+        src, _ = p.region(p.a, 1, MiB)
+        _, desc = p.region(p.b, 2, MiB)
+        await p.b.transport.close()
+        with pytest.raises(PeerLostError):
+            for _ in range(3):  # the first write may race the teardown and still be refused
+                await asyncio.wait_for(p.a.transport.write(src, 0, desc, 0, MiB, 1), 30)
+        with pytest.raises(PeerLostError):
+            await asyncio.wait_for(
+                p.a.transport.write(src, 0, _forged(desc, node="nobody"), 0, 16, 1), 30
+            )
+
+    run(kit, body)
+
+
+def test_disconnect_fails_inflight_and_reconnect_works(kit: TransportKit) -> None:
+    async def body(p: Pair) -> None:
+        n = 4 * MiB
+        src, _ = p.region(p.a, 1, n)
+        dst, desc = p.region(p.b, 2, n)
+        p.kit.fill(src, 0, rand(n, 9))
+        await p.a.transport.disconnect("node-b", "test")
+        with pytest.raises(PeerLostError):
+            await asyncio.wait_for(p.a.transport.write(src, 0, desc, 0, n, 1), 30)
+        await p.a.transport.connect("node-b", p.b.transport.endpoints())
+        await p.a.transport.write(src, 0, desc, 0, n, 2)
+        assert p.kit.read(dst, 0, n) == rand(n, 9)
+        assert p.b.imms == [(2, "node-a")]
+
+    run(kit, body)

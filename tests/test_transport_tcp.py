@@ -1,0 +1,40 @@
+"""The conformance suite on the tcp transport (host memory, loopback)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conformance.harness import TransportKit
+from tests.conformance.suite import *  # noqa: F403
+from weightwire.transport.base import LocalRegion, Transport
+from weightwire.transport.hostmem import SharedFile, create_shared
+from weightwire.transport.tcp import TcpTransport
+
+
+class TcpKit(TransportKit):
+    name = "tcp"
+
+    def __init__(self) -> None:
+        self._files: dict[int, SharedFile] = {}
+
+    def make(self, node: str) -> Transport:
+        return TcpTransport(node, bind_host="127.0.0.1", streams=3, stall_timeout_s=10)
+
+    def region(self, region_id: int, length: int) -> LocalRegion:
+        f = create_shared(length, prefix="ww-test")
+        f.unlink()
+        self._files[id(f.view)] = f
+        return LocalRegion(id=region_id, kind="cpu", length=length, view=f.view, fd=f.fd)
+
+    def read(self, region: LocalRegion, offset: int, length: int) -> bytes:
+        assert region.view is not None
+        return bytes(region.view[offset : offset + length])
+
+    def fill(self, region: LocalRegion, offset: int, data: bytes) -> None:
+        assert region.view is not None
+        region.view[offset : offset + len(data)] = data
+
+
+@pytest.fixture
+def kit() -> TransportKit:
+    return TcpKit()
