@@ -56,7 +56,9 @@ class Pair:
     b: Node
     regions: list[LocalRegion] = field(default_factory=list)
 
-    def region(self, node: Node, region_id: int, length: int) -> tuple[LocalRegion, RegionDescriptor]:
+    def region(
+        self, node: Node, region_id: int, length: int
+    ) -> tuple[LocalRegion, RegionDescriptor]:
         region = self.kit.region(region_id, length)
         self.regions.append(region)
         keys = node.transport.register(region)

@@ -11,7 +11,6 @@ import random
 
 import pytest
 import uvloop
-
 from weightwire.protocol.errors import (
     ErrorCode,
     PeerLostError,

@@ -154,12 +154,13 @@ class OutgoingStream:
                 kind, hlen = wire.decode_prefix(prefix)
                 self._recv_ticking(memoryview(header)[:hlen])
                 msg = wire.decode_header(kind, memoryview(header)[:hlen])
-            except WeightwireError as exc:
+            except WeightwireError as problem:
+                cause: WeightwireError = problem
                 if self.send_error is not None:
-                    exc = PeerLostError(f"send to {self.node} failed: {self.send_error}")
-                elif not isinstance(exc, PeerLostError | TimeoutError_):
-                    exc = PeerLostError(f"bad frame from {self.node}: {exc}")
-                self.fail(exc)
+                    cause = PeerLostError(f"send to {self.node} failed: {self.send_error}")
+                elif not isinstance(problem, PeerLostError | TimeoutError_):
+                    cause = PeerLostError(f"bad frame from {self.node}: {problem}")
+                self.fail(cause)
                 return
             except OSError as exc:
                 self.fail(PeerLostError(f"connection to {self.node} failed: {exc}"))
