@@ -1,0 +1,447 @@
+"""The static routing plan: who packs what, and who writes it where.
+
+Pure, deterministic, and free of I/O: the same registrations and options give the
+same plan and the same hash, whatever order they arrived in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import msgspec
+from weightwire.protocol.errors import ErrorCode, PlanError
+from weightwire.protocol.plan import (
+    MAX_SLOTS,
+    Bucket,
+    Expect,
+    NodePlan,
+    PackOp,
+    RankPlan,
+    WriteOp,
+)
+from weightwire.protocol.regions import RegionDescriptor
+from weightwire.protocol.tensors import (
+    ITEMSIZE,
+    Box,
+    Cast,
+    Copy,
+    DestTensor,
+    Fp8BlockQuant,
+    Fp8BlockScale,
+    Piece,
+    SourceTensor,
+    piece_nbytes,
+    transformed_itemsize,
+)
+
+from .boxes import cover, place
+
+
+class PlanOptions(msgspec.Struct, frozen=True, kw_only=True):
+    bucket_bytes: int = 256 << 20
+    max_write_bytes: int = 32 << 20
+    allow_unused_sources: bool = False
+
+
+@dataclass(frozen=True)
+class TrainerRank:
+    node: str
+    rank: int
+    tensors: tuple[SourceTensor, ...]
+
+
+@dataclass(frozen=True)
+class EngineRank:
+    node: str
+    rank: int
+    tensors: tuple[DestTensor, ...]  # each with its pieces resolved
+    regions: tuple[RegionDescriptor, ...]
+
+
+@dataclass
+class _Holder:
+    node: str
+    rank: int
+    tensor: SourceTensor
+
+
+@dataclass
+class _Pack:
+    source: str
+    box: Box  # global
+    local: Box  # the same, relative to what the chosen rank holds
+    transform: object
+    nbytes: int
+    expert: bool
+    order: tuple[int, int, int]
+    offset: int = -1
+
+
+@dataclass
+class _Send:
+    pack: _Pack
+    dst_node: str
+    dst_rank: int
+    dst_region: int
+    dst_offset: int
+    nbytes: int
+
+
+@dataclass
+class _RankWork:
+    holder_key: tuple[str, int]
+    packs: dict[tuple[object, ...], _Pack] = field(default_factory=dict)
+    sends: list[_Send] = field(default_factory=list)
+    load: int = 0
+
+
+def is_expert(name: str) -> bool:
+    return ".experts." in name
+
+
+def plan(
+    job: str,
+    trainers: list[TrainerRank],
+    engines: list[EngineRank],
+    options: PlanOptions | None = None,
+) -> dict[str, NodePlan]:
+    """The per-node plans of a job. Raises PlanError naming every problem found."""
+    options = options or PlanOptions()
+    trainers = sorted(trainers, key=lambda t: t.rank)
+    engines = sorted(engines, key=lambda e: e.rank)
+    holders = _index_sources(trainers)
+    problems: list[str] = []
+    used: set[str] = set()
+    work: dict[tuple[str, int], _RankWork] = {
+        (t.node, t.rank): _RankWork((t.node, t.rank)) for t in trainers
+    }
+    slots = _slots(engines)
+    expect_count: dict[int, int] = defaultdict(int)
+    expect_bytes: dict[int, int] = defaultdict(int)
+    expect_sources: dict[int, set[str]] = defaultdict(set)
+
+    for e in engines:
+        regions = {r.id: r for r in e.regions}
+        for t_index, dst in enumerate(e.tensors):
+            problem = _check_destination(dst, regions, holders)
+            if problem:
+                problems.append(f"engine rank {e.rank}: {problem}")
+                continue
+            assert dst.pieces is not None
+            for p_index, piece in enumerate(dst.pieces):
+                used.add(piece.source)
+                held = holders[piece.source]
+                dtype = held[0].tensor.dtype
+                subs = cover(piece.box, [h.tensor.held() for h in held])
+                if not subs:
+                    problems.append(
+                        f"engine rank {e.rank}: {dst.name} needs {piece.source}{_fmt(piece.box)}, "
+                        f"which no trainer rank holds whole"
+                    )
+                    continue
+                for sub in subs:
+                    try:
+                        placed = place(piece, dtype, sub)
+                    except PlanError as exc:
+                        problems.append(f"engine rank {e.rank}: {dst.name}: {exc.message}")
+                        continue
+                    chosen = _least_loaded([h for h in held if _inside(sub, h.tensor.held())], work)
+                    w = work[(chosen.node, chosen.rank)]
+                    key = (piece.source, sub, piece.transform)
+                    pack = w.packs.get(key)
+                    if pack is None:
+                        pack = _Pack(
+                            source=piece.source,
+                            box=sub,
+                            local=sub.relative_to(chosen.tensor.held()),
+                            transform=piece.transform,
+                            nbytes=placed.nbytes,
+                            expert=is_expert(piece.source) or is_expert(dst.name),
+                            order=(e.rank, t_index, p_index),
+                        )
+                        w.packs[key] = pack
+                    w.load += placed.nbytes
+                    w.sends.append(
+                        _Send(
+                            pack=pack,
+                            dst_node=e.node,
+                            dst_rank=e.rank,
+                            dst_region=dst.region,
+                            dst_offset=dst.offset + placed.dst_offset,
+                            nbytes=placed.nbytes,
+                        )
+                    )
+                    expect_bytes[e.rank] += placed.nbytes
+                    expect_sources[e.rank].add(chosen.node)
+
+    unused = sorted(set(holders) - used)
+    if unused and not options.allow_unused_sources:
+        problems.append(f"source tensors no destination uses: {_names(unused)}")
+    if problems:
+        raise PlanError("cannot plan job " + repr(job) + ":\n  " + "\n  ".join(problems))
+
+    region_by_key = {(e.node, r.id): r for e in engines for r in e.regions}
+    rank_plans: dict[tuple[str, int], RankPlan] = {}
+    for key, w in sorted(work.items()):
+        buckets, staging = _layout(w, options, slots, expect_count)
+        regions = sorted({(s.dst_node, s.dst_region) for s in w.sends}, key=lambda r: (r[0], r[1]))
+        rank_plans[key] = RankPlan(
+            plan_hash="",
+            rank=key[1],
+            staging_bytes=staging,
+            buckets=tuple(buckets),
+            regions=tuple(region_by_key[r] for r in regions),
+        )
+
+    expects_by_node: dict[str, list[Expect]] = defaultdict(list)
+    for e in engines:
+        expects_by_node[e.node].append(
+            Expect(
+                rank=e.rank,
+                slot=slots[e.rank],
+                count=expect_count[e.rank],
+                nbytes=expect_bytes[e.rank],
+                sources=tuple(sorted(expect_sources[e.rank])),
+            )
+        )
+    digest = _hash(job, trainers, engines, options, rank_plans, expects_by_node)
+    nodes = {t.node for t in trainers} | {e.node for e in engines}
+    out: dict[str, NodePlan] = {}
+    for node in sorted(nodes):
+        sends = tuple(
+            msgspec.structs.replace(rp, plan_hash=digest)
+            for (n, _), rp in sorted(rank_plans.items())
+            if n == node
+        )
+        out[node] = NodePlan(
+            plan_hash=digest, job=job, sends=sends, expects=tuple(expects_by_node.get(node, ()))
+        )
+    return out
+
+
+def _index_sources(trainers: list[TrainerRank]) -> dict[str, list[_Holder]]:
+    by_name: dict[str, list[_Holder]] = defaultdict(list)
+    problems: list[str] = []
+    for t in trainers:
+        seen: set[str] = set()
+        for s in t.tensors:
+            if s.name in seen:
+                problems.append(f"trainer rank {t.rank} declares {s.name} twice")
+            seen.add(s.name)
+            if not s.held().within(s.shape):
+                problems.append(
+                    f"trainer rank {t.rank}: {s.name} box {_fmt(s.held())} is outside its "
+                    f"shape {list(s.shape)}"
+                )
+            by_name[s.name].append(_Holder(t.node, t.rank, s))
+    for name, hs in by_name.items():
+        kinds = {(h.tensor.dtype, h.tensor.shape) for h in hs}
+        if len(kinds) > 1:
+            desc = ", ".join(f"rank {h.rank}: {h.tensor.dtype}{list(h.tensor.shape)}" for h in hs)
+            problems.append(f"trainer ranks disagree on {name}: {desc}")
+    if problems:
+        raise PlanError("inconsistent sources:\n  " + "\n  ".join(problems))
+    return dict(by_name)
+
+
+def _check_destination(
+    dst: DestTensor, regions: dict[int, RegionDescriptor], holders: dict[str, list[_Holder]]
+) -> str | None:
+    if dst.pieces is None:
+        return f"{dst.name} has no recipe (no rule maps it)"
+    region = regions.get(dst.region)
+    if region is None:
+        return f"{dst.name} lies in region {dst.region}, which the rank did not register"
+    if dst.offset + dst.nbytes > region.length:
+        return f"{dst.name} [{dst.offset}, +{dst.nbytes}) overruns region {dst.region}"
+    spans: list[tuple[int, int]] = []
+    for piece in dst.pieces:
+        hs = holders.get(piece.source)
+        if hs is None:
+            return f"{dst.name} needs source tensor {piece.source}, which no trainer declared"
+        src = hs[0].tensor
+        if not piece.box.within(src.shape):
+            return (
+                f"{dst.name} reads {piece.source}{_fmt(piece.box)} outside its shape "
+                f"{list(src.shape)}"
+            )
+        out_dtype = _out_dtype(src.dtype, piece)
+        if out_dtype != dst.dtype:
+            code = ErrorCode.DTYPE_MISMATCH.value
+            return (
+                f"{dst.name} is {dst.dtype} but {piece.source} ({src.dtype}) through "
+                f"{type(piece.transform).__name__} gives {out_dtype} [{code}]"
+            )
+        spans.append((piece.dst_offset, piece.dst_offset + piece_nbytes(src.dtype, piece)))
+    spans.sort()
+    end = 0
+    for lo, hi in spans:
+        if lo != end:
+            what = "overlap" if lo < end else "gap"
+            return f"{dst.name}: its pieces {what} at byte {min(lo, end)} [shape_mismatch]"
+        end = hi
+    if end != dst.nbytes:
+        return (
+            f"{dst.name}: its pieces give {end} bytes, the tensor has {dst.nbytes} "
+            f"({dst.dtype}{list(dst.shape)}) [shape_mismatch]"
+        )
+    return None
+
+
+def _out_dtype(source_dtype: str, piece: Piece) -> str:
+    match piece.transform:
+        case Copy():
+            return source_dtype
+        case Cast(dtype=d) | Fp8BlockQuant(dtype=d):
+            return d
+        case Fp8BlockScale():
+            return "float32"
+    raise AssertionError(piece.transform)
+
+
+def _least_loaded(candidates: list[_Holder], work: dict[tuple[str, int], _RankWork]) -> _Holder:
+    return min(candidates, key=lambda h: (work[(h.node, h.rank)].load, h.rank))
+
+
+def _inside(inner: Box, outer: Box) -> bool:
+    return inner.intersect(outer) == inner
+
+
+def _slots(engines: list[EngineRank]) -> dict[int, int]:
+    per_node: dict[str, int] = defaultdict(int)
+    slots: dict[int, int] = {}
+    for e in engines:
+        slots[e.rank] = per_node[e.node]
+        per_node[e.node] += 1
+        if slots[e.rank] >= MAX_SLOTS:
+            raise PlanError(f"node {e.node} has more than {MAX_SLOTS} engine ranks")
+    return slots
+
+
+def _layout(
+    w: _RankWork, options: PlanOptions, slots: dict[int, int], expect_count: dict[int, int]
+) -> tuple[list[Bucket], int]:
+    """Staging offsets (dense first, then experts), buckets, and merged, chunked writes."""
+    packs = sorted(w.packs.values(), key=lambda p: (p.expert, p.order))
+    offset = 0
+    bucket_of: dict[int, int] = {}
+    bucket_packs: list[list[_Pack]] = []
+    bucket_kinds: list[str] = []
+    filled = options.bucket_bytes  # forces a first bucket
+    for p in packs:
+        kind = "experts" if p.expert else "dense"
+        if (filled + p.nbytes > options.bucket_bytes and filled > 0) or (
+            bucket_kinds and bucket_kinds[-1] != kind
+        ):
+            bucket_packs.append([])
+            bucket_kinds.append(kind)
+            filled = 0
+        align = _alignment(p)
+        offset = -(-offset // align) * align
+        p.offset = offset
+        offset += p.nbytes
+        filled += p.nbytes
+        bucket_packs[-1].append(p)
+        bucket_of[id(p)] = len(bucket_packs) - 1
+
+    sends_by_bucket: list[list[_Send]] = [[] for _ in bucket_packs]
+    for s in w.sends:
+        sends_by_bucket[bucket_of[id(s.pack)]].append(s)
+    buckets: list[Bucket] = []
+    for index, (bp, kind) in enumerate(zip(bucket_packs, bucket_kinds, strict=True)):
+        writes = _writes(sends_by_bucket[index], options.max_write_bytes, slots)
+        for wr in writes:
+            expect_count[wr.dst_rank] += 1
+        buckets.append(
+            Bucket(
+                index=index,
+                kind="experts" if kind == "experts" else "dense",
+                packs=tuple(
+                    PackOp(
+                        source=p.source,
+                        box=p.local,
+                        transform=p.transform,  # type: ignore[arg-type]
+                        staging_offset=p.offset,
+                        nbytes=p.nbytes,
+                    )
+                    for p in bp
+                ),
+                writes=tuple(writes),
+                nbytes=sum(p.nbytes for p in bp),
+            )
+        )
+    return buckets, offset
+
+
+def _alignment(p: _Pack) -> int:
+    return 4 if isinstance(p.transform, Fp8BlockScale) else 16
+
+
+def _writes(sends: list[_Send], max_bytes: int, slots: dict[int, int]) -> list[WriteOp]:
+    """Merge sends contiguous in both staging and destination, then cut into chunks."""
+    order = sorted(sends, key=lambda s: (s.dst_node, s.dst_rank, s.dst_region, s.pack.offset))
+    merged: list[list[int]] = []  # [src, length, dst_offset] + identity of the target
+    targets: list[tuple[str, int, int]] = []
+    for s in order:
+        target = (s.dst_node, s.dst_rank, s.dst_region)
+        if merged and targets[-1] == target:
+            src, length, dst = merged[-1]
+            if src + length == s.pack.offset and dst + length == s.dst_offset:
+                merged[-1][1] += s.nbytes
+                continue
+        merged.append([s.pack.offset, s.nbytes, s.dst_offset])
+        targets.append(target)
+    out: list[WriteOp] = []
+    for (src, length, dst), (node, rank, region) in zip(merged, targets, strict=True):
+        for start in range(0, length, max_bytes):
+            n = min(max_bytes, length - start)
+            out.append(
+                WriteOp(
+                    src_offset=src + start,
+                    length=n,
+                    dst_node=node,
+                    dst_region=region,
+                    dst_offset=dst + start,
+                    slot=slots[rank],
+                    dst_rank=rank,
+                )
+            )
+    return out
+
+
+def _hash(
+    job: str,
+    trainers: list[TrainerRank],
+    engines: list[EngineRank],
+    options: PlanOptions,
+    rank_plans: dict[tuple[str, int], RankPlan],
+    expects: dict[str, list[Expect]],
+) -> str:
+    h = hashlib.sha256()
+    enc = msgspec.msgpack.Encoder(order="deterministic")
+    h.update(enc.encode([job, options]))
+    for t in trainers:
+        h.update(enc.encode([t.node, t.rank, t.tensors]))
+    for e in engines:
+        h.update(enc.encode([e.node, e.rank, e.tensors, [(r.id, r.length) for r in e.regions]]))
+    for key, rp in sorted(rank_plans.items()):
+        h.update(enc.encode([key, rp]))
+    for node, ex in sorted(expects.items()):
+        h.update(enc.encode([node, ex]))
+    return h.hexdigest()[:16]
+
+
+def _fmt(box: Box) -> str:
+    return (
+        "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(box.offsets, box.sizes, strict=True)) + "]"
+    )
+
+
+def _names(names: list[str], limit: int = 20) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" … and {len(names) - limit} more" if len(names) > limit else "")
+
+
+__all__ = ["ITEMSIZE", "EngineRank", "PlanOptions", "TrainerRank", "plan", "transformed_itemsize"]
