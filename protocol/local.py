@@ -157,7 +157,20 @@ class VersionFailed(LocalMsg, frozen=True, tag="version_failed"):
     message: str
 
 
-# --- admin -----------------------------------------------------------------
+# --- liveness and admin ----------------------------------------------------
+
+
+class Ping(LocalMsg, frozen=True, tag="ping"):
+    """Sent by every client once a second; a session silent for longer than the daemon's
+    session timeout is released with everything it registered."""
+
+
+class Pong(LocalMsg, frozen=True, tag="pong"):
+    session: str = ""
+
+
+class Goodbye(LocalMsg, frozen=True, tag="goodbye"):
+    """The rank is leaving: release its session now. No reply."""
 
 
 class StatusRequest(LocalMsg, frozen=True, tag="status"):
@@ -190,4 +203,7 @@ LocalMessage = (
     | VersionFailed
     | StatusRequest
     | StatusReply
+    | Ping
+    | Pong
+    | Goodbye
 )

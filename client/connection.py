@@ -1,0 +1,199 @@
+"""A rank's connection to its daemon: synchronous calls over a background event loop.
+
+The ZeroMQ socket lives on a private loop thread, so requests from the caller's
+thread and notifications from the daemon (version complete, publish result) never
+share a socket across threads. Notifications are handed to callbacks on a thread
+of their own, so a slow callback never stalls the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+from weightwire.protocol.errors import (
+    ErrorCode,
+    ProtocolError,
+    TimeoutError_,
+    WeightwireError,
+    error_from_code,
+)
+from weightwire.protocol.frames import Codec
+from weightwire.protocol.local import Error, Goodbye, LocalMessage, LocalMsg, Ping, Welcome
+
+DEFAULT_SOCKET = os.environ.get("WEIGHTWIRE_SOCKET", "/run/weightwire/weightwired.sock")
+
+Notification = Callable[[LocalMessage], None]
+_RESET = Goodbye()  # marks "the daemon forgot this session" in the notification queue
+
+
+class DaemonConnection:
+    def __init__(
+        self,
+        path: str | None = None,
+        *,
+        on_notify: Notification | None = None,
+        on_reset: Callable[[], None] | None = None,
+        ping_interval_s: float = 1.0,
+    ) -> None:
+        self.path = path or DEFAULT_SOCKET
+        if not os.path.exists(self.path):
+            raise WeightwireError(
+                f"no daemon socket at {self.path} (is weightwired running? "
+                f"set WEIGHTWIRE_SOCKET or pass socket=)",
+                code=ErrorCode.PEER_LOST,
+            )
+        self._codec: Codec[LocalMessage] = Codec(LocalMessage, max_bytes=1 << 30)
+        self._reqs = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[LocalMessage]] = {}
+        self._on_notify = on_notify
+        self._on_reset = on_reset
+        self._ping_interval_s = ping_interval_s
+        self.session: str | None = None
+        self._notes: queue.SimpleQueue[LocalMessage | None] = queue.SimpleQueue()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="ww-conn", daemon=True)
+        self._thread.start()
+        self._notifier = threading.Thread(target=self._deliver, name="ww-notify", daemon=True)
+        self._notifier.start()
+        self._sock: zmq.asyncio.Socket | None = None
+        self._ctx: zmq.asyncio.Context | None = None
+        self._closed = False
+        self._run(self._open()).result(10)
+
+    def _run(self, coro: Any) -> Future[Any]:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    async def _open(self) -> None:
+        self._ctx = zmq.asyncio.Context()
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"ipc://{self.path}")
+        self._sock = sock
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+        self._pinger = asyncio.get_running_loop().create_task(self._ping())
+
+    async def _ping(self) -> None:
+        """Keep the session alive; notice a daemon that restarted (it no longer knows us)."""
+        while True:
+            await asyncio.sleep(self._ping_interval_s)
+            if self.session is None:
+                continue
+            try:
+                reply = await self._request(Ping(), 5.0)
+            except TimeoutError_:
+                continue
+            if isinstance(reply, Error) and reply.code == ErrorCode.NO_SESSION.value:
+                self.session = None
+                if self._on_reset is not None:
+                    self._notes.put(_RESET)
+
+    async def _read(self) -> None:
+        assert self._sock is not None
+        while True:
+            frames = await self._sock.recv_multipart(copy=False)
+            try:
+                msg, _ = self._codec.decode(frames)
+            except ProtocolError:
+                continue
+            fut = self._pending.pop(msg.req, None) if msg.req else None
+            if fut is not None:
+                if not fut.done():
+                    fut.set_result(msg)
+            else:
+                self._notes.put(msg)
+
+    def _deliver(self) -> None:
+        while True:
+            msg = self._notes.get()
+            if msg is None:
+                return
+            if msg is _RESET:
+                if self._on_reset is not None:
+                    self._on_reset()
+                continue
+            if self._on_notify is not None:
+                self._on_notify(msg)
+
+    async def _request(self, msg: LocalMsg, timeout_s: float) -> LocalMessage:
+        assert self._sock is not None
+        req = next(self._reqs)
+        fut: asyncio.Future[LocalMessage] = asyncio.get_running_loop().create_future()
+        self._pending[req] = fut
+        try:
+            await self._sock.send_multipart(
+                self._codec.encode(msgspec.structs.replace(msg, req=req))
+            )
+            return await asyncio.wait_for(fut, timeout_s)
+        except TimeoutError:
+            raise TimeoutError_(
+                f"the daemon at {self.path} did not answer {type(msg).__name__} within "
+                f"{timeout_s:.0f} s"
+            ) from None
+        finally:
+            self._pending.pop(req, None)
+
+    def request(self, msg: LocalMsg, timeout_s: float = 30.0) -> LocalMessage:
+        """Send a request and return its reply; an `Error` reply is raised as its exception."""
+        if self._closed:
+            raise WeightwireError("the connection is closed", code=ErrorCode.PEER_LOST)
+        reply = self._run(self._request(msg, timeout_s)).result(timeout_s + 5)
+        if isinstance(reply, Error):
+            raise error_from_code(reply.code, reply.message)
+        if isinstance(reply, Welcome):
+            self.session = reply.session
+        return reply
+
+    def send(self, msg: LocalMsg) -> None:
+        """Send without waiting for a reply (messages keep their order)."""
+        assert self._sock is not None
+        frames = self._codec.encode(msg)
+        self._loop.call_soon_threadsafe(self._send_now, frames)
+
+    def _send_now(self, frames: list[Any]) -> None:
+        assert self._sock is not None
+        self._sock.send_multipart(frames)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+
+        async def shutdown() -> None:
+            if self._sock is not None and self.session is not None:
+                self._sock.send_multipart(self._codec.encode(Goodbye()))
+            self._pinger.cancel()
+            self._reader.cancel()
+            if self._sock is not None:
+                self._sock.close(linger=0)
+            if self._ctx is not None:
+                self._ctx.term()
+
+        try:
+            self._run(shutdown()).result(5)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(5)
+            self._notes.put(None)
+            self._loop.close()
+
+    def __enter__(self) -> DaemonConnection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def expect(reply: LocalMessage, kind: type[Any]) -> Any:
+    if not isinstance(reply, kind):
+        raise ProtocolError(f"expected {kind.__name__}, the daemon sent {type(reply).__name__}")
+    return reply

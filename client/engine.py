@@ -1,0 +1,209 @@
+"""The engine side: receive tensors in place; learn when a version has fully landed."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+from weightwire.protocol import PROTOCOL_VERSION
+from weightwire.protocol.errors import ErrorCode, RegistrationError, error_from_code
+from weightwire.protocol.local import (
+    DeclareDestinations,
+    EngineLayout,
+    Hello,
+    LocalMessage,
+    RegionRegistered,
+    RegisterRegion,
+    VersionComplete,
+    VersionFailed,
+    WaitVersion,
+)
+from weightwire.protocol.tensors import Box, DestTensor, Piece
+from weightwire.transport.hostmem import SharedFile, create_shared
+
+from .connection import DaemonConnection, expect
+from .dtypes import name_of
+
+ALIGN = 256
+
+
+@dataclass(frozen=True)
+class Rows:
+    """The destination is rows [start, stop) (dim 0) of a global tensor of `shape`."""
+
+    shape: tuple[int, ...]
+    start: int
+    stop: int
+
+    def pieces(self, name: str, dtype_size: int) -> tuple[Piece, ...]:
+        return (Piece(source=name, box=Box.rows(self.shape, self.start, self.stop), dst_offset=0),)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Explicit pieces (see weightwire.protocol.tensors.Piece)."""
+
+    pieces: tuple[Piece, ...]
+
+
+Source = Rows | Recipe
+
+
+@dataclass(frozen=True)
+class VersionInfo:
+    version: int
+    nbytes: int
+    seconds: float
+
+
+class Engine:
+    """One engine rank. `register` moves its tensors into memory the daemon can write."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        *,
+        socket: str | None = None,
+        job: str = "default",
+        timeout_s: float = 300.0,
+    ) -> None:
+        self.rank, self.world_size, self.job, self.timeout_s = rank, world_size, job, timeout_s
+        self._callbacks: list[Callable[[VersionInfo | Exception], None]] = []
+        self._latest: VersionInfo | None = None
+        self._cond = threading.Condition()
+        self._conn = DaemonConnection(socket, on_notify=self._on_notify)
+        self._conn.request(
+            Hello(
+                protocol=PROTOCOL_VERSION,
+                role="engine",
+                rank=rank,
+                world_size=world_size,
+                job=job,
+                pid=os.getpid(),
+                client="weightwire.client.Engine",
+            )
+        )
+        self._regions: list[SharedFile] = []
+        self._buffers: list[torch.Tensor] = []
+
+    def register(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        sources: Mapping[str, Source] | None = None,
+        layout: EngineLayout | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Receive into these tensors from now on.
+
+        Each tensor is moved, in place, into one shared region (its current contents
+        are kept): the same tensor objects, e.g. a model's parameters, see every
+        landed version. `sources` says what feeds each one: by default the whole
+        source tensor of the same name; `Rows` for a dim-0 slice; `Recipe` for
+        explicit pieces; None (with a `layout`) leaves it to the coordinator's rules.
+        """
+        sources = sources or {}
+        placed: list[tuple[str, torch.Tensor, int]] = []
+        offset = 0
+        for name, t in tensors.items():
+            if not t.is_contiguous():
+                raise RegistrationError(f"tensor {name} must be contiguous to receive in place")
+            if t.device.type != "cpu":
+                raise RegistrationError(f"tensor {name} is on {t.device}; GPU regions need cuda")
+            offset = -(-offset // ALIGN) * ALIGN
+            placed.append((name, t, offset))
+            offset += t.numel() * t.element_size()
+        shared = create_shared(max(offset, 1), prefix=f"weightwire-engine-r{self.rank}")
+        try:
+            region = expect(
+                self._conn.request(RegisterRegion(path=shared.path, length=shared.length)),
+                RegionRegistered,
+            ).region
+        finally:
+            shared.unlink()
+        buf = torch.frombuffer(shared.map, dtype=torch.uint8)
+        self._regions.append(shared)
+        self._buffers.append(buf)
+        specs = []
+        for name, t, off in placed:
+            specs.append(
+                DestTensor(
+                    name=name,
+                    dtype=name_of(t.dtype),
+                    shape=tuple(t.shape),
+                    region=region,
+                    offset=off,
+                    pieces=self._pieces(name, t, sources.get(name), layout),
+                )
+            )
+        self._conn.request(DeclareDestinations(tensors=tuple(specs), layout=layout))
+        out = {}
+        with torch.no_grad():
+            for name, t, off in placed:
+                view = buf[off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+                view.copy_(t)
+                t.set_(view)
+                out[name] = t
+        return out
+
+    @staticmethod
+    def _pieces(
+        name: str, t: torch.Tensor, source: Source | None, layout: EngineLayout | None
+    ) -> tuple[Piece, ...] | None:
+        match source:
+            case Rows():
+                if source.stop - source.start != t.shape[0] or source.shape[1:] != t.shape[1:]:
+                    raise RegistrationError(
+                        f"tensor {name} {list(t.shape)} is not rows {source.start}:{source.stop} "
+                        f"of {list(source.shape)}",
+                        code=ErrorCode.SHAPE_MISMATCH,
+                    )
+                return source.pieces(name, t.element_size())
+            case Recipe(pieces=pieces):
+                return pieces
+            case None if layout is not None:
+                return None
+            case None:
+                return (Piece(source=name, box=Box.full(tuple(t.shape)), dst_offset=0),)
+
+    def wait(self, version: int, timeout_s: float | None = None) -> VersionInfo:
+        """Block until `version` has fully landed in this rank's tensors."""
+        t = timeout_s or self.timeout_s
+        reply = expect(
+            self._conn.request(WaitVersion(version=version, timeout_s=t), t + 5), VersionComplete
+        )
+        return VersionInfo(reply.version, reply.nbytes, reply.seconds)
+
+    def on_version(self, callback: Callable[[VersionInfo | Exception], None]) -> None:
+        """Call `callback` (on a weightwire thread) for every version that lands or fails."""
+        self._callbacks.append(callback)
+
+    @property
+    def latest(self) -> VersionInfo | None:
+        return self._latest
+
+    def _on_notify(self, msg: LocalMessage) -> None:
+        event: VersionInfo | Exception
+        match msg:
+            case VersionComplete(rank=rank) if rank == self.rank:
+                event = VersionInfo(msg.version, msg.nbytes, msg.seconds)
+                with self._cond:
+                    self._latest = event
+                    self._cond.notify_all()
+            case VersionFailed(rank=rank) if rank == self.rank:
+                event = error_from_code(msg.code, f"version {msg.version}: {msg.message}")
+            case _:
+                return
+        for cb in self._callbacks:
+            cb(event)
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

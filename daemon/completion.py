@@ -1,0 +1,266 @@
+"""The destination side: counting immediates per (version, engine rank).
+
+An engine rank's version is complete when exactly the planned number of immediates
+has arrived in its slot, each one sent only after its bytes landed, and some source
+has announced the full version number (immediates carry only its low 16 bits). A
+version that fails is never completed; late immediates for it are ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import structlog
+from weightwire.protocol.errors import ErrorCode, WeightwireError, error_from_code
+from weightwire.protocol.local import VersionComplete, VersionFailed
+from weightwire.protocol.plan import Expect, decode_imm
+
+log = structlog.get_logger("weightwire.daemon.completion")
+
+Notify = Callable[[str, int, VersionComplete | VersionFailed], None]
+"""notify(job, rank, message) pushes a message to the rank's engine sessions."""
+
+HISTORY = 64
+
+
+@dataclass
+class _InProgress:
+    low: int
+    version: int | None = None
+    count: int = 0
+    started: float = field(default_factory=time.monotonic)
+    first_imm: float | None = None
+    sources: set[str] = field(default_factory=set)
+
+
+@dataclass
+class RankCompletion:
+    job: str
+    rank: int
+    expect: Expect
+    plan_hash: str
+    notify: Notify
+    current: dict[int, _InProgress] = field(default_factory=dict)
+    completed: deque[VersionComplete] = field(default_factory=lambda: deque(maxlen=HISTORY))
+    failed: dict[int, VersionFailed] = field(default_factory=dict)
+    dead_lows: dict[int, int] = field(default_factory=dict)  # low bits -> failed version
+    waiters: dict[int, list[asyncio.Future[VersionComplete]]] = field(default_factory=dict)
+
+    @property
+    def last_complete(self) -> int:
+        return self.completed[-1].version if self.completed else -1
+
+    def _slot_for(self, low: int) -> _InProgress | None:
+        st = self.current.get(low)
+        if st is None:
+            if low in self.dead_lows:
+                return None  # a late immediate of a failed version
+            st = self.current[low] = _InProgress(low=low)
+        return st
+
+    def on_imm(self, low: int) -> None:
+        st = self._slot_for(low)
+        if st is None:
+            return
+        st.count += 1
+        if st.first_imm is None:
+            st.first_imm = time.monotonic()
+        if st.count > self.expect.count:
+            self.fail_low(
+                low, ErrorCode.INTERNAL, f"more immediates than the plan's {self.expect.count}"
+            )
+        elif st.count == self.expect.count and st.version is not None:
+            self._complete(st)
+
+    def on_start(self, version: int, source: str) -> None:
+        low = version & 0xFFFF
+        if version <= self.last_complete or version in self.failed:
+            log.warning("stale version start ignored", rank=self.rank, version=version, peer=source)
+            return
+        if self.dead_lows.get(low) is not None and self.dead_lows[low] != version:
+            del self.dead_lows[low]  # a new version reuses these low bits
+            self.current.pop(low, None)
+        st = self._slot_for(low)
+        if st is None:
+            return
+        if st.version is not None and st.version != version:
+            self.fail(st.version, ErrorCode.ABORTED, f"version {version} reuses its immediates")
+            st = self._slot_for(low)
+            assert st is not None
+        st.version = version
+        st.sources.add(source)
+        if st.count == self.expect.count:
+            self._complete(st)
+
+    def _complete(self, st: _InProgress) -> None:
+        assert st.version is not None
+        del self.current[st.low]
+        now = time.monotonic()
+        seconds = now - min(st.started, st.first_imm or now)
+        done = VersionComplete(
+            rank=self.rank, version=st.version, nbytes=self.expect.nbytes, seconds=seconds
+        )
+        self.completed.append(done)
+        log.info(
+            "version complete",
+            rank=self.rank,
+            version=st.version,
+            bytes=self.expect.nbytes,
+            writes=self.expect.count,
+            seconds=round(seconds, 6),
+            gbps=round(self.expect.nbytes / seconds / 1e9, 3) if seconds > 0 else None,
+            sources=sorted(st.sources),
+        )
+        self.notify(self.job, self.rank, done)
+        for fut in self.waiters.pop(st.version, []):
+            if not fut.done():
+                fut.set_result(done)
+        for other in [s for s in self.current.values() if s.version is not None]:
+            assert other.version is not None
+            if other.version < st.version:
+                self.fail(other.version, ErrorCode.ABORTED, f"superseded by version {st.version}")
+
+    def fail(self, version: int, code: ErrorCode, message: str) -> None:
+        if version in self.failed or version <= self.last_complete:
+            return
+        low = version & 0xFFFF
+        st = self.current.get(low)
+        if st is not None and st.version in (None, version):
+            del self.current[low]
+        self.dead_lows[low] = version
+        msg = VersionFailed(rank=self.rank, version=version, code=code.value, message=message)
+        self.failed[version] = msg
+        while len(self.failed) > HISTORY:
+            self.failed.pop(next(iter(self.failed)))
+        log.warning(
+            "version failed", rank=self.rank, version=version, code=code.value, error=message
+        )
+        self.notify(self.job, self.rank, msg)
+        for fut in self.waiters.pop(version, []):
+            if not fut.done():
+                fut.set_exception(error_from_code(code.value, message))
+
+    def fail_low(self, low: int, code: ErrorCode, message: str) -> None:
+        st = self.current.get(low)
+        if st is not None and st.version is not None:
+            self.fail(st.version, code, message)
+        else:
+            self.current.pop(low, None)
+            self.dead_lows[low] = -1
+
+    def fail_in_progress(self, code: ErrorCode, message: str, source: str | None = None) -> None:
+        for st in list(self.current.values()):
+            if source is not None and source not in self.expect.sources:
+                continue
+            if st.version is not None:
+                self.fail(st.version, code, message)
+            else:
+                self.fail_low(st.low, code, message)
+
+    def expire(self, timeout_s: float) -> None:
+        now = time.monotonic()
+        for st in list(self.current.values()):
+            if now - st.started > timeout_s:
+                what = f"version {st.version}" if st.version is not None else "a version"
+                msg = f"{what} got {st.count} of {self.expect.count} writes in {timeout_s:.0f} s"
+                if st.version is not None:
+                    self.fail(st.version, ErrorCode.TIMEOUT, msg)
+                else:
+                    self.fail_low(st.low, ErrorCode.TIMEOUT, msg)
+
+    async def wait(self, version: int, timeout_s: float) -> VersionComplete:
+        for done in self.completed:
+            if done.version == version:
+                return done
+        if version in self.failed:
+            f = self.failed[version]
+            raise error_from_code(f.code, f.message)
+        if version < self.last_complete:
+            raise WeightwireError(
+                f"version {version} was never completed here; {self.last_complete} was",
+                code=ErrorCode.ABORTED,
+            )
+        fut: asyncio.Future[VersionComplete] = asyncio.get_running_loop().create_future()
+        self.waiters.setdefault(version, []).append(fut)
+        try:
+            return await asyncio.wait_for(fut, timeout_s)
+        except TimeoutError:
+            st = next((s for s in self.current.values() if s.version == version), None)
+            got = f"{st.count} of {self.expect.count} writes" if st else "no writes"
+            raise error_from_code(
+                ErrorCode.TIMEOUT.value,
+                f"version {version} not complete after {timeout_s:.0f} s ({got})",
+            ) from None
+
+    def progress(self) -> dict[str, object]:
+        return {
+            "rank": self.rank,
+            "slot": self.expect.slot,
+            "expected_writes": self.expect.count,
+            "expected_bytes": self.expect.nbytes,
+            "sources": list(self.expect.sources),
+            "last_complete": self.last_complete,
+            "in_progress": [
+                {
+                    "version": st.version,
+                    "writes": st.count,
+                    "fraction": st.count / self.expect.count if self.expect.count else 1.0,
+                }
+                for st in self.current.values()
+            ],
+            "failed": sorted(self.failed)[-5:],
+        }
+
+
+@dataclass
+class Completions:
+    """All engine ranks of this node, found by the slot an immediate carries."""
+
+    notify: Notify
+    ranks: dict[tuple[str, int], RankCompletion] = field(default_factory=dict)
+    by_slot: dict[int, RankCompletion] = field(default_factory=dict)
+
+    def install(self, job: str, plan_hash: str, expects: tuple[Expect, ...]) -> None:
+        fresh: dict[tuple[str, int], RankCompletion] = {}
+        for e in expects:
+            old = self.ranks.get((job, e.rank))
+            if old is not None and old.plan_hash == plan_hash:
+                fresh[(job, e.rank)] = old
+                continue
+            rc = RankCompletion(
+                job=job, rank=e.rank, expect=e, plan_hash=plan_hash, notify=self.notify
+            )
+            if old is not None:
+                old.fail_in_progress(ErrorCode.PLAN_CHANGED, "the plan changed mid-version")
+                rc.completed, rc.failed, rc.dead_lows = old.completed, old.failed, old.dead_lows
+                rc.waiters = old.waiters
+            fresh[(job, e.rank)] = rc
+        for key, old in self.ranks.items():
+            if key[0] == job and key not in fresh:
+                old.fail_in_progress(ErrorCode.PLAN_CHANGED, "the rank left the plan")
+        self.ranks = {k: v for k, v in self.ranks.items() if k[0] != job} | fresh
+        self.by_slot = {rc.expect.slot: rc for rc in self.ranks.values()}
+
+    def drop_job(self, job: str, reason: str) -> None:
+        for key in [k for k in self.ranks if k[0] == job]:
+            self.ranks[key].fail_in_progress(ErrorCode.PLAN, reason)
+        self.ranks = {k: v for k, v in self.ranks.items() if k[0] != job}
+        self.by_slot = {rc.expect.slot: rc for rc in self.ranks.values()}
+
+    def on_imm(self, imm: int, source: str) -> None:
+        low, slot = decode_imm(imm)
+        rc = self.by_slot.get(slot)
+        if rc is None:
+            log.warning("immediate for an unknown slot", slot=slot, peer=source)
+            return
+        rc.on_imm(low)
+
+    def of_job(self, job: str) -> list[RankCompletion]:
+        return [rc for (j, _), rc in self.ranks.items() if j == job]
+
+    def get(self, job: str, rank: int) -> RankCompletion | None:
+        return self.ranks.get((job, rank))

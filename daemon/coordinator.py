@@ -1,0 +1,250 @@
+"""The coordinator role: membership, advertisements, and the plan of every job.
+
+No weight byte passes through it. It recomputes a job's plan only when the job's
+membership or layouts change; an unchanged input gives the same plan and hash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+import structlog
+from weightwire.plan.planner import EngineRank, PlanOptions, TrainerRank, plan
+from weightwire.protocol import PROTOCOL_VERSION
+from weightwire.protocol.errors import ErrorCode, PlanError, WeightwireError
+from weightwire.protocol.peer import (
+    Advertise,
+    AssignPlan,
+    Member,
+    Membership,
+    PeerHello,
+    PeerMsg,
+    PeerWelcome,
+    PlanProblem,
+)
+from weightwire.protocol.plan import NodePlan
+
+log = structlog.get_logger("weightwire.daemon.coordinator")
+
+Send = Callable[[str, PeerMsg], None]
+Resolve = Callable[[list[TrainerRank], list[EngineRank]], list[EngineRank]]
+"""Fills in engine recipes that registrations left to the rules (identity if none)."""
+
+
+@dataclass
+class Job:
+    name: str
+    adverts: dict[str, Advertise] = field(default_factory=dict)
+    inputs: str = ""  # digest of the adverts the current plan was made from
+    plan_hash: str = ""
+    assigned: dict[str, str] = field(default_factory=dict)  # node -> incarnation it was sent to
+    problem: str = ""
+
+
+@dataclass
+class Coordinator:
+    node: str
+    send: Send
+    options: PlanOptions
+    heartbeat_timeout_s: float
+    resolve: Resolve = lambda trainers, engines: engines
+    members: dict[str, Member] = field(default_factory=dict)
+    last_seen: dict[str, float] = field(default_factory=dict)
+    jobs: dict[str, Job] = field(default_factory=dict)
+    _planning: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    _plans: dict[str, dict[str, NodePlan]] = field(default_factory=dict)
+
+    # --- membership ----------------------------------------------------------
+
+    def on_hello(self, sender: str, hello: PeerHello) -> None:
+        m = hello.member
+        if hello.protocol != PROTOCOL_VERSION or m.node != sender:
+            log.warning("peer refused", peer=sender, protocol=hello.protocol, claimed=m.node)
+            return
+        old = self.members.get(m.node)
+        self.members[m.node] = m
+        self.last_seen[m.node] = time.monotonic()
+        self.send(
+            m.node, PeerWelcome(protocol=PROTOCOL_VERSION, coordinator=self.node, req=hello.req)
+        )
+        if old is None or old.incarnation != m.incarnation:
+            log.info("member joined", peer=m.node, endpoint=m.endpoint, incarnation=m.incarnation)
+            if old is not None:
+                self._drop_node(m.node, keep_member=True)
+            self.broadcast()
+        else:
+            self.send(m.node, Membership(members=tuple(self.members.values())))
+
+    def seen(self, node: str) -> None:
+        if node in self.members:
+            self.last_seen[node] = time.monotonic()
+
+    def broadcast(self, lost: tuple[str, ...] = ()) -> None:
+        msg = Membership(members=tuple(self.members.values()), lost=lost)
+        for node in self.members:
+            self.send(node, msg)
+
+    def check_liveness(self) -> None:
+        now = time.monotonic()
+        lost = tuple(
+            sorted(
+                n
+                for n in self.members
+                if n != self.node and now - self.last_seen.get(n, 0) > self.heartbeat_timeout_s
+            )
+        )
+        if not lost:
+            return
+        for node in lost:
+            log.warning(
+                "member lost", peer=node, silent_s=round(now - self.last_seen.get(node, 0), 2)
+            )
+            self._drop_node(node, keep_member=False)
+        self.broadcast(lost)
+
+    def _drop_node(self, node: str, *, keep_member: bool) -> None:
+        if not keep_member:
+            self.members.pop(node, None)
+            self.last_seen.pop(node, None)
+        for job in self.jobs.values():
+            if job.adverts.pop(node, None) is not None:
+                self._replan(job)
+
+    # --- adverts and plans ---------------------------------------------------
+
+    def on_advertise(self, sender: str, adv: Advertise) -> None:
+        member = self.members.get(sender)
+        if member is None or member.incarnation != adv.incarnation:
+            log.warning("advert from a non-member ignored", peer=sender)
+            return
+        job = self.jobs.setdefault(adv.job, Job(adv.job))
+        prev = job.adverts.get(sender)
+        if prev is not None and prev.incarnation == adv.incarnation and prev.seq > adv.seq:
+            return
+        job.adverts[sender] = adv
+        self._replan(job)
+
+    def _replan(self, job: Job) -> None:
+        running = self._planning.pop(job.name, None)
+        if running is not None:
+            running.cancel()
+        self._planning[job.name] = asyncio.get_running_loop().create_task(self._plan_job(job))
+
+    async def _plan_job(self, job: Job) -> None:
+        trainers, engines, missing, problems = self._collect(job)
+        if problems:
+            self._problem(job, PlanError("; ".join(problems), code=ErrorCode.DUPLICATE))
+            return
+        if missing:
+            if job.plan_hash:
+                log.info("job incomplete; plan withdrawn", job=job.name, missing=missing)
+            job.plan_hash, job.inputs, job.assigned = "", "", {}
+            return
+        digest = _digest(job)
+        if digest == job.inputs and job.plan_hash:
+            self._assign(job, None)  # only nodes whose incarnation changed get it again
+            return
+        t0 = time.monotonic()
+        try:
+            engines = self.resolve(trainers, engines)
+            plans = await asyncio.to_thread(plan, job.name, trainers, engines, self.options)
+        except WeightwireError as exc:
+            self._problem(job, exc)
+            return
+        job.inputs, job.problem = digest, ""
+        changed = plans[next(iter(plans))].plan_hash != job.plan_hash
+        job.plan_hash = plans[next(iter(plans))].plan_hash
+        if changed:
+            job.assigned = {}
+        writes = sum(len(b.writes) for p in plans.values() for s in p.sends for b in s.buckets)
+        log.info(
+            "plan ready",
+            job=job.name,
+            plan=job.plan_hash,
+            trainers=len(trainers),
+            engines=len(engines),
+            nodes=len(plans),
+            writes=writes,
+            seconds=round(time.monotonic() - t0, 4),
+        )
+        self._assign(job, plans)
+
+    def _assign(self, job: Job, plans: dict[str, NodePlan] | None) -> None:
+        if plans is not None:
+            self._plans[job.name] = plans
+        for node, node_plan in self._plans.get(job.name, {}).items():
+            member = self.members.get(node)
+            if member is None or job.assigned.get(node) == member.incarnation:
+                continue
+            self.send(node, AssignPlan(plan=node_plan))
+            job.assigned[node] = member.incarnation
+
+    def _problem(self, job: Job, exc: WeightwireError) -> None:
+        job.plan_hash, job.inputs, job.assigned = "", "", {}
+        if job.problem == exc.message:
+            return
+        job.problem = exc.message
+        log.warning("plan impossible", job=job.name, code=exc.code.value, error=exc.message)
+        for node in job.adverts:
+            self.send(node, PlanProblem(job=job.name, code=exc.code.value, message=exc.message))
+
+    def _collect(
+        self, job: Job
+    ) -> tuple[list[TrainerRank], list[EngineRank], list[str], list[str]]:
+        """Trainer and engine ranks of a job, what is still missing, and what conflicts."""
+        trainers: dict[int, TrainerRank] = {}
+        engines: dict[int, EngineRank] = {}
+        worlds: dict[str, set[int]] = defaultdict(set)
+        dupes: list[str] = []
+        for node, adv in sorted(job.adverts.items()):
+            for r in adv.ranks:
+                worlds[r.role].add(r.world_size)
+                if r.role == "trainer":
+                    if r.rank in trainers:
+                        dupes.append(f"trainer rank {r.rank} on {trainers[r.rank].node} and {node}")
+                    trainers[r.rank] = TrainerRank(node, r.rank, r.sources)
+                else:
+                    if r.rank in engines:
+                        dupes.append(f"engine rank {r.rank} on {engines[r.rank].node} and {node}")
+                    engines[r.rank] = EngineRank(node, r.rank, r.destinations, r.regions)
+        problems = list(dupes)
+        for role, sizes in worlds.items():
+            if len(sizes) > 1:
+                problems.append(f"{role} ranks disagree on world size: {sorted(sizes)}")
+        missing = []
+        for role, have in (("trainer", trainers), ("engine", engines)):
+            size = next(iter(worlds.get(role, {0})))
+            absent = [r for r in range(size) if r not in have]
+            if not worlds.get(role):
+                missing.append(f"any {role} rank")
+            elif absent:
+                missing.append(f"{role} ranks {absent}")
+        return list(trainers.values()), list(engines.values()), missing, problems
+
+    def status(self) -> dict[str, object]:
+        return {
+            "members": sorted(self.members),
+            "jobs": {
+                j.name: {
+                    "plan": j.plan_hash or None,
+                    "problem": j.problem or None,
+                    "nodes": sorted(j.adverts),
+                    "missing": self._collect(j)[2],
+                }
+                for j in self.jobs.values()
+            },
+        }
+
+
+def _digest(job: Job) -> str:
+    h = hashlib.sha256()
+    enc = msgspec.msgpack.Encoder(order="deterministic")
+    for node, adv in sorted(job.adverts.items()):
+        h.update(enc.encode([node, adv.ranks]))
+    return h.hexdigest()

@@ -1,0 +1,273 @@
+"""The local socket: the ranks of this host talk to the daemon here.
+
+A ROUTER on an ipc path. Each connection is one session, which owns what it
+registers; a session whose rank stops pinging is released with all of it. Every request gets
+a reply, an `Error` when anything was wrong; nothing a rank sends stops the daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import stat
+import time
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING
+
+import structlog
+import zmq
+import zmq.asyncio
+from weightwire.protocol import PROTOCOL_VERSION, check_protocol
+from weightwire.protocol.errors import ErrorCode, ProtocolError, WeightwireError
+from weightwire.protocol.frames import Codec
+from weightwire.protocol.local import (
+    AbortVersion,
+    BeginVersion,
+    BucketReady,
+    DeclareDestinations,
+    DeclareSources,
+    Error,
+    GetPlan,
+    Goodbye,
+    Hello,
+    LocalMessage,
+    LocalMsg,
+    Ok,
+    Ping,
+    Pong,
+    RegionRegistered,
+    RegisterRegion,
+    StatusReply,
+    StatusRequest,
+    WaitVersion,
+    Welcome,
+)
+
+from .sessions import Session
+
+if TYPE_CHECKING:
+    from .node import Daemon
+
+log = structlog.get_logger("weightwire.daemon.local")
+
+
+def _remove_stale_socket(path: str) -> None:
+    """Remove a socket file left by a dead daemon; refuse to steal a live one."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise WeightwireError(f"{path} exists and is not a socket", code=ErrorCode.INVALID)
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        os.unlink(path)
+        return
+    finally:
+        probe.close()
+    raise WeightwireError(f"another daemon is serving {path}", code=ErrorCode.DUPLICATE)
+
+
+class LocalServer:
+    def __init__(self, daemon: Daemon, path: str, mode: int, codec: Codec[LocalMessage]) -> None:
+        self.daemon = daemon
+        self.path = path
+        self.mode = mode
+        self.codec = codec
+        self.sessions: dict[bytes, Session] = {}
+        self._sock: zmq.asyncio.Socket | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def bind(self, ctx: zmq.asyncio.Context) -> None:
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        _remove_stale_socket(self.path)
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.codec.max_bytes * 2)
+        sock.setsockopt(zmq.SNDHWM, 100000)
+        old = os.umask(0o777 & ~self.mode)
+        try:
+            sock.bind(f"ipc://{self.path}")
+        finally:
+            os.umask(old)
+        os.chmod(self.path, self.mode)
+        self._sock = sock
+
+    def send(self, identity: bytes, msg: LocalMsg) -> None:
+        assert self._sock is not None
+        try:
+            self._sock.send_multipart([identity, *self.codec.encode(msg)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.warning("could not reach a rank", message=type(msg).__name__, error=str(exc))
+
+    def push(self, job: str, role: str, rank: int, msg: LocalMsg) -> None:
+        """A notification to every session of (job, role, rank)."""
+        for s in list(self.sessions.values()):
+            if s.job == job and s.role == role and s.rank == rank:
+                self.send(s.identity, msg)
+
+    async def serve(self) -> None:
+        assert self._sock is not None
+        while True:
+            frames = await self._sock.recv_multipart(copy=False)
+            identity = bytes(frames[0].buffer)
+            session = self.sessions.get(identity)
+            if session is not None:
+                session.last_seen = time.monotonic()
+            try:
+                msg, _ = self.codec.decode(frames[1:])
+            except ProtocolError as exc:
+                log.warning("bad local message", code=exc.code.value, error=exc.message)
+                self.send(identity, Error(code=exc.code.value, message=exc.message))
+                continue
+            try:
+                self._dispatch(identity, msg)
+            except WeightwireError as exc:
+                self._error(identity, msg.req, exc)
+            except Exception as exc:  # a bug here must not take the daemon down
+                log.exception("local request failed", message=type(msg).__name__)
+                self._error(identity, msg.req, WeightwireError(f"internal error: {exc!r}"))
+
+    def _error(self, identity: bytes, req: int, exc: WeightwireError) -> None:
+        self.send(identity, Error(req=req, code=exc.code.value, message=exc.message))
+
+    def _spawn(self, identity: bytes, req: int, work: Awaitable[LocalMsg | None]) -> None:
+        async def run() -> None:
+            try:
+                reply = await work
+            except WeightwireError as exc:
+                self._error(identity, req, exc)
+            except Exception as exc:
+                log.exception("local request failed")
+                self._error(identity, req, WeightwireError(f"internal error: {exc!r}"))
+            else:
+                if reply is not None:
+                    self.send(identity, reply)
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _session(self, identity: bytes, msg: LocalMsg) -> Session:
+        session = self.sessions.get(identity)
+        if session is None:
+            raise ProtocolError(
+                f"{type(msg).__name__} before hello: say hello first", code=ErrorCode.NO_SESSION
+            )
+        return session
+
+    def _dispatch(self, identity: bytes, msg: LocalMessage) -> None:
+        d = self.daemon
+        if isinstance(msg, Hello):
+            self._hello(identity, msg)
+            return
+        session = self._session(identity, msg)
+        match msg:
+            case RegisterRegion(path=path, length=length, purpose=purpose):
+                region = d.registry.add_shared(path, length, purpose, session.id, session.label)
+                d.region_added(session, region)
+                self.send(identity, RegionRegistered(req=msg.req, region=region.local.id))
+            case DeclareSources(tensors=tensors):
+                session.declare_sources(tensors)
+                d.advertise(session.job)
+                self.send(identity, Ok(req=msg.req, detail=f"{len(tensors)} tensors"))
+            case DeclareDestinations(tensors=tensors, layout=layout):
+                session.declare_destinations(tensors, layout, d.registry.regions)
+                d.advertise(session.job)
+                self.send(identity, Ok(req=msg.req, detail=f"{len(tensors)} tensors"))
+            case GetPlan(timeout_s=timeout_s):
+                self._spawn(identity, msg.req, d.plan_for(session, msg.req, timeout_s))
+            case BeginVersion(version=version, plan_hash=plan_hash):
+                self._spawn(
+                    identity, msg.req, d.begin_version(session, msg.req, version, plan_hash)
+                )
+            case BucketReady(version=version, bucket=bucket):
+                d.publisher(session).bucket_ready(version, bucket)
+            case AbortVersion(version=version, reason=reason):
+                d.publisher(session).abort(f"version {version} aborted by the rank: {reason}")
+                self.send(identity, Ok(req=msg.req))
+            case WaitVersion(version=version, timeout_s=timeout_s):
+                self._spawn(identity, msg.req, d.wait_version(session, msg.req, version, timeout_s))
+            case Goodbye():
+                self.close_session(identity)
+            case Ping():
+                self.send(identity, Pong(req=msg.req, session=session.id))
+            case StatusRequest():
+                self.send(identity, StatusReply(req=msg.req, body=d.status()))
+            case _:
+                raise ProtocolError(
+                    f"{type(msg).__name__} is not a request a rank can send", code=ErrorCode.INVALID
+                )
+
+    def _hello(self, identity: bytes, hello: Hello) -> None:
+        check_protocol(hello.protocol, f"rank (pid {hello.pid})")
+        if identity in self.sessions:
+            raise ProtocolError("this connection already said hello", code=ErrorCode.DUPLICATE)
+        if hello.role != "admin":
+            for s in self.sessions.values():
+                if (s.job, s.role) != (hello.job, hello.role):
+                    continue
+                if s.rank == hello.rank:
+                    raise ProtocolError(
+                        f"{hello.role} rank {hello.rank} of job {hello.job!r} is already "
+                        f"registered here (pid {s.hello.pid})",
+                        code=ErrorCode.DUPLICATE,
+                    )
+                if s.hello.world_size != hello.world_size:
+                    raise ProtocolError(
+                        f"world size {hello.world_size} disagrees with {s.label}'s "
+                        f"{s.hello.world_size}",
+                        code=ErrorCode.INVALID,
+                    )
+            if hello.rank >= hello.world_size:
+                raise ProtocolError(
+                    f"rank {hello.rank} is not below world size {hello.world_size}",
+                    code=ErrorCode.INVALID,
+                )
+        session = Session(identity=identity, hello=hello)
+        self.sessions[identity] = session
+        log.info("rank connected", role=hello.role, rank=hello.rank, job=hello.job, pid=hello.pid)
+        self.send(
+            identity,
+            Welcome(
+                req=hello.req,
+                protocol=PROTOCOL_VERSION,
+                node=self.daemon.node,
+                session=self.daemon.incarnation + ":" + session.id,
+                daemon_version=self.daemon.version,
+            ),
+        )
+
+    def expire(self, timeout_s: float) -> None:
+        """Release sessions whose rank has been silent (no ping) for `timeout_s`."""
+        now = time.monotonic()
+        for identity, session in list(self.sessions.items()):
+            if now - session.last_seen > timeout_s:
+                del self.sessions[identity]
+                log.warning(
+                    "rank gone; releasing what it registered",
+                    role=session.role,
+                    rank=session.rank,
+                    job=session.job,
+                    pid=session.hello.pid,
+                    silent_s=round(now - session.last_seen, 2),
+                )
+                self.daemon.session_gone(session)
+
+    def close_session(self, identity: bytes) -> None:
+        session = self.sessions.pop(identity, None)
+        if session is not None:
+            log.info("rank left", role=session.role, rank=session.rank, job=session.job)
+            self.daemon.session_gone(session)
+
+    def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        if self._sock is not None:
+            self._sock.close(linger=0)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)

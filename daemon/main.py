@@ -1,0 +1,60 @@
+"""`weightwired`: the node daemon's entry point."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+
+import structlog
+import uvloop
+from weightwire.protocol.errors import WeightwireError
+
+from . import config as config_mod
+from . import logs
+
+
+def parse(argv: list[str] | None) -> config_mod.DaemonConfig:
+    parser = argparse.ArgumentParser(
+        prog="weightwired", description="weightwire node daemon (one per GPU host)"
+    )
+    parser.add_argument("--config", "-c", help=f"TOML file (default {config_mod.DEFAULT_CONFIG})")
+    config_mod.add_flags(parser)
+    args = vars(parser.parse_args(argv))
+    path = args.pop("config")
+    return config_mod.load(path, args)
+
+
+async def serve(cfg: config_mod.DaemonConfig) -> None:
+    from .node import Daemon
+
+    daemon = Daemon(cfg)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, daemon.stop.set)
+    await daemon.run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = parse(argv)
+    except WeightwireError as exc:
+        print(f"weightwired: {exc.message}", file=sys.stderr)
+        return 2
+    logs.configure(cfg.log_level)
+    log = structlog.get_logger("weightwire.daemon")
+    try:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(serve(cfg))
+    except WeightwireError as exc:
+        log.error("daemon failed", code=exc.code.value, error=exc.message)
+        return 1
+    except OSError as exc:
+        log.error("daemon failed", error=str(exc))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

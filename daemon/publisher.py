@@ -1,0 +1,232 @@
+"""The source side: one trainer rank's versions, bucket by bucket, each on its own.
+
+A rank's publish never waits for another rank. Bucket b's writes are posted the
+moment the rank says it is packed; the rank is told when every write of the version
+has landed, or the first cause of failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import structlog
+from weightwire.protocol.errors import (
+    ErrorCode,
+    PlanError,
+    TransferError,
+    VersionError,
+    WeightwireError,
+)
+from weightwire.protocol.local import PublishResult
+from weightwire.protocol.plan import RankPlan, WriteOp, encode_imm
+from weightwire.protocol.regions import RegionDescriptor
+from weightwire.transport.base import LocalRegion, Transport
+
+log = structlog.get_logger("weightwire.daemon.publisher")
+
+PickTransport = Callable[[str], Awaitable[Transport]]
+"""Returns a connected transport to a node (connecting if needed)."""
+
+
+@dataclass
+class Run:
+    """One attempt at one version."""
+
+    version: int
+    plan: RankPlan
+    staging: LocalRegion
+    posted: set[int] = field(default_factory=set)
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    started: float = field(default_factory=time.monotonic)
+    bytes_done: int = 0
+    writes_done: int = 0
+    error: WeightwireError | None = None
+    finished: bool = False
+
+
+@dataclass
+class Publisher:
+    job: str
+    rank: int
+    pick: PickTransport
+    reply: Callable[[PublishResult], None]
+    announce: Callable[[int, str, str, set[str]], None]
+    """announce(version, "start"|"abort", message, destination nodes)."""
+    plan: RankPlan | None = None
+    staging: LocalRegion | None = None
+    last_version: int = -1
+    run: Run | None = None
+    _regions: dict[tuple[str, int], RegionDescriptor] = field(default_factory=dict)
+
+    def set_plan(self, plan: RankPlan) -> None:
+        running = self.run is not None and not self.run.finished
+        if running and self.plan is not None and plan.plan_hash != self.plan.plan_hash:
+            self._fail(WeightwireError("the plan changed mid-version", code=ErrorCode.PLAN_CHANGED))
+        self.plan = plan
+        self._regions = {(r.node, r.id): r for r in plan.regions}
+
+    @property
+    def destinations(self) -> set[str]:
+        return {r.node for r in self.plan.regions} if self.plan else set()
+
+    def begin(self, version: int, plan_hash: str) -> None:
+        if self.plan is None:
+            raise PlanError("this rank has no plan yet", code=ErrorCode.NOT_READY)
+        if plan_hash != self.plan.plan_hash:
+            raise PlanError(
+                f"publish used plan {plan_hash}, the current plan is {self.plan.plan_hash}",
+                code=ErrorCode.PLAN_CHANGED,
+            )
+        if version <= self.last_version:
+            raise VersionError(
+                f"version {version} does not follow version {self.last_version} of trainer "
+                f"rank {self.rank}: versions only go forwards"
+            )
+        if self.staging is None or self.staging.length < self.plan.staging_bytes:
+            raise PlanError(
+                f"the plan needs a staging region of {self.plan.staging_bytes} bytes; "
+                f"register one first",
+                code=ErrorCode.NOT_READY,
+            )
+        if self.run is not None and self.run.tasks:
+            raise VersionError(
+                f"version {self.run.version} still has writes in flight", code=ErrorCode.NOT_READY
+            )
+        self.last_version = version
+        self.run = Run(version=version, plan=self.plan, staging=self.staging)
+        self.announce(version, "start", "", self.destinations)
+        if not self.plan.buckets:
+            self._finish(self.run)
+
+    def bucket_ready(self, version: int, bucket: int) -> None:
+        run = self.run
+        if run is None or run.version != version:
+            raise VersionError(f"bucket {bucket} of version {version}, which was not begun")
+        if run.finished:
+            return  # the version already failed; the rank learns why from PublishResult
+        if not 0 <= bucket < len(run.plan.buckets):
+            raise VersionError(
+                f"bucket {bucket} does not exist (the plan has {len(run.plan.buckets)})",
+                code=ErrorCode.INVALID,
+            )
+        if bucket in run.posted:
+            raise VersionError(
+                f"bucket {bucket} of version {version} was already posted", code=ErrorCode.DUPLICATE
+            )
+        run.posted.add(bucket)
+        for w in run.plan.buckets[bucket].writes:
+            task = asyncio.get_running_loop().create_task(self._write(run, w))
+            run.tasks.add(task)
+            task.add_done_callback(lambda t, run=run: self._written(run, t))
+
+    async def _write(self, run: Run, w: WriteOp) -> None:
+        dst = self._regions.get((w.dst_node, w.dst_region))
+        if dst is None:
+            raise WeightwireError(
+                f"plan names region {w.dst_region} of {w.dst_node}, not advertised"
+            )
+        transport = await self.pick(w.dst_node)
+        await transport.write(
+            run.staging, w.src_offset, dst, w.dst_offset, w.length, encode_imm(run.version, w.slot)
+        )
+        run.bytes_done += w.length
+        run.writes_done += 1
+
+    def _written(self, run: Run, task: asyncio.Task[None]) -> None:
+        run.tasks.discard(task)
+        if task.cancelled():
+            exc: BaseException | None = WeightwireError("write cancelled", code=ErrorCode.ABORTED)
+        else:
+            exc = task.exception()
+        if exc is not None and not run.finished:
+            err = exc if isinstance(exc, WeightwireError) else TransferError(repr(exc))
+            self._fail(err, run)
+        elif not run.finished and not run.tasks and len(run.posted) == len(run.plan.buckets):
+            self._finish(run)
+
+    def _finish(self, run: Run) -> None:
+        run.finished = True
+        seconds = time.monotonic() - run.started
+        log.info(
+            "publish complete",
+            rank=self.rank,
+            version=run.version,
+            bytes=run.bytes_done,
+            writes=run.writes_done,
+            seconds=round(seconds, 6),
+            gbps=round(run.bytes_done / seconds / 1e9, 3) if seconds > 0 else None,
+        )
+        self.reply(
+            PublishResult(
+                version=run.version,
+                ok=True,
+                nbytes=run.bytes_done,
+                writes=run.writes_done,
+                seconds=seconds,
+            )
+        )
+
+    def abort(self, reason: str, code: ErrorCode = ErrorCode.ABORTED) -> None:
+        if self.run is not None and not self.run.finished:
+            self._fail(WeightwireError(reason, code=code))
+
+    def _fail(self, err: WeightwireError, run: Run | None = None) -> None:
+        run = run or self.run
+        if run is None or run.finished:
+            return
+        run.finished = True
+        run.error = err
+        log.warning(
+            "publish failed",
+            rank=self.rank,
+            version=run.version,
+            code=err.code.value,
+            error=err.message,
+            bytes=run.bytes_done,
+        )
+        self.announce(run.version, "abort", f"[{err.code.value}] {err.message}", self.destinations)
+        self.reply(
+            PublishResult(
+                version=run.version,
+                ok=False,
+                nbytes=run.bytes_done,
+                writes=run.writes_done,
+                seconds=time.monotonic() - run.started,
+                code=err.code.value,
+                message=err.message,
+            )
+        )
+
+    async def drain(self, timeout_s: float) -> None:
+        """Wait for writes still in flight (a failed version's stragglers)."""
+        if self.run is None or not self.run.tasks:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait(set(self.run.tasks), timeout=timeout_s)
+
+    def progress(self) -> dict[str, object]:
+        run = self.run
+        total = self.plan.write_bytes if self.plan else 0
+        return {
+            "rank": self.rank,
+            "plan": self.plan.plan_hash if self.plan else None,
+            "last_version": self.last_version,
+            "version": run.version if run else None,
+            "state": (
+                "idle"
+                if run is None
+                else "failed"
+                if run.error
+                else "done"
+                if run.finished
+                else "writing"
+            ),
+            "bytes_done": run.bytes_done if run else 0,
+            "bytes_total": total,
+            "buckets_posted": len(run.posted) if run else 0,
+            "buckets": len(self.plan.buckets) if self.plan else 0,
+        }

@@ -1,0 +1,101 @@
+"""The node's regions: rank memory mapped once, registered once with every transport."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import structlog
+from weightwire.protocol.regions import RegionDescriptor, RegionKeys
+from weightwire.transport.base import LocalRegion, Transport
+from weightwire.transport.hostmem import SharedFile, open_shared
+
+log = structlog.get_logger("weightwire.daemon.regions")
+
+
+@dataclass(eq=False)
+class Region:
+    local: LocalRegion
+    descriptor: RegionDescriptor
+    purpose: str
+    session: str
+    file: SharedFile | None = None
+
+
+@dataclass
+class RegionRegistry:
+    node: str
+    transports: list[Transport]
+    regions: dict[int, Region] = field(default_factory=dict)
+    _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+    _closing: list[SharedFile] = field(default_factory=list)
+
+    def add_shared(self, path: str, length: int, purpose: str, session: str, owner: str) -> Region:
+        file = open_shared(path, length)
+        region_id = next(self._ids)
+        local = LocalRegion(
+            id=region_id,
+            kind="cpu",
+            length=length,
+            view=file.view,
+            fd=file.fd,
+            address=file.address,
+            owner=owner,
+        )
+        try:
+            keys = self._register(local)
+        except BaseException:
+            file.close()
+            raise
+        region = Region(
+            local=local,
+            descriptor=RegionDescriptor(
+                id=region_id, node=self.node, kind="cpu", length=length, keys=keys
+            ),
+            purpose=purpose,
+            session=session,
+            file=file,
+        )
+        self.regions[region_id] = region
+        log.info("region registered", region=region_id, bytes=length, purpose=purpose, owner=owner)
+        return region
+
+    def _register(self, local: LocalRegion) -> RegionKeys:
+        merged = RegionKeys()
+        done: list[Transport] = []
+        try:
+            for t in self.transports:
+                keys = t.register(local)
+                done.append(t)
+                merged = RegionKeys(
+                    tcp=keys.tcp or merged.tcp,
+                    verbs=merged.verbs + keys.verbs,
+                    cuda=keys.cuda or merged.cuda,
+                )
+        except BaseException:
+            for t in done:
+                t.deregister(local.id)
+            raise
+        return merged
+
+    def remove(self, region_id: int) -> None:
+        region = self.regions.pop(region_id, None)
+        if region is None:
+            return
+        for t in self.transports:
+            t.deregister(region_id)
+        if region.file is not None:
+            self._closing.append(region.file)
+        self.reap()
+        log.info("region released", region=region_id, owner=region.local.owner)
+
+    def reap(self) -> None:
+        """Unmap released regions once no receive is still writing into them."""
+        self._closing = [f for f in self._closing if not f.close()]
+
+    def of_session(self, session: str) -> list[Region]:
+        return [r for r in self.regions.values() if r.session == session]
+
+    def close(self) -> None:
+        for region_id in list(self.regions):
+            self.remove(region_id)
