@@ -127,6 +127,16 @@ class Trainer:
             self._plan = reply.plan
         return self._plan
 
+    def prepare(self, timeout_s: float | None = None) -> RankPlan:
+        """Fetch the plan and register the staging region now, not in the first publish.
+
+        Waits until every rank of the job has registered. The staging memory is touched
+        once here, so no version pays for page faults.
+        """
+        plan = self.plan(timeout_s)
+        self._ensure_staging(plan)
+        return plan
+
     def _ensure_staging(self, plan: RankPlan) -> torch.Tensor:
         need = max(plan.staging_bytes, 1)
         if self._staging is None or self._staging.length < need:
@@ -142,6 +152,7 @@ class Trainer:
                 shared.unlink()
             self._staging = shared
             self._staging_tensor = torch.frombuffer(shared.map, dtype=torch.uint8)
+            self._staging_tensor.zero_()
         assert self._staging_tensor is not None
         return self._staging_tensor
 

@@ -197,6 +197,8 @@ class Daemon:
         last_hello = 0.0
         while True:
             now = time.monotonic()
+            if self.coordinator is not None:
+                self.mesh.last_seen[self.node] = now  # the coordinator is never lost to itself
             if (
                 self.coordinator_name is None
                 or not self.mesh.alive(self.coordinator_name, self.cfg.heartbeat_timeout_s)

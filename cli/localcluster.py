@@ -1,0 +1,165 @@
+"""A cluster of real weightwired processes on this machine, for the demo, tests and benchmarks.
+
+Hosts are either loopback (every daemon on 127.0.0.1) or network namespaces with
+their own addresses. Ports are bound as 0 and read back from each daemon's ready file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from . import netns
+
+
+@dataclass
+class DaemonProc:
+    node: str
+    host: int
+    address: str
+    socket: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    ready: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def endpoint(self) -> str:
+        return str(self.ready["peer_endpoint"])
+
+    def logs(self) -> list[dict[str, object]]:
+        out = []
+        for line in self.log_path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return out
+
+
+@dataclass
+class LocalCluster:
+    """Start with `start()`, stop with `stop()` (or use as a context manager)."""
+
+    hosts: int = 2
+    use_netns: bool = False
+    extra: dict[str, str] = field(default_factory=dict)  # more daemon flags, for every daemon
+    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="weightwire-")))
+    daemons: list[DaemonProc] = field(default_factory=list)
+    net: netns.Hosts | None = None
+
+    def address(self, host: int) -> str:
+        return self.net.addresses[host] if self.net else "127.0.0.1"
+
+    def prefix(self, host: int) -> list[str]:
+        return self.net.prefix(host) if self.net else []
+
+    def start(self) -> LocalCluster:
+        if self.use_netns:
+            self.net = netns.Hosts(self.hosts)
+        coordinator = self.start_daemon(0, coordinator=True)
+        for host in range(1, self.hosts):
+            self.start_daemon(host, coordinator_endpoint=coordinator.endpoint)
+        return self
+
+    def start_daemon(
+        self,
+        host: int,
+        *,
+        coordinator: bool = False,
+        coordinator_endpoint: str = "",
+        node: str | None = None,
+        flags: dict[str, str] | None = None,
+        peer_port: int = 0,
+    ) -> DaemonProc:
+        node = node or f"host{host}"
+        addr = self.address(host)
+        sock = str(self.workdir / f"{node}.sock")
+        ready = self.workdir / f"{node}.ready.json"
+        ready.unlink(missing_ok=True)
+        args = {
+            "node": node,
+            "local-socket": sock,
+            "peer-bind": f"tcp://{addr}:{peer_port}",
+            "advertise-host": addr,
+            "tcp-bind": addr,
+            "ready-file": str(ready),
+            **self.extra,
+            **(flags or {}),
+        }
+        if coordinator:
+            args["is-coordinator"] = ""
+        else:
+            args["coordinator"] = coordinator_endpoint or self.daemons[0].endpoint
+        cmd = [*self.prefix(host), sys.executable, "-m", "weightwire.daemon"]
+        for k, v in args.items():
+            cmd += [f"--{k}"] if v == "" else [f"--{k}", v]
+        log_path = self.workdir / f"{node}.log"
+        log: IO[bytes] = open(log_path, "ab")  # noqa: SIM115 - the daemon owns it
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        d = DaemonProc(node, host, addr, sock, proc, log_path)
+        deadline = time.monotonic() + 30
+        while not ready.exists():
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"daemon {node} exited ({proc.returncode}):\n{log_path.read_text()}"
+                )
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"daemon {node} not ready in 30 s:\n{log_path.read_text()}")
+            time.sleep(0.05)
+        d.ready = json.loads(ready.read_text())
+        existing = [i for i, x in enumerate(self.daemons) if x.node == node]
+        if existing:
+            self.daemons[existing[0]] = d
+        else:
+            self.daemons.append(d)
+        return d
+
+    def daemon(self, node: str) -> DaemonProc:
+        return next(d for d in self.daemons if d.node == node)
+
+    def wait_joined(self, timeout_s: float = 20.0) -> None:
+        """Until the coordinator counts every daemon as a member."""
+        from .status import fetch
+
+        deadline = time.monotonic() + timeout_s
+        want = {d.node for d in self.daemons if d.proc.poll() is None}
+        while time.monotonic() < deadline:
+            coord = fetch(self.daemons[0].socket).get("coordination") or {}
+            if want <= set(coord.get("members", [])):  # type: ignore[union-attr]
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"daemons {sorted(want)} did not all join in {timeout_s} s")
+
+    def rank_env(self) -> dict[str, str]:
+        return {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+    def stop(self, timeout_s: float = 15.0) -> list[int]:
+        """SIGTERM every daemon; returns their exit codes (killed ones count as -9)."""
+        for d in self.daemons:
+            if d.proc.poll() is None:
+                d.proc.send_signal(signal.SIGTERM)
+        codes = []
+        for d in self.daemons:
+            try:
+                codes.append(d.proc.wait(timeout_s))
+            except subprocess.TimeoutExpired:
+                d.proc.kill()
+                codes.append(-9)
+        if self.net is not None:
+            self.net.close()
+        return codes
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,68 @@
+"""`weightwire`: the command line (demo, status, bench, plan, keygen)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from weightwire.protocol.errors import WeightwireError
+
+DEFAULT_SOCKET = os.environ.get("WEIGHTWIRE_SOCKET", "/run/weightwire/weightwired.sock")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="weightwire", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    demo = sub.add_parser("demo", help="a verified weight sync on a local cluster")
+    demo.add_argument("--daemons", type=int, default=2)
+    demo.add_argument("--trainers", type=int, default=2)
+    demo.add_argument("--engines", type=int, default=2)
+    demo.add_argument("--model-gb", type=float, default=1.2)
+    demo.add_argument("--versions", type=int, default=3)
+    demo.add_argument(
+        "--netns",
+        choices=["auto", "on", "off"],
+        default="off",
+        help="daemons in network namespaces over veth (needs root)",
+    )
+
+    st = sub.add_parser("status", help="a running daemon's regions, peers and progress")
+    st.add_argument("--socket", default=DEFAULT_SOCKET)
+    st.add_argument("--json", action="store_true")
+
+    bench = sub.add_parser("bench", help="benchmarks against a baseline from the same run")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    btcp = bsub.add_parser("tcp", help="daemon-to-daemon tcp vs iperf3 over veth")
+    btcp.add_argument("--json", action="store_true")
+    btcp.add_argument("--streams", type=int, default=4)
+    btcp.add_argument("--gb", type=float, default=2.0, help="bytes per measured round")
+    btcp.add_argument("--seconds", type=float, default=5.0, help="iperf3 duration")
+
+    args = p.parse_args(argv)
+    try:
+        match args.cmd:
+            case "demo":
+                from .demo import run
+
+                return run(args)
+            case "status":
+                from .status import fetch, render
+
+                s = fetch(args.socket)
+                print(json.dumps(s, indent=2) if args.json else render(s))
+                return 0
+            case "bench":
+                from weightwire.bench.tcp import run as run_tcp
+
+                return run_tcp(args)
+    except WeightwireError as exc:
+        print(f"weightwire: {exc}", file=sys.stderr)
+        return 1
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

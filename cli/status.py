@@ -1,0 +1,61 @@
+"""`weightwire status`: what a running daemon holds and is doing."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from weightwire.protocol import PROTOCOL_VERSION
+from weightwire.protocol.local import Hello, StatusReply, StatusRequest
+
+
+def fetch(socket: str, timeout_s: float = 10.0) -> dict[str, Any]:
+    from weightwire.client.connection import DaemonConnection, expect
+
+    with DaemonConnection(socket, ping_interval_s=3600) as conn:
+        conn.request(Hello(protocol=PROTOCOL_VERSION, role="admin", client="weightwire status"))
+        reply = expect(conn.request(StatusRequest(), timeout_s), StatusReply)
+        return dict(reply.body)
+
+
+def _gb(n: object) -> str:
+    return f"{int(n) / 1e9:.3f} GB" if isinstance(n, int | float) else "-"
+
+
+def render(s: dict[str, Any]) -> str:
+    lines = [
+        f"node {s['node']}  (weightwired {s['version']}, pid {s['pid']}, up {s['uptime_s']} s, "
+        f"rss {_gb(s['rss_bytes'])}, {s['open_fds']} fds)",
+        f"  peer endpoint {s['peer_endpoint']}   coordinator {s['coordinator']}"
+        + ("  [this node coordinates]" if s["is_coordinator"] else ""),
+        "  peers:",
+    ]
+    for p in s["peers"]:
+        state = "lost" if p["lost"] else "alive" if p["alive"] else "silent"
+        lines.append(
+            f"    {p['node']:<16} {p['endpoint']:<28} {state:<6} seen {p['last_seen_s']} s ago"
+        )
+    lines.append("  regions:")
+    for r in s["regions"] or [
+        {"id": "-", "purpose": "(none)", "kind": "", "bytes": 0, "owner": ""}
+    ]:
+        size = _gb(r["bytes"])
+        lines.append(f"    #{r['id']:<4} {r['purpose']:<8} {r['kind']:<4} {size:>12}  {r['owner']}")
+    for job, h in s["plans"].items():
+        lines.append(f"  plan of job {job!r}: {h}")
+    for job, problem in s["plan_problems"].items():
+        lines.append(f"  plan of job {job!r} IMPOSSIBLE: {problem}")
+    for p in s["publishing"]:
+        frac = p["bytes_done"] / p["bytes_total"] if p["bytes_total"] else 0.0
+        lines.append(
+            f"  trainer rank {p['rank']}: version {p['version']} {p['state']} "
+            f"{frac:6.1%} of {_gb(p['bytes_total'])} (buckets {p['buckets_posted']}/{p['buckets']})"
+        )
+    for r in s["receiving"]:
+        cur = ", ".join(f"v{i['version']} {i['fraction']:.1%}" for i in r["in_progress"]) or "idle"
+        lines.append(
+            f"  engine rank {r['rank']}: last complete v{r['last_complete']}, now {cur} "
+            f"({r['expected_writes']} writes, {_gb(r['expected_bytes'])} per version)"
+        )
+    lines.append("  transports: " + json.dumps(s["transports"]))
+    return "\n".join(lines)
