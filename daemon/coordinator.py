@@ -28,7 +28,7 @@ from weightwire.protocol.peer import (
     PeerWelcome,
     PlanProblem,
 )
-from weightwire.protocol.plan import NodePlan
+from weightwire.protocol.plan import MAX_SLOTS, NodePlan
 
 log = structlog.get_logger("weightwire.daemon.coordinator")
 
@@ -59,6 +59,7 @@ class Coordinator:
     jobs: dict[str, Job] = field(default_factory=dict)
     _planning: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     _plans: dict[str, dict[str, NodePlan]] = field(default_factory=dict)
+    _slots: dict[str, dict[tuple[str, int], int]] = field(default_factory=dict)
 
     # --- membership ----------------------------------------------------------
 
@@ -153,7 +154,8 @@ class Coordinator:
         t0 = time.monotonic()
         try:
             engines = self.resolve(trainers, engines)
-            plans = await asyncio.to_thread(plan, job.name, trainers, engines, self.options)
+            slots = self._slots_for(job.name, engines)
+            plans = await asyncio.to_thread(plan, job.name, trainers, engines, self.options, slots)
         except WeightwireError as exc:
             self._problem(job, exc)
             return
@@ -184,6 +186,23 @@ class Coordinator:
                 continue
             self.send(node, AssignPlan(plan=node_plan))
             job.assigned[node] = member.incarnation
+
+    def _slots_for(self, job: str, engines: list[EngineRank]) -> dict[int, int]:
+        """Each engine rank's immediate counter on its node, unique across jobs, stable."""
+        out: dict[int, int] = {}
+        for e in sorted(engines, key=lambda e: e.rank):
+            taken = self._slots.setdefault(e.node, {})
+            for key in [k for k in taken if k[0] == job and k[1] == e.rank]:
+                out[e.rank] = taken[key]
+            if e.rank not in out:
+                used = set(taken.values())
+                slot = next(i for i in range(MAX_SLOTS) if i not in used)
+                taken[(job, e.rank)] = out[e.rank] = slot
+        for node, taken in self._slots.items():  # free slots of ranks that moved or left
+            for key in [k for k in taken if k[0] == job]:
+                if not any(e.rank == key[1] and e.node == node for e in engines):
+                    del taken[key]
+        return out
 
     def _problem(self, job: Job, exc: WeightwireError) -> None:
         job.plan_hash, job.inputs, job.assigned = "", "", {}

@@ -106,8 +106,13 @@ def plan(
     trainers: list[TrainerRank],
     engines: list[EngineRank],
     options: PlanOptions | None = None,
+    slots: dict[int, int] | None = None,
 ) -> dict[str, NodePlan]:
-    """The per-node plans of a job. Raises PlanError naming every problem found."""
+    """The per-node plans of a job. Raises PlanError naming every problem found.
+
+    `slots` gives each engine rank its immediate counter on its node (unique across the
+    jobs a node serves); by default ranks are numbered per node from 0.
+    """
     options = options or PlanOptions()
     trainers = sorted(trainers, key=lambda t: t.rank)
     engines = sorted(engines, key=lambda e: e.rank)
@@ -117,7 +122,7 @@ def plan(
     work: dict[tuple[str, int], _RankWork] = {
         (t.node, t.rank): _RankWork((t.node, t.rank)) for t in trainers
     }
-    slots = _slots(engines)
+    slots = slots if slots is not None else _slots(engines)
     expect_count: dict[int, int] = defaultdict(int)
     expect_bytes: dict[int, int] = defaultdict(int)
     expect_sources: dict[int, set[str]] = defaultdict(set)

@@ -1,0 +1,211 @@
+"""The planner: every destination byte comes from the right source, bitwise; errors name names."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from weightwire.plan.planner import PlanOptions, plan
+from weightwire.protocol.errors import PlanError
+from weightwire.protocol.tensors import Box, Cast, Piece
+
+from .planlib import check_bitwise, engine, execute, trainer
+
+
+def model(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed": torch.randn(50, 16, generator=g).to(torch.bfloat16),
+        "q": torch.randn(32, 16, generator=g).to(torch.bfloat16),
+        "o": torch.randn(16, 32, generator=g).to(torch.bfloat16),
+        "norm": torch.randn(16, generator=g),
+        "layers.0.mlp.experts.3.w": torch.randn(24, 16, generator=g).to(torch.bfloat16),
+    }
+
+
+def fsdp(rank: int, world: int, g: dict[str, torch.Tensor]) -> dict[str, Box | None]:
+    out: dict[str, Box | None] = {}
+    for name, t in g.items():
+        n = t.shape[0]
+        step = -(-n // world)
+        lo, hi = min(n, rank * step), min(n, rank * step + step)
+        out[name] = Box.rows(tuple(t.shape), lo, hi)
+    return out
+
+
+def tp_pieces(g: dict[str, torch.Tensor], rank: int, tp: int) -> list:
+    """Column tensors sliced on dim 0, row tensors on dim 1, the rest whole."""
+    dests = []
+    for name, t in g.items():
+        shape = tuple(t.shape)
+        dtype = str(t.dtype).removeprefix("torch.")
+        if name in ("embed", "q"):
+            n = shape[0] // tp if shape[0] % tp == 0 else -(-shape[0] // tp)
+            lo, hi = rank * n, min(shape[0], rank * n + n)
+            box = Box.rows(shape, lo, hi)
+        elif name == "o":
+            n = shape[1] // tp
+            box = Box.rows(shape, rank * n, rank * n + n, dim=1)
+        else:
+            box = Box.full(shape)
+        dests.append((name, dtype, box.sizes, (Piece(source=name, box=box, dst_offset=0),)))
+    return dests
+
+
+@pytest.mark.parametrize(
+    ("trainers", "tp", "replicas"), [(2, 2, 1), (3, 2, 2), (4, 4, 1), (1, 3, 1)]
+)
+def test_fsdp_to_tp_bitwise(trainers: int, tp: int, replicas: int) -> None:
+    g = model()
+    ts = [trainer("T", r, g, fsdp(r, trainers, g)) for r in range(trainers)]
+    es = [
+        engine(f"E{rep}", rep * tp + r, tp_pieces(g, r, tp))
+        for rep in range(replicas)
+        for r in range(tp)
+    ]
+    plans = plan("job", ts, es, PlanOptions(bucket_bytes=512, max_write_bytes=300))
+    check_bitwise(execute(plans, ts, es, g), es, g)
+    writes = [w for p in plans.values() for s in p.sends for b in s.buckets for w in b.writes]
+    assert max(w.length for w in writes) <= 300
+    for p in plans.values():
+        for s in p.sends:
+            kinds = [b.kind for b in s.buckets]
+            assert kinds == sorted(kinds, key=lambda k: k == "experts"), "dense before experts"
+
+
+def test_row_sharded_sources_to_whole_destinations() -> None:
+    """Megatron row-parallel trainer shards (dim 1) into whole engine tensors: cut per row."""
+    g = {"o": torch.randn(6, 8).to(torch.bfloat16)}
+    ts = [trainer("T", r, g, {"o": Box.rows((6, 8), 4 * r, 4 * r + 4, dim=1)}) for r in range(2)]
+    es = [
+        engine(
+            "E",
+            0,
+            [("o", "bfloat16", (6, 8), (Piece(source="o", box=Box.full((6, 8)), dst_offset=0),))],
+        )
+    ]
+    plans = plan("job", ts, es)
+    check_bitwise(execute(plans, ts, es, g), es, g)
+
+
+def test_cast_and_concatenated_pieces() -> None:
+    g = {"a": torch.randn(4, 4), "b": torch.randn(2, 4)}
+    ts = [trainer("T", 0, g, {"a": None, "b": None})]
+    pieces = (
+        Piece(
+            source="a", box=Box.rows((4, 4), 1, 3), dst_offset=0, transform=Cast(dtype="bfloat16")
+        ),
+        Piece(source="b", box=Box.full((2, 4)), dst_offset=16, transform=Cast(dtype="bfloat16")),
+    )
+    es = [engine("E", 0, [("ab", "bfloat16", (4, 4), pieces)])]
+    plans = plan("job", ts, es)
+    check_bitwise(execute(plans, ts, es, g), es, g)
+
+
+def test_least_loaded_balances_replicated_sources() -> None:
+    g = {f"t{i}": torch.randn(64, 64) for i in range(32)}
+    ts = [trainer("T", r, g, {n: None for n in g}) for r in range(4)]
+    es = [
+        engine(
+            f"E{e}",
+            e,
+            [
+                (n, "float32", (64, 64), (Piece(source=n, box=Box.full((64, 64)), dst_offset=0),))
+                for n in g
+            ],
+        )
+        for e in range(2)
+    ]
+    plans = plan("job", ts, es)
+    loads = [sum(w.length for b in s.buckets for w in b.writes) for s in plans["T"].sends]
+    mean = sum(loads) / len(loads)
+    assert max(loads) <= 1.05 * mean, loads
+    check_bitwise(execute(plans, ts, es, g), es, g)
+
+
+def test_plan_is_deterministic_and_its_hash_tracks_layouts() -> None:
+    g = model()
+    ts = [trainer(f"T{r}", r, g, fsdp(r, 2, g)) for r in range(2)]
+    es = [engine("E", r, tp_pieces(g, r, 2)) for r in range(2)]
+    a = plan("job", ts, es)
+    shuffled_t, shuffled_e = ts[:], es[:]
+    random.Random(1).shuffle(shuffled_t)
+    random.Random(2).shuffle(shuffled_e)
+    b = plan("job", shuffled_t, shuffled_e)
+    assert a == b
+    es2 = [engine("E", r, tp_pieces(g, r, 2)) for r in range(2)]
+    es2[1] = engine("E", 1, tp_pieces(g, 1, 2)[::-1])
+    assert plan("job", ts, es2)["E"].plan_hash != a["E"].plan_hash
+
+
+def errors_of(ts, es, **kw) -> str:  # type: ignore[no-untyped-def]
+    with pytest.raises(PlanError) as err:
+        plan("job", ts, es, PlanOptions(**kw))
+    return err.value.message
+
+
+def test_errors_list_the_names() -> None:
+    g = {"a": torch.randn(4, 4), "b": torch.randn(4, 4)}
+    ts = [trainer("T", 0, g, {"a": None, "b": None})]
+    full = Box.full((4, 4))
+    unknown = engine(
+        "E",
+        0,
+        [
+            ("x", "float32", (4, 4), (Piece(source="nope", box=full, dst_offset=0),)),
+            ("a", "float32", (4, 4), (Piece(source="a", box=full, dst_offset=0),)),
+        ],
+    )
+    msg = errors_of(ts, [unknown])
+    assert "nope" in msg and "source tensors no destination uses: b" in msg
+    wrong_dtype = engine(
+        "E",
+        0,
+        [
+            ("a", "bfloat16", (4, 4), (Piece(source="a", box=full, dst_offset=0),)),
+            ("b", "float32", (4, 4), (Piece(source="b", box=full, dst_offset=0),)),
+        ],
+    )
+    assert "dtype_mismatch" in errors_of(ts, [wrong_dtype])
+    gap = engine(
+        "E",
+        0,
+        [
+            ("a", "float32", (5, 4), (Piece(source="a", box=full, dst_offset=0),)),
+            ("b", "float32", (4, 4), (Piece(source="b", box=full, dst_offset=0),)),
+        ],
+    )
+    assert "pieces give 64 bytes, the tensor has 80" in errors_of(ts, [gap])
+    overlap = engine(
+        "E",
+        0,
+        [
+            (
+                "a",
+                "float32",
+                (4, 4),
+                (
+                    Piece(source="a", box=Box.rows((4, 4), 0, 2), dst_offset=0),
+                    Piece(source="a", box=Box.rows((4, 4), 2, 4), dst_offset=16),
+                ),
+            ),
+            ("b", "float32", (4, 4), (Piece(source="b", box=full, dst_offset=0),)),
+        ],
+    )
+    assert "overlap" in errors_of(ts, [overlap])
+    half = [trainer("T", 0, g, {"a": Box.rows((4, 4), 0, 2), "b": None})]
+    both = engine(
+        "E",
+        0,
+        [
+            ("a", "float32", (4, 4), (Piece(source="a", box=full, dst_offset=0),)),
+            ("b", "float32", (4, 4), (Piece(source="b", box=full, dst_offset=0),)),
+        ],
+    )
+    assert "which no trainer rank holds whole" in errors_of(half, [both])
+    disagree = [
+        trainer("T", 0, g, {"a": None, "b": None}),
+        trainer("T", 1, {"a": torch.randn(4, 5), "b": g["b"]}, {"a": None, "b": None}),
+    ]
+    assert "disagree on a" in errors_of(disagree, [both])
