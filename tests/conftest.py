@@ -1,5 +1,36 @@
 import os
 import sys
 
+import pytest
+
 # `tests` is importable as a package so transport suites can share the conformance tests.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from weightwire.cli import netns
+from weightwire.cli.localcluster import LocalCluster
+
+NETNS, NETNS_WHY = netns.available()
+FAST = {
+    "heartbeat-interval-s": "0.2",
+    "heartbeat-timeout-s": "1.5",
+    "session-timeout-s": "3",
+    "stall-timeout-s": "10",
+    "max-message-bytes": str(4 << 20),
+}
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    if NETNS:
+        return ["weightwire end-to-end hosts: network namespaces joined by veth (root)"]
+    return [f"weightwire end-to-end hosts: LOOPBACK, because {NETNS_WHY}"]
+
+
+@pytest.fixture(scope="module")
+def cluster():  # type: ignore[no-untyped-def]
+    """Two real daemons, each in its own network namespace when we are root."""
+    c = LocalCluster(hosts=2, use_netns=NETNS, extra=FAST)
+    c.start()
+    c.wait_joined()
+    yield c
+    codes = c.stop()
+    assert codes == [0, 0], f"daemons exited with {codes}; logs in {c.workdir}"

@@ -1,0 +1,187 @@
+"""Bad input gets a clear, typed error naming what was wrong, and the daemon keeps serving."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+import zmq
+from weightwire.cli.localcluster import LocalCluster
+from weightwire.cli.status import fetch
+from weightwire.client import Engine, Rows, Shard, Trainer
+from weightwire.client.connection import DaemonConnection
+from weightwire.protocol import PROTOCOL_VERSION
+from weightwire.protocol.errors import (
+    ErrorCode,
+    PlanError,
+    RegistrationError,
+    VersionError,
+)
+from weightwire.protocol.local import DeclareSources, Hello
+from weightwire.protocol.tensors import Box, SourceTensor
+
+W = torch.arange(64, dtype=torch.float32).reshape(8, 8)
+
+
+def pair(cluster: LocalCluster, job: str, **engine_tensors: torch.Tensor) -> tuple[Trainer, Engine]:
+    tr = Trainer(0, 1, socket=cluster.daemons[0].socket, job=job, timeout_s=10)
+    tr.register({"w": W.clone()})
+    eng = Engine(0, 1, socket=cluster.daemons[1].socket, job=job, timeout_s=10)
+    eng.register(engine_tensors or {"w": torch.zeros(8, 8)})
+    return tr, eng
+
+
+def healthy_sync(cluster: LocalCluster, job: str) -> None:
+    """The daemons still serve a good job end to end, bitwise."""
+    tr, eng = pair(cluster, job)
+    dst = torch.zeros(8, 8)
+    eng.close()
+    eng = Engine(0, 1, socket=cluster.daemons[1].socket, job=job + "-2", timeout_s=10)
+    eng.register({"w": dst})
+    tr.close()
+    tr = Trainer(0, 1, socket=cluster.daemons[0].socket, job=job + "-2", timeout_s=10)
+    tr.register({"w": W * 3})
+    tr.publish(1)
+    eng.wait(1)
+    assert torch.equal(dst, W * 3)
+    tr.close()
+    eng.close()
+
+
+def test_engine_needs_a_tensor_no_trainer_has(cluster: LocalCluster) -> None:
+    tr, eng = pair(cluster, "unknown-name", w=torch.zeros(8, 8), ghost=torch.zeros(4))
+    with pytest.raises(PlanError) as err:
+        tr.prepare(timeout_s=10)
+    assert "ghost" in err.value.message and "no trainer declared" in err.value.message
+    with pytest.raises(PlanError) as err2:
+        eng.wait(1, timeout_s=5)
+    assert "ghost" in err2.value.message
+    tr.close()
+    eng.close()
+    healthy_sync(cluster, "after-unknown-name")
+
+
+def test_publish_of_unregistered_tensor_or_wrong_dtype_or_shape(cluster: LocalCluster) -> None:
+    tr, eng = pair(cluster, "publish-checks")
+    with pytest.raises(RegistrationError) as e1:
+        tr.publish(1, {"nope": W})
+    assert e1.value.code is ErrorCode.UNKNOWN_TENSOR and "nope" in e1.value.message
+    with pytest.raises(RegistrationError) as e2:
+        tr.publish(1, {"w": W.to(torch.float16)})
+    assert e2.value.code is ErrorCode.DTYPE_MISMATCH and "float16" in e2.value.message
+    with pytest.raises(RegistrationError) as e3:
+        tr.publish(1, {"w": torch.zeros(4, 8)})
+    assert e3.value.code is ErrorCode.SHAPE_MISMATCH and "[4, 8]" in e3.value.message
+    tr.publish(1)  # the rank itself is fine afterwards
+    eng.wait(1)
+    tr.close()
+    eng.close()
+
+
+def test_trainer_and_engine_disagree_on_dtype_or_shape(cluster: LocalCluster) -> None:
+    tr, eng = pair(cluster, "dtype-mismatch", w=torch.zeros(8, 8, dtype=torch.bfloat16))
+    with pytest.raises(PlanError) as err:
+        tr.prepare(timeout_s=10)
+    assert "dtype_mismatch" in err.value.message and "w is bfloat16" in err.value.message
+    tr.close()
+    eng.close()
+    with pytest.raises(RegistrationError) as err2:
+        e = Engine(0, 1, socket=cluster.daemons[1].socket, job="shape-mismatch")
+        try:
+            e.register({"w": torch.zeros(4, 8)}, {"w": Rows((8, 8), 0, 3)})
+        finally:
+            e.close()
+    assert err2.value.code is ErrorCode.SHAPE_MISMATCH
+
+
+def test_duplicate_registrations(cluster: LocalCluster) -> None:
+    tr = Trainer(0, 2, socket=cluster.daemons[0].socket, job="dupes")
+    tr.register({"w": W[:4]}, layout=Shard(0, 0, 2), global_shapes={"w": (8, 8)})
+    with pytest.raises(RegistrationError) as e1:
+        tr.register({"w": W[:4]}, layout=Shard(0, 0, 2), global_shapes={"w": (8, 8)})
+    assert e1.value.code is ErrorCode.DUPLICATE
+    with pytest.raises(RegistrationError) as e2:
+        Trainer(0, 2, socket=cluster.daemons[0].socket, job="dupes")
+    assert e2.value.code is ErrorCode.DUPLICATE and "already registered" in e2.value.message
+    with pytest.raises(RegistrationError) as e3:
+        Trainer(1, 3, socket=cluster.daemons[0].socket, job="dupes")
+    assert "world size 3" in e3.value.message
+    # the daemon itself refuses a name twice, whatever the client library does
+    with DaemonConnection(cluster.daemons[0].socket) as raw:
+        raw.request(
+            Hello(protocol=PROTOCOL_VERSION, role="trainer", rank=1, world_size=2, job="dupes")
+        )
+        spec = SourceTensor(name="x", dtype="float32", shape=(4,))
+        with pytest.raises(RegistrationError) as e4:
+            raw.request(DeclareSources(tensors=(spec, spec)))
+        assert e4.value.code is ErrorCode.DUPLICATE and "x" in e4.value.message
+        bad_box = SourceTensor(
+            name="y", dtype="float32", shape=(4,), box=Box(offsets=(2,), sizes=(3,))
+        )
+        with pytest.raises(RegistrationError) as e5:
+            raw.request(DeclareSources(tensors=(bad_box,)))
+        assert e5.value.code is ErrorCode.SHAPE_MISMATCH
+    tr.close()
+
+
+def test_versions_only_go_forwards(cluster: LocalCluster) -> None:
+    tr, eng = pair(cluster, "versions")
+    tr.publish(5)
+    eng.wait(5)
+    for bad in (5, 4):
+        with pytest.raises(VersionError) as err:
+            tr.publish(bad)
+        assert "only go forwards" in err.value.message
+    tr.publish(6)
+    eng.wait(6)
+    tr.close()
+    eng.close()
+
+
+def raw_socket(path: str) -> zmq.Socket:
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVTIMEO, 5000)
+    s.connect(f"ipc://{path}")
+    return s
+
+
+def test_malformed_and_oversized_messages(cluster: LocalCluster) -> None:
+    from weightwire.protocol.frames import Codec
+    from weightwire.protocol.local import Error, LocalMessage
+
+    codec = Codec(LocalMessage)
+    s = raw_socket(cluster.daemons[0].socket)
+    cases = [
+        ([b"hello", b"\xc1\xc1"], "malformed", "undecodable"),
+        ([b"only-one-frame"], "malformed", "expected [kind, header"),
+        (
+            [b"hello", msgspec.msgpack.encode({"type": "hello", "protocol": "one"})],
+            "invalid",
+            "protocol",
+        ),
+        (
+            [b"get_plan", msgspec.msgpack.encode({"type": "get_plan"})],
+            "no_session",
+            "say hello first",
+        ),
+        (
+            [b"ping", msgspec.msgpack.encode({"type": "ping"}), b"x" * (5 << 20)],
+            "too_large",
+            "exceeds",
+        ),
+        (
+            [b"hello", msgspec.msgpack.encode({"type": "hello", "protocol": 99, "role": "admin"})],
+            "unsupported_protocol",
+            "99",
+        ),
+    ]
+    for frames, code, needle in cases:
+        s.send_multipart(frames)
+        reply, _ = codec.decode(s.recv_multipart())
+        assert isinstance(reply, Error), reply
+        assert reply.code == code and needle in reply.message, (code, reply)
+    s.close()
+    assert fetch(cluster.daemons[0].socket)["node"] == "host0"
+    healthy_sync(cluster, "after-garbage")
