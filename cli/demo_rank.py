@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 import torch
+
 from weightwire.bench import synthetic
 from weightwire.client import Engine, Rows, Shard, Trainer
 from weightwire.protocol.errors import WeightwireError

@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     btcp.add_argument("--json", action="store_true")
     btcp.add_argument("--streams", type=int, default=4)
     btcp.add_argument("--gb", type=float, default=2.0, help="bytes per measured round")
-    btcp.add_argument("--seconds", type=float, default=5.0, help="iperf3 duration")
+    btcp.add_argument("--seconds", type=float, default=3.0, help="iperf3 duration per round")
+    btcp.add_argument("--rounds", type=int, default=3)
 
     args = p.parse_args(argv)
     try:

@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 import zmq
 import zmq.asyncio
+
 from weightwire.protocol.errors import (
     ErrorCode,
     ProtocolError,

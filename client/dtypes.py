@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from weightwire.protocol.errors import ErrorCode, RegistrationError
 
 TORCH: dict[str, torch.dtype] = {

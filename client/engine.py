@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
+
 from weightwire.protocol import PROTOCOL_VERSION
 from weightwire.protocol.errors import ErrorCode, RegistrationError, error_from_code
 from weightwire.protocol.local import (

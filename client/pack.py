@@ -4,6 +4,7 @@ engine's layout. Slices and casts here; FP8 block quantization in `recipes`."""
 from __future__ import annotations
 
 import torch
+
 from weightwire.protocol.plan import PackOp
 from weightwire.protocol.tensors import Cast, Copy, Fp8BlockQuant, Fp8BlockScale
 

@@ -10,6 +10,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
+
 from weightwire.protocol import PROTOCOL_VERSION
 from weightwire.protocol.errors import (
     ErrorCode,
@@ -45,8 +46,9 @@ class PublishStats:
     version: int
     nbytes: int
     writes: int
-    seconds: float  # from the first bucket posted until every write landed
+    seconds: float  # from the daemon accepting the version until every write landed
     pack_seconds: float  # time spent packing buckets (overlaps the transfer)
+    transfer_seconds: float  # from the first write posted until the last one landed
     total_seconds: float  # the whole publish call
 
 
@@ -204,6 +206,7 @@ class Trainer:
             writes=result.writes,
             seconds=result.seconds,
             pack_seconds=pack_s,
+            transfer_seconds=result.transfer_seconds,
             total_seconds=time.perf_counter() - t0,
         )
 

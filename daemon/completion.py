@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import structlog
+
 from weightwire.protocol.errors import ErrorCode, WeightwireError, error_from_code
 from weightwire.protocol.local import VersionComplete, VersionFailed
 from weightwire.protocol.plan import Expect, decode_imm

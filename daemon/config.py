@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Literal
 
 import msgspec
+
 from weightwire.protocol.errors import ErrorCode, WeightwireError
 
 DEFAULT_CONFIG = "/etc/weightwire/weightwired.toml"

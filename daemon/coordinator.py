@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 import structlog
+
 from weightwire.plan.planner import EngineRank, PlanOptions, TrainerRank, plan
 from weightwire.protocol import PROTOCOL_VERSION
 from weightwire.protocol.errors import ErrorCode, PlanError, WeightwireError

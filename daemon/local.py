@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import structlog
 import zmq
 import zmq.asyncio
+
 from weightwire.protocol import PROTOCOL_VERSION, check_protocol
 from weightwire.protocol.errors import ErrorCode, ProtocolError, WeightwireError
 from weightwire.protocol.frames import Codec

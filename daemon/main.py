@@ -9,6 +9,7 @@ import sys
 
 import structlog
 import uvloop
+
 from weightwire.protocol.errors import WeightwireError
 
 from . import config as config_mod

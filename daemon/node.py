@@ -17,6 +17,8 @@ import msgspec
 import structlog
 import zmq
 import zmq.asyncio
+
+import weightwire
 from weightwire.plan.planner import PlanOptions
 from weightwire.protocol import PROTOCOL_VERSION
 from weightwire.protocol.errors import ErrorCode, PeerLostError, PlanError, WeightwireError
@@ -48,8 +50,6 @@ from weightwire.protocol.peer import (
 from weightwire.protocol.plan import NodePlan
 from weightwire.protocol.regions import TransportEndpoints
 from weightwire.transport.base import Transport
-
-import weightwire
 
 from .completion import Completions
 from .config import DaemonConfig

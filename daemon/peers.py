@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import structlog
 import zmq
 import zmq.asyncio
+
 from weightwire.protocol.errors import PeerLostError, ProtocolError, TimeoutError_
 from weightwire.protocol.frames import Codec
 from weightwire.protocol.peer import PeerError, PeerMessage, PeerMsg

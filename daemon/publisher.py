@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import structlog
+
 from weightwire.protocol.errors import (
     ErrorCode,
     PlanError,
@@ -42,6 +43,7 @@ class Run:
     posted: set[int] = field(default_factory=set)
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     started: float = field(default_factory=time.monotonic)
+    first_post: float = 0.0
     bytes_done: int = 0
     writes_done: int = 0
     error: WeightwireError | None = None
@@ -118,6 +120,8 @@ class Publisher:
                 f"bucket {bucket} of version {version} was already posted", code=ErrorCode.DUPLICATE
             )
         run.posted.add(bucket)
+        if not run.first_post:
+            run.first_post = time.monotonic()
         for w in run.plan.buckets[bucket].writes:
             task = asyncio.get_running_loop().create_task(self._write(run, w))
             run.tasks.add(task)
@@ -150,7 +154,9 @@ class Publisher:
 
     def _finish(self, run: Run) -> None:
         run.finished = True
-        seconds = time.monotonic() - run.started
+        now = time.monotonic()
+        seconds = now - run.started
+        transfer = now - run.first_post if run.first_post else 0.0
         log.info(
             "publish complete",
             rank=self.rank,
@@ -167,6 +173,7 @@ class Publisher:
                 nbytes=run.bytes_done,
                 writes=run.writes_done,
                 seconds=seconds,
+                transfer_seconds=transfer,
             )
         )
 

@@ -6,6 +6,7 @@ import itertools
 from dataclasses import dataclass, field
 
 import structlog
+
 from weightwire.protocol.regions import RegionDescriptor, RegionKeys
 from weightwire.transport.base import LocalRegion, Transport
 from weightwire.transport.hostmem import SharedFile, open_shared

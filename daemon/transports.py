@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import structlog
+
 from weightwire.transport.base import Transport
 from weightwire.transport.tcp import TcpTransport
 

@@ -11,6 +11,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import msgspec
+
 from weightwire.protocol.errors import ErrorCode, PlanError
 from weightwire.protocol.plan import (
     MAX_SLOTS,

@@ -133,6 +133,7 @@ class PublishResult(LocalMsg, frozen=True, tag="publish_result"):
     seconds: float = 0.0
     code: str = ""
     message: str = ""
+    transfer_seconds: float = 0.0  # from the first write posted to the last one landed
 
 
 # --- engine ----------------------------------------------------------------

@@ -4,6 +4,7 @@ and compare with a reference built directly from the global tensors."""
 from __future__ import annotations
 
 import torch
+
 from weightwire.client.dtypes import TORCH
 from weightwire.client.pack import pack
 from weightwire.plan.planner import EngineRank, TrainerRank

@@ -6,6 +6,7 @@ import msgspec
 import pytest
 import torch
 import zmq
+
 from weightwire.cli.localcluster import LocalCluster
 from weightwire.cli.status import fetch
 from weightwire.client import Engine, Rows, Shard, Trainer

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from weightwire.cli.localcluster import LocalCluster
 from weightwire.client import Engine, Rows
 

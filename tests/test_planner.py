@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+
 from weightwire.plan.planner import PlanOptions, plan
 from weightwire.protocol.errors import PlanError
 from weightwire.protocol.tensors import Box, Cast, Piece

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+
 from weightwire.protocol import PROTOCOL_VERSION, check_protocol
 from weightwire.protocol import local as L
 from weightwire.protocol import peer as P

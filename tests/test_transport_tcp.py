@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from weightwire.transport.base import LocalRegion, Transport
-from weightwire.transport.hostmem import SharedFile, create_shared
-from weightwire.transport.tcp import TcpTransport
 
 from tests.conformance.harness import TransportKit
 from tests.conformance.suite import *  # noqa: F403
+from weightwire.transport.base import LocalRegion, Transport
+from weightwire.transport.hostmem import SharedFile, create_shared
+from weightwire.transport.tcp import TcpTransport
 
 
 class TcpKit(TransportKit):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from weightwire.protocol import PROTOCOL_VERSION
 from weightwire.protocol.data import PREFIX, DataHello, Write
 from weightwire.protocol.errors import ErrorCode

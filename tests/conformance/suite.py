@@ -11,6 +11,7 @@ import random
 
 import pytest
 import uvloop
+
 from weightwire.protocol.errors import (
     ErrorCode,
     PeerLostError,

@@ -9,6 +9,7 @@ import sys
 import time
 
 import torch
+
 from weightwire.client import Shard, Trainer
 from weightwire.protocol.errors import WeightwireError
 

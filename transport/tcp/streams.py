@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import structlog
+
 from weightwire.protocol.data import PREFIX, Ack, Refused, Write
 from weightwire.protocol.errors import (
     PeerLostError,

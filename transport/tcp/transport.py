@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import structlog
+
 from weightwire.protocol import PROTOCOL_VERSION
 from weightwire.protocol.data import DataHello, Write
 from weightwire.protocol.errors import (

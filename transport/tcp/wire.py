@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import msgspec
+
 from weightwire.protocol import PROTOCOL_VERSION
 from weightwire.protocol.data import (
     KIND,
