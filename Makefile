@@ -6,7 +6,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 
-.PHONY: demo test test-fast test-rdma test-sglang lint typecheck setup sysdeps clean
+.PHONY: demo test test-fast lint typecheck setup sysdeps clean bench-tcp
 
 setup: $(STAMP)
 
@@ -28,10 +28,12 @@ test: setup sysdeps
 	$(VPY) -m ruff check .
 	scripts/typecheck.sh
 	$(VPY) -m pytest -q -ra
-	@$(MAKE) --no-print-directory test-rdma-if-possible
 
 test-fast: setup
 	$(VPY) -m pytest -q -ra -m "not slow"
+
+bench-tcp: setup sysdeps
+	$(VENV)/bin/weightwire bench tcp --json
 
 lint: setup
 	$(VPY) -m ruff check .
