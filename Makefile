@@ -24,10 +24,13 @@ sysdeps:
 demo: setup
 	$(VENV)/bin/weightwire demo
 
+# Every stage runs even when an earlier one fails, so one CI run reports everything.
 test: setup sysdeps
-	$(VPY) -m ruff check .
-	scripts/typecheck.sh
-	$(VPY) -m pytest -q -ra
+	@rc=0; \
+	echo "== ruff"; $(VPY) -m ruff check . || rc=1; \
+	echo "== mypy (strict: protocol, transport)"; scripts/typecheck.sh || rc=1; \
+	echo "== pytest"; $(VPY) -m pytest -q -ra || rc=1; \
+	exit $$rc
 
 test-fast: setup
 	$(VPY) -m pytest -q -ra -m "not slow"

@@ -1,4 +1,4 @@
-"""`weightwire bench tcp --json` runs and reports both figures from one run (never asserts speed)."""
+"""`weightwire bench tcp --json` reports both figures from one run; it never asserts speed."""
 
 from __future__ import annotations
 
