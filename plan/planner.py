@@ -33,6 +33,7 @@ from weightwire.protocol.tensors import (
     Fp8BlockScale,
     Piece,
     SourceTensor,
+    Zeros,
     piece_nbytes,
     transformed_itemsize,
 )
@@ -137,6 +138,8 @@ def plan(
                 continue
             assert dst.pieces is not None
             for p_index, piece in enumerate(dst.pieces):
+                if not piece.sent:
+                    continue
                 used.add(piece.source)
                 held = holders[piece.source]
                 dtype = held[0].tensor.dtype
@@ -264,6 +267,13 @@ def _check_destination(
         return f"{dst.name} [{dst.offset}, +{dst.nbytes}) overruns region {dst.region}"
     spans: list[tuple[int, int]] = []
     for piece in dst.pieces:
+        if isinstance(piece.transform, Zeros):
+            if piece.transform.dtype != dst.dtype:
+                return (
+                    f"{dst.name}: zero padding of {piece.transform.dtype} in a {dst.dtype} tensor"
+                )
+            spans.append((piece.dst_offset, piece.dst_offset + piece_nbytes(dst.dtype, piece)))
+            continue
         hs = holders.get(piece.source)
         if hs is None:
             return f"{dst.name} needs source tensor {piece.source}, which no trainer declared"
@@ -304,6 +314,8 @@ def _out_dtype(source_dtype: str, piece: Piece) -> str:
             return d
         case Fp8BlockScale():
             return "float32"
+        case Zeros(dtype=d):
+            return d
     raise AssertionError(piece.transform)
 
 

@@ -116,16 +116,30 @@ class Fp8BlockScale(msgspec.Struct, frozen=True, tag="fp8_scale"):
     block: int = 128
 
 
-Transform = Copy | Cast | Fp8BlockQuant | Fp8BlockScale
+class Zeros(msgspec.Struct, frozen=True, tag="zeros"):
+    """Bytes the engine keeps at zero (e.g. vocabulary padding): covered, never sent.
+
+    The piece's `source` is empty and its `box` only gives the shape of the zero block.
+    """
+
+    dtype: DType
+
+
+Transform = Copy | Cast | Fp8BlockQuant | Fp8BlockScale | Zeros
 
 
 class Piece(msgspec.Struct, frozen=True, kw_only=True):
     """`box` of global source tensor `source`, transformed, at byte `dst_offset` of the tensor."""
 
-    source: Name
+    source: Annotated[str, msgspec.Meta(max_length=1024)]  # empty only for Zeros
     box: Box
     dst_offset: NonNeg
     transform: Transform = Copy()
+
+    @property
+    def sent(self) -> bool:
+        """Whether any bytes of this piece travel (Zeros pieces stay on the engine)."""
+        return not isinstance(self.transform, Zeros)
 
 
 class SourceTensor(msgspec.Struct, frozen=True, kw_only=True):
@@ -163,7 +177,7 @@ def transformed_itemsize(source_dtype: str, transform: Transform) -> int:
     match transform:
         case Copy():
             return ITEMSIZE[source_dtype]
-        case Cast(dtype=dtype) | Fp8BlockQuant(dtype=dtype):
+        case Cast(dtype=dtype) | Fp8BlockQuant(dtype=dtype) | Zeros(dtype=dtype):
             return ITEMSIZE[dtype]
         case Fp8BlockScale():
             return 4
