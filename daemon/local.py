@@ -125,8 +125,12 @@ class LocalServer:
                 log.warning("bad local message", code=exc.code.value, error=exc.message)
                 self.send(identity, Error(code=exc.code.value, message=exc.message))
                 continue
+            ctx = (
+                {"role": session.role, "rank": session.rank, "job": session.job} if session else {}
+            )
             try:
-                self._dispatch(identity, msg)
+                with structlog.contextvars.bound_contextvars(**ctx):
+                    self._dispatch(identity, msg)
             except WeightwireError as exc:
                 self._error(identity, msg.req, exc)
             except Exception as exc:  # a bug here must not take the daemon down

@@ -55,6 +55,7 @@ from .completion import Completions
 from .config import DaemonConfig
 from .coordinator import Coordinator
 from .local import LocalServer
+from .notify import Notifier
 from .peers import PeerMesh, Security
 from .publisher import Publisher
 from .regions import Region, RegionRegistry
@@ -104,6 +105,7 @@ class Daemon:
         self.lost: set[str] = set()
         self.advert_seq = 0
         self.stop = asyncio.Event()
+        self.notifier = Notifier()
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # --- lifecycle -----------------------------------------------------------
@@ -132,6 +134,7 @@ class Daemon:
             "incarnation": self.incarnation,
         }
         log.info("daemon ready", **ready)
+        self.notifier.ready(f"serving {self.cfg.local_socket}; peers at {endpoint}")
         if self.cfg.ready_file:
             tmp = self.cfg.ready_file + ".tmp"
             with open(tmp, "w") as f:
@@ -151,6 +154,7 @@ class Daemon:
 
     async def _shutdown(self) -> None:
         log.info("daemon stopping")
+        self.notifier.stopping()
         for pub in self.publishers.values():
             pub.abort("the daemon is shutting down", ErrorCode.PEER_LOST)
         try:
@@ -195,6 +199,7 @@ class Daemon:
     async def _tick(self) -> None:
         interval = self.cfg.heartbeat_interval_s
         last_hello = 0.0
+        last_status = 0.0
         while True:
             now = time.monotonic()
             if self.coordinator is not None:
@@ -223,7 +228,20 @@ class Daemon:
                 rc.expire(self.cfg.version_timeout_s)
             self.local.expire(self.cfg.session_timeout_s)
             self.registry.reap()
+            self.notifier.watchdog()
+            if now - last_status >= 5.0:
+                last_status = now
+                self.notifier.status(self._one_line_status())
             await asyncio.sleep(interval)
+
+    def _one_line_status(self) -> str:
+        timeout = self.cfg.heartbeat_timeout_s
+        live = sum(1 for m in self.members if m == self.node or self.mesh.alive(m, timeout))
+        busy = sum(1 for p in self.publishers.values() if p.run and not p.run.finished)
+        return (
+            f"{len(self.local.sessions)} ranks, {len(self.registry.regions)} regions, "
+            f"{live} peers, {busy} publishing, coordinator {self.coordinator_name or '-'}"
+        )
 
     def _check_related(self, now: float) -> None:
         timeout = self.cfg.heartbeat_timeout_s

@@ -122,8 +122,12 @@ class Publisher:
         run.posted.add(bucket)
         if not run.first_post:
             run.first_post = time.monotonic()
-        for w in run.plan.buckets[bucket].writes:
-            task = asyncio.get_running_loop().create_task(self._write(run, w))
+        with structlog.contextvars.bound_contextvars(rank=self.rank, version=version):
+            tasks = [
+                asyncio.get_running_loop().create_task(self._write(run, w))
+                for w in run.plan.buckets[bucket].writes
+            ]
+        for task in tasks:
             run.tasks.add(task)
             task.add_done_callback(lambda t, run=run: self._written(run, t))
 
