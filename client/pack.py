@@ -1,36 +1,109 @@
 """Running a bucket's pack ops: this rank's tensors into the staging bytes, in the
-engine's layout. Slices and casts here; FP8 block quantization in `recipes`."""
+engine's layout. Slices, casts and FP8 block quantization (`fp8`), on the tensors' device.
+
+An FP8 destination has two pack ops over the same box: the codes (`Fp8BlockQuant`) and
+the scales (`Fp8BlockScale`). One quantization pass gives both, so a `Packer` keeps the
+half not asked for yet until its op comes, then forgets it. `clear()` drops whatever is
+left (call it per bucket or per version).
+"""
 
 from __future__ import annotations
+
+import threading
+from typing import Any
 
 import torch
 
 from weightwire.protocol.plan import PackOp
-from weightwire.protocol.tensors import Cast, Copy, Fp8BlockQuant, Fp8BlockScale
+from weightwire.protocol.tensors import Box, Cast, Copy, Fp8BlockQuant, Fp8BlockScale
 
 from .dtypes import TORCH
+from .fp8 import quantize_blocks
 
 
 def box_of(t: torch.Tensor, op: PackOp) -> torch.Tensor:
-    return t[tuple(slice(o, o + s) for o, s in zip(op.box.offsets, op.box.sizes, strict=True))]
+    return slice_box(t, op.box)
+
+
+def slice_box(t: torch.Tensor, box: Box) -> torch.Tensor:
+    return t[tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes, strict=True))]
+
+
+class Packer:
+    """Runs pack ops; shares one FP8 quantization between the codes and scales of a box.
+
+    A cached half is found again only for the same tensor object, unchanged since (torch's
+    in-place version counter is part of the key), the same box and the same block size.
+    At most `max_entries` halves wait at once (oldest dropped first).
+    """
+
+    def __init__(self, max_entries: int = 8) -> None:
+        self.max_entries = max_entries
+        self._cache: dict[tuple[Any, ...], _Entry] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._cache.clear()
+
+    def pack(self, op: PackOp, local: torch.Tensor, staging: torch.Tensor) -> None:
+        """Write op's bytes into `staging` (a flat uint8 tensor on any device)."""
+        out = staging[op.staging_offset : op.staging_offset + op.nbytes]
+        match op.transform:
+            case Copy():
+                src = box_of(local, op)
+                out.view(src.dtype).view(src.shape).copy_(src)
+            case Cast(dtype=dtype):
+                src = box_of(local, op)
+                out.view(TORCH[dtype]).view(src.shape).copy_(src)
+            case Fp8BlockQuant(block=block):
+                codes = self._fp8(op.source, op.box, block, local, want="codes")
+                out.view(codes.dtype).view(codes.shape).copy_(codes)
+            case Fp8BlockScale(block=block):
+                scales = self._fp8(op.source, op.box, block, local, want="scales")
+                out.view(torch.float32).view(scales.shape).copy_(scales)
+            case other:
+                raise ValueError(f"no pack for transform {type(other).__name__}")
+
+    def _fp8(
+        self, source: str, box: Box, block: int, local: torch.Tensor, want: str
+    ) -> torch.Tensor:
+        key = (source, box, block, id(local), local._version, local.data_ptr())
+        with self._lock:
+            entry = self._cache.get(key)
+            if entry is not None and want in entry.parts and entry.tensor is local:
+                part = entry.parts.pop(want)
+                if not entry.parts:
+                    del self._cache[key]
+                return part
+        codes, scales = quantize_blocks(slice_box(local, box), block)
+        other = "scales" if want == "codes" else "codes"
+        with self._lock:
+            self._cache[key] = _Entry(local, {other: scales if other == "scales" else codes})
+            while len(self._cache) > self.max_entries:
+                del self._cache[next(iter(self._cache))]
+        return codes if want == "codes" else scales
+
+
+class _Entry:
+    __slots__ = ("parts", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, parts: dict[str, torch.Tensor]) -> None:
+        self.tensor = tensor  # held so that its id cannot be reused while the entry lives
+        self.parts = parts
+
+
+_default = Packer()
 
 
 def pack(op: PackOp, local: torch.Tensor, staging: torch.Tensor) -> None:
-    """Write op's bytes into `staging` (a flat uint8 tensor on any device)."""
-    src = box_of(local, op)
-    out = staging[op.staging_offset : op.staging_offset + op.nbytes]
-    match op.transform:
-        case Copy():
-            out.view(src.dtype).view(src.shape).copy_(src)
-        case Cast(dtype=dtype):
-            out.view(TORCH[dtype]).view(src.shape).copy_(src)
-        case Fp8BlockQuant(block=block):
-            from .fp8 import quantize_blocks
+    """Write op's bytes into `staging`, through a process-wide `Packer`."""
+    _default.pack(op, local, staging)
 
-            codes, _ = quantize_blocks(src, block)
-            out.view(codes.dtype).view(codes.shape).copy_(codes)
-        case Fp8BlockScale(block=block):
-            from .fp8 import quantize_blocks
 
-            _, scales = quantize_blocks(src, block)
-            out.view(torch.float32).view(scales.shape).copy_(scales)
+def clear() -> None:
+    """Forget the process-wide Packer's waiting FP8 halves."""
+    _default.clear()

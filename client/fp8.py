@@ -1,0 +1,55 @@
+"""FP8 block quantization, the DeepSeek-V3 / DeepGEMM convention.
+
+Every `block`x`block` tile of the last two dimensions (the last tiles may be partial) gets
+one float32 scale, the inverse scale SGLang reads as `weight_scale_inv`:
+
+    amax  = max |x| over the tile, in float32, at least 1e-4
+    scale = amax / 448
+    code  = float8_e4m3fn((float32(x) / scale) clamped to [-448, 448])
+
+One vectorized pass over the whole tensor (zero-pad to whole tiles, view the tiles, take
+the amax per tile), on whatever device `x` lives.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+FP8_MAX = 448.0
+AMAX_FLOOR = 1e-4
+
+
+def quantize_blocks(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scales) of a 2-D or stacked (N-D, tiles on the last two dims) tensor.
+
+    codes: float8_e4m3fn, the shape of `x`. scales: float32, shape
+    `(*lead, ceil(R / block), ceil(C / block))`, `scales * codes` approximates `x`.
+    """
+    if x.dim() < 2:
+        raise ValueError(f"FP8 block quantization needs a 2-D (or stacked) tensor, got {x.dim()}-D")
+    if block <= 0:
+        raise ValueError(f"block must be positive, got {block}")
+    *lead, rows, cols = x.shape
+    tr, tc = -(-rows // block), -(-cols // block)
+    xf = x.float() if x.dtype != torch.float32 else x
+    pr, pc = tr * block - rows, tc * block - cols
+    padded = F.pad(xf, (0, pc, 0, pr)) if (pr or pc) else xf
+    tiles = padded.reshape(*lead, tr, block, tc, block)
+    if tiles.numel():
+        amax = tiles.abs().amax(dim=(-3, -1))
+    else:
+        amax = torch.zeros((*lead, tr, tc), dtype=torch.float32, device=x.device)
+    scales = amax.clamp_min(AMAX_FLOOR) / FP8_MAX
+    codes = (tiles / scales[..., :, None, :, None]).clamp_(-FP8_MAX, FP8_MAX)
+    codes = codes.reshape(*lead, tr * block, tc * block)
+    if pr or pc:
+        codes = codes[..., :rows, :cols]
+    return codes.to(torch.float8_e4m3fn).contiguous(), scales.contiguous()
+
+
+def dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """float32 approximation of the original tensor (for checks, not on the hot path)."""
+    *_, rows, cols = codes.shape
+    s = scales.repeat_interleave(block, dim=-2).repeat_interleave(block, dim=-1)
+    return codes.float() * s[..., :rows, :cols]
