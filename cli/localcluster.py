@@ -50,6 +50,7 @@ class LocalCluster:
 
     hosts: int = 2
     use_netns: bool = False
+    insecure: bool = False  # plaintext peer sockets; by default every daemon gets CURVE keys
     extra: dict[str, str] = field(default_factory=dict)  # more daemon flags, for every daemon
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="weightwire-")))
     daemons: list[DaemonProc] = field(default_factory=list)
@@ -61,9 +62,35 @@ class LocalCluster:
     def prefix(self, host: int) -> list[str]:
         return self.net.prefix(host) if self.net else []
 
+    def keys(self, node: str) -> dict[str, str]:
+        """CURVE flags for a daemon: its own key pair, trusting every key made so far."""
+        from weightwire.daemon.security import keygen
+
+        if self.insecure:
+            return {"insecure": ""}
+        public_dir = self.workdir / "keys" / "public"
+        secret_dir = self.workdir / "keys" / node
+        if not (secret_dir / f"{node}.key_secret").exists():
+            public, _ = keygen(str(secret_dir), node)
+            public_dir.mkdir(parents=True, exist_ok=True)
+            (public_dir / public.name).write_bytes(public.read_bytes())
+        return {
+            "curve-secret-key-file": str(secret_dir / f"{node}.key_secret"),
+            "curve-allowed-keys-dir": str(public_dir),
+        }
+
+    def coordinator_key(self) -> str:
+        import zmq.auth
+
+        public, _ = zmq.auth.load_certificate(str(self.workdir / "keys" / "public" / "host0.key"))
+        return public.decode()
+
     def start(self) -> LocalCluster:
         if self.use_netns:
             self.net = netns.Hosts(self.hosts)
+        if not self.insecure:
+            for host in range(self.hosts):
+                self.keys(f"host{host}")
         coordinator = self.start_daemon(0, coordinator=True)
         for host in range(1, self.hosts):
             self.start_daemon(host, coordinator_endpoint=coordinator.endpoint)
@@ -91,6 +118,7 @@ class LocalCluster:
             "advertise-host": addr,
             "tcp-bind": addr,
             "ready-file": str(ready),
+            **self.keys(node),
             **self.extra,
             **(flags or {}),
         }
@@ -98,6 +126,8 @@ class LocalCluster:
             args["is-coordinator"] = ""
         else:
             args["coordinator"] = coordinator_endpoint or self.daemons[0].endpoint
+            if not self.insecure and "insecure" not in args:
+                args["coordinator-public-key"] = self.coordinator_key()
         cmd = [*self.prefix(host), sys.executable, "-m", "weightwire.daemon"]
         for k, v in args.items():
             cmd += [f"--{k}"] if v == "" else [f"--{k}", v]

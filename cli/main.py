@@ -42,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     btcp.add_argument("--seconds", type=float, default=3.0, help="iperf3 duration per round")
     btcp.add_argument("--rounds", type=int, default=3)
 
+    kg = sub.add_parser("keygen", help="a CURVE key pair for a daemon (NAME.key, NAME.key_secret)")
+    kg.add_argument("--dir", default="/etc/weightwire")
+    kg.add_argument("--name", default=os.uname().nodename)
+
     args = p.parse_args(argv)
     try:
         match args.cmd:
@@ -54,6 +58,15 @@ def main(argv: list[str] | None = None) -> int:
 
                 s = fetch(args.socket)
                 print(json.dumps(s, indent=2) if args.json else render(s))
+                return 0
+            case "keygen":
+                from weightwire.daemon.security import keygen
+
+                public, secret = keygen(args.dir, args.name)
+                key = public.read_text().split('public-key = "')[1].split('"')[0]
+                print(f"public key  {public}  (give it to every peer's curve_allowed_keys_dir)")
+                print(f"secret key  {secret}  (curve_secret_key_file; keep it, mode 0600)")
+                print(f"z85 public  {key}")
                 return 0
             case "bench":
                 from weightwire.bench.tcp import run as run_tcp

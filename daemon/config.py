@@ -30,6 +30,11 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     advertise_host: str = ""  # the address peers use to reach this host; default: the host name's
     coordinator: str = ""  # peer endpoint of the coordinator, e.g. tcp://10.0.0.1:7470
     is_coordinator: bool = False
+    curve_secret_key_file: str = ""  # this node's key pair (weightwire keygen): NAME.key_secret
+    curve_allowed_keys_dir: str = ""  # public keys (*.key) of the peers this node trusts
+    curve_allowed_keys: list[str] = []  # more trusted public keys, z85
+    coordinator_public_key: str = ""  # z85; required on non-coordinators when CURVE is on
+    insecure: bool = False  # plaintext peer sockets (logs a warning); never in production
     transport: Literal["tcp", "verbs", "auto"] = "auto"
     tcp_bind: str = "0.0.0.0"
     tcp_port: int = 0
@@ -92,7 +97,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per setting, named like the setting (`--tcp-streams` for tcp_streams)."""
     for name, ftype in DaemonConfig.__annotations__.items():
         flag = "--" + name.replace("_", "-")
-        if ftype == "bool":
+        if ftype.startswith("list"):
+            parser.add_argument(flag, dest=name, action="append")
+        elif ftype == "bool":
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction)
         elif ftype == "int":
             parser.add_argument(flag, dest=name, type=lambda v: int(v, 0))

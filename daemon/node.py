@@ -56,9 +56,11 @@ from .config import DaemonConfig
 from .coordinator import Coordinator
 from .local import LocalServer
 from .notify import Notifier
-from .peers import PeerMesh, Security
+from .peers import PeerMesh
 from .publisher import Publisher
 from .regions import Region, RegionRegistry
+from .security import load as load_security
+from .security import start_authenticator
 from .sessions import Session
 from .transports import make_transports
 
@@ -68,8 +70,9 @@ COORDINATOR = "@coordinator"  # the mesh's name for the coordinator until it say
 
 
 class Daemon:
-    def __init__(self, config: DaemonConfig, security: Security | None = None) -> None:
+    def __init__(self, config: DaemonConfig) -> None:
         self.cfg = config.resolved()
+        security = load_security(self.cfg)
         self.node = self.cfg.node
         self.version = weightwire.__version__
         self.incarnation = secrets.token_hex(8)
@@ -79,8 +82,9 @@ class Daemon:
             self.node,
             self.ctx,
             Codec(PeerMessage, max_bytes=self.cfg.max_message_bytes),
-            security or Security(),
+            security,
         )
+        self.authenticator: Any = None
         self.transports: list[Transport] = make_transports(self.cfg)
         self.registry = RegionRegistry(self.node, self.transports)
         self.completions = Completions(notify=self._notify_engine)
@@ -114,6 +118,7 @@ class Daemon:
         for t in self.transports:
             await t.start(self.completions.on_imm)
             t.set_signal(self._signal_for(t))
+        self.authenticator = start_authenticator(self.ctx, self.mesh.security)
         endpoint = self.mesh.bind(self.cfg.peer_bind, self.cfg.advertise_host)
         if self.cfg.is_coordinator:
             self.coordinator = Coordinator(
@@ -122,7 +127,9 @@ class Daemon:
                 options=self.options,
                 heartbeat_timeout_s=self.cfg.heartbeat_timeout_s,
             )
-        self.mesh.know(COORDINATOR, self.cfg.coordinator or endpoint)
+        self.mesh.know(
+            COORDINATOR, self.cfg.coordinator or endpoint, self.mesh.security.coordinator_key
+        )
         self.local.bind(self.ctx)
         ready = {
             "node": self.node,
@@ -167,6 +174,8 @@ class Daemon:
             task.cancel()
         self.local.close()
         self.mesh.close()
+        if self.authenticator is not None:
+            self.authenticator.stop()
         self.registry.close()
         self.ctx.term()
         log.info("daemon stopped")
@@ -284,7 +293,9 @@ class Daemon:
                 if self.coordinator_name != name:
                     log.info("joined", coordinator=name)
                 self.coordinator_name = name
-                self.mesh.know(name, self._coordinator_endpoint())
+                self.mesh.know(
+                    name, self._coordinator_endpoint(), self.mesh.security.coordinator_key
+                )
                 for job in {s.job for s in self.local.sessions.values()} | set(self.plans):
                     self.advertise(job)
             case Membership(members=members, lost=lost):

@@ -33,6 +33,7 @@ class Security:
     public_key: bytes | None = None
     secret_key: bytes | None = None
     allowed: frozenset[bytes] = frozenset()
+    coordinator_key: bytes | None = None
 
     @property
     def curve(self) -> bool:

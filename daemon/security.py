@@ -1,0 +1,101 @@
+"""Peer authentication: ZeroMQ CURVE keys, an allow-list of peer public keys, and the
+explicit (and loud) plaintext escape hatch."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import structlog
+import zmq
+import zmq.asyncio
+import zmq.auth
+from zmq.auth.asyncio import AsyncioAuthenticator
+
+from .config import ConfigError, DaemonConfig
+from .peers import Security
+
+log = structlog.get_logger("weightwire.daemon.security")
+
+
+def _public_keys(directory: str) -> set[bytes]:
+    keys: set[bytes] = set()
+    for path in sorted(Path(directory).glob("*.key")):
+        public, _ = zmq.auth.load_certificate(str(path))
+        keys.add(public)
+    return keys
+
+
+def load(cfg: DaemonConfig) -> Security:
+    """CURVE keys from the configuration, or plaintext when `insecure` says so."""
+    if cfg.insecure:
+        log.warning(
+            "peer sockets are PLAINTEXT (insecure = true): any host that reaches them can join "
+            "and learn region keys; use only on a trusted test network"
+        )
+        return Security()
+    if not cfg.curve_secret_key_file:
+        raise ConfigError(
+            "peer sockets need CURVE keys: create them with `weightwire keygen` and set "
+            "curve_secret_key_file (and curve_allowed_keys_dir), or set insecure = true"
+        )
+    try:
+        public, secret = zmq.auth.load_certificate(cfg.curve_secret_key_file)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot load CURVE key {cfg.curve_secret_key_file}: {exc}") from None
+    if secret is None:
+        raise ConfigError(f"{cfg.curve_secret_key_file} holds no secret key")
+    allowed = {k.encode() for k in cfg.curve_allowed_keys}
+    if cfg.curve_allowed_keys_dir:
+        allowed |= _public_keys(cfg.curve_allowed_keys_dir)
+    allowed.add(public)
+    coordinator = None
+    if cfg.coordinator_public_key:
+        coordinator = cfg.coordinator_public_key.encode()
+    elif cfg.is_coordinator:
+        coordinator = public
+    else:
+        raise ConfigError("CURVE is on: set coordinator_public_key (the coordinator's public key)")
+    return Security(
+        public_key=public,
+        secret_key=secret,
+        allowed=frozenset(allowed),
+        coordinator_key=coordinator,
+    )
+
+
+class AllowList:
+    """The ZAP credentials provider: known keys pass; unknown ones are refused and logged."""
+
+    def __init__(self, allowed: frozenset[bytes]) -> None:
+        self.allowed = allowed
+        self._last_logged: dict[bytes, float] = {}
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        if key in self.allowed:
+            return True
+        now = time.monotonic()
+        if now - self._last_logged.get(key, 0.0) > 10.0:  # one line per key per 10 s
+            self._last_logged[key] = now
+            log.warning("peer refused: unknown CURVE key", key=key.decode(errors="replace"))
+        return False
+
+
+def start_authenticator(
+    ctx: zmq.asyncio.Context, security: Security
+) -> AsyncioAuthenticator | None:
+    if not security.curve:
+        return None
+    auth = AsyncioAuthenticator(ctx)
+    auth.start()
+    auth.configure_curve_callback(domain="*", credentials_provider=AllowList(security.allowed))
+    return auth
+
+
+def keygen(directory: str, name: str) -> tuple[Path, Path]:
+    """`weightwire keygen`: NAME.key (public, share it) and NAME.key_secret (keep it)."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    public, secret = zmq.auth.create_certificates(str(out), name)
+    Path(secret).chmod(0o600)
+    return Path(public), Path(secret)

@@ -1,0 +1,97 @@
+"""Peers are CURVE-authenticated: an unknown key is refused and logged, plaintext is refused,
+and plaintext mode exists only behind an explicit setting that warns."""
+
+from __future__ import annotations
+
+import time
+
+import zmq
+
+from weightwire.cli.localcluster import LocalCluster
+from weightwire.cli.status import fetch
+from weightwire.daemon.security import keygen
+from weightwire.protocol import PROTOCOL_VERSION
+from weightwire.protocol.frames import Codec
+from weightwire.protocol.peer import Member, PeerHello, PeerMessage
+
+from .conftest import FAST
+
+
+def members(cluster: LocalCluster) -> set[str]:
+    coord = fetch(cluster.daemons[0].socket).get("coordination") or {}
+    return set(coord.get("members", []))
+
+
+def test_unknown_key_and_plaintext_peers_are_refused(cluster: LocalCluster) -> None:
+    rogue_dir = cluster.workdir / "rogue"
+    _, secret = keygen(str(rogue_dir), "rogue")
+    rogue = cluster.start_daemon(
+        1,
+        node="rogue",
+        coordinator_endpoint=cluster.daemons[0].endpoint,
+        flags={
+            "curve-secret-key-file": str(secret),
+            "curve-allowed-keys-dir": str(cluster.workdir / "keys" / "public"),
+            "coordinator-public-key": cluster.coordinator_key(),
+        },
+    )
+    # a plaintext DEALER speaking the protocol perfectly
+    ctx = zmq.Context.instance()
+    plain = ctx.socket(zmq.DEALER)
+    plain.setsockopt(zmq.LINGER, 0)
+    plain.setsockopt(zmq.IDENTITY, b"plaintext")
+    plain.connect(cluster.daemons[0].endpoint)
+    hello = PeerHello(
+        protocol=PROTOCOL_VERSION,
+        member=Member(node="plaintext", endpoint="tcp://127.0.0.1:1", incarnation="x"),
+    )
+    plain.send_multipart(Codec(PeerMessage).encode(hello), flags=zmq.NOBLOCK)
+    time.sleep(3)
+    assert members(cluster) == {"host0", "host1"}, "a peer with an unknown or no key joined"
+    assert fetch(rogue.socket)["coordinator"] is None
+    refusals = [
+        e for e in cluster.daemons[0].logs() if e.get("event") == "peer refused: unknown CURVE key"
+    ]
+    assert refusals, "the refusal of the unknown key was not logged"
+    plain.close()
+    rogue.proc.terminate()
+    assert rogue.proc.wait(15) == 0
+    cluster.daemons.remove(rogue)
+
+
+def test_plaintext_only_when_asked_and_it_warns() -> None:
+    c = LocalCluster(hosts=2, insecure=True, extra=FAST)
+    try:
+        c.start()
+        c.wait_joined()
+        warnings = [
+            e
+            for e in c.daemons[0].logs()
+            if "PLAINTEXT" in str(e.get("event")) and e.get("level") == "warning"
+        ]
+        assert warnings
+    finally:
+        assert c.stop() == [0, 0]
+
+
+def test_no_keys_and_not_insecure_is_a_clear_startup_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "weightwire.daemon",
+            "--is-coordinator",
+            "--local-socket",
+            str(tmp_path / "s.sock"),
+            "--peer-bind",
+            "tcp://127.0.0.1:0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 1
+    assert "weightwire keygen" in out.stdout and "insecure = true" in out.stdout
