@@ -1,0 +1,95 @@
+"""The service: unit files verify, the example config loads, and the daemon speaks systemd's
+notify protocol (READY, STATUS, WATCHDOG, STOPPING) to a real NOTIFY_SOCKET."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from weightwire.daemon.config import load
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+def test_unit_verifies(tmp_path: Path) -> None:
+    unit = (ROOT / "systemd" / "weightwired.service").read_text()
+    exe = shutil.which("weightwired") or str(Path(sys.executable).parent / "weightwired")
+    path = tmp_path / "weightwired.service"
+    path.write_text(unit.replace("/usr/local/bin/weightwired", exe))
+    out = subprocess.run(
+        ["systemd-analyze", "verify", str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    for needle in (
+        "Type=notify",
+        "WatchdogSec=",
+        "Restart=on-failure",
+        "LimitMEMLOCK=infinity",
+        "RuntimeDirectory=weightwire",
+        "ProtectSystem=strict",
+        "NoNewPrivileges=yes",
+    ):
+        assert needle in unit
+
+
+def test_example_config_loads() -> None:
+    cfg = load(str(ROOT / "systemd" / "weightwired.toml"), {})
+    assert cfg.local_socket == "/run/weightwire/weightwired.sock" and cfg.socket_mode == 0o660
+    assert cfg.coordinator.startswith("tcp://") and cfg.transport == "auto"
+    for f in ("weightwire.sysusers.conf", "weightwire.tmpfiles.conf"):
+        assert "weightwire" in (ROOT / "systemd" / f).read_text()
+
+
+def test_daemon_speaks_sd_notify(tmp_path: Path) -> None:
+    notify = tmp_path / "notify.sock"
+    sink = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sink.bind(str(notify))
+    sink.settimeout(10)
+    env = {**os.environ, "NOTIFY_SOCKET": str(notify), "WATCHDOG_USEC": "1000000"}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "weightwire.daemon",
+            "--is-coordinator",
+            "--insecure",
+            "--local-socket",
+            str(tmp_path / "d.sock"),
+            "--peer-bind",
+            "tcp://127.0.0.1:0",
+            "--tcp-bind",
+            "127.0.0.1",
+            "--heartbeat-interval-s",
+            "0.2",
+            "--heartbeat-timeout-s",
+            "1",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+    )
+    seen: list[str] = []
+    try:
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and not (
+            any("READY=1" in m for m in seen) and sum("WATCHDOG=1" in m for m in seen) >= 3
+        ):
+            seen.append(sink.recv(4096).decode())
+        assert any("READY=1" in m and "STATUS=" in m for m in seen), seen
+        assert sum("WATCHDOG=1" in m for m in seen) >= 3, seen
+        proc.send_signal(signal.SIGTERM)
+        while not any("STOPPING=1" in m for m in seen):
+            seen.append(sink.recv(4096).decode())
+        assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        sink.close()
