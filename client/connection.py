@@ -12,7 +12,9 @@ import asyncio
 import itertools
 import os
 import queue
+import sys
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -35,6 +37,7 @@ DEFAULT_SOCKET = os.environ.get("WEIGHTWIRE_SOCKET", "/run/weightwire/weightwire
 
 Notification = Callable[[LocalMessage], None]
 _RESET = Goodbye()  # marks "the daemon forgot this session" in the notification queue
+_LOST = Ping()  # marks "the daemon stopped answering"
 
 
 class DaemonConnection:
@@ -44,7 +47,9 @@ class DaemonConnection:
         *,
         on_notify: Notification | None = None,
         on_reset: Callable[[], None] | None = None,
+        on_lost: Callable[[], None] | None = None,
         ping_interval_s: float = 1.0,
+        lost_after_s: float = 5.0,
     ) -> None:
         self.path = path or DEFAULT_SOCKET
         if not os.path.exists(self.path):
@@ -57,8 +62,12 @@ class DaemonConnection:
         self._reqs = itertools.count(1)
         self._pending: dict[int, asyncio.Future[LocalMessage]] = {}
         self._on_notify = on_notify
-        self._on_reset = on_reset
+        self._on_reset = on_reset  # the daemon restarted and forgot us: register again
+        self._on_lost = on_lost  # the daemon has not answered for `lost_after_s`
         self._ping_interval_s = ping_interval_s
+        self.lost_after_s = lost_after_s
+        self.last_answer = time.monotonic()
+        self.lost = False
         self.session: str | None = None
         self._notes: queue.SimpleQueue[LocalMessage | None] = queue.SimpleQueue()
         self._loop = asyncio.new_event_loop()
@@ -84,19 +93,24 @@ class DaemonConnection:
         self._pinger = asyncio.get_running_loop().create_task(self._ping())
 
     async def _ping(self) -> None:
-        """Keep the session alive; notice a daemon that restarted (it no longer knows us)."""
+        """Keep the session alive; notice a daemon that stopped answering or restarted."""
         while True:
             await asyncio.sleep(self._ping_interval_s)
             if self.session is None:
                 continue
             try:
-                reply = await self._request(Ping(), 5.0)
+                reply = await self._request(Ping(), self._ping_interval_s * 3)
             except TimeoutError_:
+                silent = time.monotonic() - self.last_answer
+                if silent > self.lost_after_s and not self.lost:
+                    self.lost = True
+                    self._notes.put(_LOST)
                 continue
+            self.last_answer = time.monotonic()
+            self.lost = False
             if isinstance(reply, Error) and reply.code == ErrorCode.NO_SESSION.value:
                 self.session = None
-                if self._on_reset is not None:
-                    self._notes.put(_RESET)
+                self._notes.put(_RESET)
 
     async def _read(self) -> None:
         assert self._sock is not None
@@ -118,9 +132,15 @@ class DaemonConnection:
             msg = self._notes.get()
             if msg is None:
                 return
-            if msg is _RESET:
-                if self._on_reset is not None:
-                    self._on_reset()
+            if msg is _RESET or msg is _LOST:
+                handler = self._on_reset if msg is _RESET else self._on_lost
+                if handler is not None:
+                    try:
+                        handler()
+                    except Exception as exc:  # keep delivering; the owner sees the next call fail
+                        print(
+                            f"weightwire: {handler.__qualname__} failed: {exc!r}", file=sys.stderr
+                        )
                 continue
             if self._on_notify is not None:
                 self._on_notify(msg)
@@ -153,6 +173,20 @@ class DaemonConnection:
         if isinstance(reply, Welcome):
             self.session = reply.session
         return reply
+
+    def fail_pending(self, exc: BaseException) -> None:
+        """Fail every request still waiting for a reply (the daemon is gone or restarted)."""
+
+        def fail() -> None:
+            for fut in list(self._pending.values()):
+                if not fut.done():
+                    fut.set_exception(exc)
+
+        self._loop.call_soon_threadsafe(fail)
+
+    @property
+    def socket_gid(self) -> int:
+        return os.stat(self.path).st_gid
 
     def send(self, msg: LocalMsg) -> None:
         """Send without waiting for a reply (messages keep their order)."""

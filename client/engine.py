@@ -7,10 +7,16 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+import msgspec
 import torch
 
 from weightwire.protocol import PROTOCOL_VERSION
-from weightwire.protocol.errors import ErrorCode, RegistrationError, error_from_code
+from weightwire.protocol.errors import (
+    ErrorCode,
+    PeerLostError,
+    RegistrationError,
+    error_from_code,
+)
 from weightwire.protocol.local import (
     DeclareDestinations,
     EngineLayout,
@@ -76,20 +82,22 @@ class Engine:
         self._callbacks: list[Callable[[VersionInfo | Exception], None]] = []
         self._latest: VersionInfo | None = None
         self._cond = threading.Condition()
-        self._conn = DaemonConnection(socket, on_notify=self._on_notify)
-        self._conn.request(
-            Hello(
-                protocol=PROTOCOL_VERSION,
-                role="engine",
-                rank=rank,
-                world_size=world_size,
-                job=job,
-                pid=os.getpid(),
-                client="weightwire.client.Engine",
-            )
+        self._hello = Hello(
+            protocol=PROTOCOL_VERSION,
+            role="engine",
+            rank=rank,
+            world_size=world_size,
+            job=job,
+            pid=os.getpid(),
+            client="weightwire.client.Engine",
         )
+        self._conn = DaemonConnection(
+            socket, on_notify=self._on_notify, on_reset=self._replay, on_lost=self._lost
+        )
+        self._conn.request(self._hello)
         self._regions: list[SharedFile] = []
         self._buffers: list[torch.Tensor] = []
+        self._declared: list[tuple[SharedFile, tuple[DestTensor, ...], EngineLayout | None]] = []
 
     def register(
         self,
@@ -116,14 +124,18 @@ class Engine:
             offset = -(-offset // ALIGN) * ALIGN
             placed.append((name, t, offset))
             offset += t.numel() * t.element_size()
-        shared = create_shared(max(offset, 1), prefix=f"weightwire-engine-r{self.rank}")
+        shared = create_shared(
+            max(offset, 1), purpose=f"engine-r{self.rank}", gid=self._conn.socket_gid
+        )
         try:
             region = expect(
                 self._conn.request(RegisterRegion(path=shared.path, length=shared.length)),
                 RegionRegistered,
             ).region
-        finally:
+        except BaseException:
             shared.unlink()
+            shared.close()
+            raise
         buf = torch.frombuffer(shared.map, dtype=torch.uint8)
         self._regions.append(shared)
         self._buffers.append(buf)
@@ -140,6 +152,7 @@ class Engine:
                 )
             )
         self._conn.request(DeclareDestinations(tensors=tuple(specs), layout=layout))
+        self._declared.append((shared, tuple(specs), layout))
         out = {}
         with torch.no_grad():
             for name, t, off in placed:
@@ -200,8 +213,31 @@ class Engine:
         for cb in self._callbacks:
             cb(event)
 
+    def _replay(self) -> None:
+        """The daemon restarted: register the same memory again, on a fresh session."""
+        self._conn.fail_pending(PeerLostError("the daemon restarted; wait again"))
+        self._conn.request(self._hello)
+        for i, (shared, specs, layout) in enumerate(self._declared):
+            region = expect(
+                self._conn.request(RegisterRegion(path=shared.path, length=shared.length)),
+                RegionRegistered,
+            ).region
+            specs = tuple(msgspec.structs.replace(t, region=region) for t in specs)
+            self._conn.request(DeclareDestinations(tensors=specs, layout=layout))
+            self._declared[i] = (shared, specs, layout)
+
+    def _lost(self) -> None:
+        self._conn.fail_pending(
+            PeerLostError(
+                f"the daemon at {self._conn.path} has not answered for "
+                f"{self._conn.lost_after_s:.0f} s"
+            )
+        )
+
     def close(self) -> None:
         self._conn.close()
+        for shared in self._regions:
+            shared.unlink()
 
     def __enter__(self) -> Engine:
         return self

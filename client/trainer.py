@@ -14,6 +14,7 @@ import torch
 from weightwire.protocol import PROTOCOL_VERSION
 from weightwire.protocol.errors import (
     ErrorCode,
+    PeerLostError,
     PlanError,
     RegistrationError,
     TimeoutError_,
@@ -73,18 +74,19 @@ class Trainer:
         self.rank, self.world_size, self.job, self.timeout_s = rank, world_size, job, timeout_s
         self._results: dict[int, Future[PublishResult]] = {}
         self._lock = threading.Lock()
-        self._conn = DaemonConnection(socket, on_notify=self._on_notify)
-        self._conn.request(
-            Hello(
-                protocol=PROTOCOL_VERSION,
-                role="trainer",
-                rank=rank,
-                world_size=world_size,
-                job=job,
-                pid=os.getpid(),
-                client="weightwire.client.Trainer",
-            )
+        self._hello = Hello(
+            protocol=PROTOCOL_VERSION,
+            role="trainer",
+            rank=rank,
+            world_size=world_size,
+            job=job,
+            pid=os.getpid(),
+            client="weightwire.client.Trainer",
         )
+        self._conn = DaemonConnection(
+            socket, on_notify=self._on_notify, on_reset=self._replay, on_lost=self._lost
+        )
+        self._conn.request(self._hello)
         self._tensors: dict[str, _Registered] = {}
         self._plan: RankPlan | None = None
         self._staging: SharedFile | None = None
@@ -142,7 +144,7 @@ class Trainer:
     def _ensure_staging(self, plan: RankPlan) -> torch.Tensor:
         need = max(plan.staging_bytes, 1)
         if self._staging is None or self._staging.length < need:
-            shared = create_shared(need, prefix=f"weightwire-staging-r{self.rank}")
+            shared = create_shared(need, purpose=f"staging-r{self.rank}", gid=self._conn.socket_gid)
             try:
                 expect(
                     self._conn.request(
@@ -150,8 +152,12 @@ class Trainer:
                     ),
                     RegionRegistered,
                 )
-            finally:
+            except BaseException:
                 shared.unlink()
+                shared.close()
+                raise
+            if self._staging is not None:
+                self._staging.unlink()
             self._staging = shared
             self._staging_tensor = torch.frombuffer(shared.map, dtype=torch.uint8)
             self._staging_tensor.zero_()
@@ -240,10 +246,43 @@ class Trainer:
             if fut is not None and not fut.done():
                 fut.set_result(msg)
 
+    def _replay(self) -> None:
+        """The daemon restarted: register everything again, on a fresh session."""
+        self._fail_pending(PeerLostError("the daemon restarted mid-version; publish again"))
+        self._conn.request(self._hello)
+        if self._tensors:
+            self._conn.request(
+                DeclareSources(tensors=tuple(r.spec for r in self._tensors.values()))
+            )
+        if self._staging is not None:
+            self._conn.request(
+                RegisterRegion(
+                    path=self._staging.path, length=self._staging.length, purpose="staging"
+                )
+            )
+        self._plan = None
+
+    def _lost(self) -> None:
+        self._fail_pending(
+            PeerLostError(
+                f"the daemon at {self._conn.path} has not answered for "
+                f"{self._conn.lost_after_s:.0f} s"
+            )
+        )
+
+    def _fail_pending(self, exc: Exception) -> None:
+        self._conn.fail_pending(exc)
+        with self._lock:
+            pending = list(self._results.values())
+        for fut in pending:
+            if not fut.done():
+                fut.set_exception(exc)
+
     def close(self) -> None:
         self._conn.close()
         if self._staging is not None:
             self._staging_tensor = None
+            self._staging.unlink()
             self._staging.close()
 
     def __enter__(self) -> Trainer:

@@ -50,6 +50,7 @@ from weightwire.protocol.peer import (
 from weightwire.protocol.plan import NodePlan
 from weightwire.protocol.regions import TransportEndpoints
 from weightwire.transport.base import Transport
+from weightwire.transport.hostmem import sweep_stale
 
 from .completion import Completions
 from .config import DaemonConfig
@@ -131,6 +132,7 @@ class Daemon:
             COORDINATOR, self.cfg.coordinator or endpoint, self.mesh.security.coordinator_key
         )
         self.local.bind(self.ctx)
+        self._sweep()
         ready = {
             "node": self.node,
             "peer_endpoint": endpoint,
@@ -209,6 +211,7 @@ class Daemon:
         interval = self.cfg.heartbeat_interval_s
         last_hello = 0.0
         last_status = 0.0
+        last_sweep = time.monotonic()
         while True:
             now = time.monotonic()
             if self.coordinator is not None:
@@ -238,10 +241,18 @@ class Daemon:
             self.local.expire(self.cfg.session_timeout_s)
             self.registry.reap()
             self.notifier.watchdog()
+            if now - last_sweep >= 60.0:
+                last_sweep = now
+                self._sweep()
             if now - last_status >= 5.0:
                 last_status = now
                 self.notifier.status(self._one_line_status())
             await asyncio.sleep(interval)
+
+    def _sweep(self) -> None:
+        removed = sweep_stale()
+        if removed:
+            log.info("removed region files of exited ranks", files=len(removed))
 
     def _one_line_status(self) -> str:
         timeout = self.cfg.heartbeat_timeout_s

@@ -21,7 +21,7 @@ class TcpKit(TransportKit):
         return TcpTransport(node, bind_host="127.0.0.1", streams=3, stall_timeout_s=10)
 
     def region(self, region_id: int, length: int) -> LocalRegion:
-        f = create_shared(length, prefix="ww-test")
+        f = create_shared(length, purpose="test")
         f.unlink()
         self._files[id(f.view)] = f
         return LocalRegion(id=region_id, kind="cpu", length=length, view=f.view, fd=f.fd)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from weightwire.protocol.errors import ErrorCode, RegistrationError
 
 SHM_DIR = "/dev/shm"
+PREFIX = "weightwire"
 PAGE = mmap.PAGESIZE
 
 
@@ -51,12 +52,22 @@ class SharedFile:
         return True
 
 
-def create_shared(length: int, *, prefix: str = "weightwire", mode: int = 0o600) -> SharedFile:
+def create_shared(
+    length: int, *, purpose: str = "region", mode: int = 0o660, gid: int | None = None
+) -> SharedFile:
+    """A new file in /dev/shm named weightwire.<pid>.<purpose>.<random>, mapped.
+
+    The file keeps its name while the rank lives, so a restarted daemon can map it again;
+    `unlink` it when done. `gid` hands it to the daemon's group (mode 0660).
+    """
     if length <= 0:
         raise RegistrationError(f"a shared region needs a positive length, not {length}")
-    path = os.path.join(SHM_DIR, f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}")
+    path = os.path.join(SHM_DIR, f"{PREFIX}.{os.getpid()}.{purpose}.{secrets.token_hex(6)}")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
     try:
+        if gid is not None and gid != os.getgid():
+            os.fchown(fd, -1, gid)
+        os.fchmod(fd, mode)
         os.ftruncate(fd, length)
         m = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     except BaseException:
@@ -87,3 +98,21 @@ def open_shared(path: str, length: int) -> SharedFile:
         os.close(fd)
         raise
     return SharedFile(real, length, fd, m)
+
+
+def sweep_stale() -> list[str]:
+    """Unlink region files whose creating process is gone (a rank that crashed)."""
+    removed = []
+    for name in os.listdir(SHM_DIR):
+        parts = name.split(".")
+        if len(parts) != 4 or parts[0] != PREFIX or not parts[1].isdigit():
+            continue
+        try:
+            os.kill(int(parts[1]), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(SHM_DIR, name))
+                removed.append(name)
+        except PermissionError:
+            pass  # alive, someone else's
+    return removed
