@@ -31,7 +31,7 @@ from weightwire.protocol.errors import (
     error_from_code,
 )
 from weightwire.protocol.frames import Codec
-from weightwire.protocol.local import Error, Goodbye, LocalMessage, LocalMsg, Ping, Welcome
+from weightwire.protocol.local import Error, Goodbye, Hello, LocalMessage, LocalMsg, Ping, Welcome
 
 DEFAULT_SOCKET = os.environ.get("WEIGHTWIRE_SOCKET", "/run/weightwire/weightwired.sock")
 
@@ -69,6 +69,8 @@ class DaemonConnection:
         self.last_answer = time.monotonic()
         self.lost = False
         self.session: str | None = None
+        self._epoch = 0  # counts sessions established (each Welcome)
+        self._reset_lock = threading.Lock()
         self._notes: queue.SimpleQueue[LocalMessage | None] = queue.SimpleQueue()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="ww-conn", daemon=True)
@@ -109,7 +111,6 @@ class DaemonConnection:
             self.last_answer = time.monotonic()
             self.lost = False
             if isinstance(reply, Error) and reply.code == ErrorCode.NO_SESSION.value:
-                self.session = None
                 self._notes.put(_RESET)
 
     async def _read(self) -> None:
@@ -133,14 +134,13 @@ class DaemonConnection:
             if msg is None:
                 return
             if msg is _RESET or msg is _LOST:
-                handler = self._on_reset if msg is _RESET else self._on_lost
-                if handler is not None:
-                    try:
-                        handler()
-                    except Exception as exc:  # keep delivering; the owner sees the next call fail
-                        print(
-                            f"weightwire: {handler.__qualname__} failed: {exc!r}", file=sys.stderr
-                        )
+                try:
+                    if msg is _RESET:
+                        self.reset(self._epoch)
+                    elif self._on_lost is not None:
+                        self._on_lost()
+                except Exception as exc:  # keep delivering; the owner sees the next call fail
+                    print(f"weightwire: recovering the session failed: {exc!r}", file=sys.stderr)
                 continue
             if self._on_notify is not None:
                 self._on_notify(msg)
@@ -164,15 +164,33 @@ class DaemonConnection:
             self._pending.pop(req, None)
 
     def request(self, msg: LocalMsg, timeout_s: float = 30.0) -> LocalMessage:
-        """Send a request and return its reply; an `Error` reply is raised as its exception."""
+        """Send a request and return its reply; an `Error` reply is raised as its exception.
+
+        If the daemon no longer knows this session (it restarted), the owner's `on_reset`
+        registers everything again and the request is sent once more.
+        """
         if self._closed:
             raise WeightwireError("the connection is closed", code=ErrorCode.PEER_LOST)
+        epoch = self._epoch
         reply = self._run(self._request(msg, timeout_s)).result(timeout_s + 5)
+        forgotten = isinstance(reply, Error) and reply.code == ErrorCode.NO_SESSION.value
+        if forgotten and self._on_reset is not None and not isinstance(msg, Hello):
+            self.reset(epoch)
+            reply = self._run(self._request(msg, timeout_s)).result(timeout_s + 5)
         if isinstance(reply, Error):
             raise error_from_code(reply.code, reply.message)
         if isinstance(reply, Welcome):
             self.session = reply.session
+            self._epoch += 1
         return reply
+
+    def reset(self, seen_epoch: int) -> None:
+        """Register again, once per lost session however many callers noticed it."""
+        with self._reset_lock:
+            if self._epoch != seen_epoch or self._on_reset is None:
+                return
+            self.session = None
+            self._on_reset()
 
     def fail_pending(self, exc: BaseException) -> None:
         """Fail every request still waiting for a reply (the daemon is gone or restarted)."""

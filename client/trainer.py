@@ -174,14 +174,14 @@ class Trainer:
         """
         t0 = time.perf_counter()
         current = self._current(tensors)
-        for attempt in range(2):
+        for attempt in range(3):
             plan = self.plan()
             staging = self._ensure_staging(plan)
             try:
                 self._conn.request(BeginVersion(version=version, plan_hash=plan.plan_hash))
                 break
-            except PlanError as exc:
-                if exc.code is not ErrorCode.PLAN_CHANGED or attempt:
+            except PlanError as exc:  # a new plan is coming (a peer restarted, ranks changed)
+                if exc.code not in (ErrorCode.PLAN_CHANGED, ErrorCode.NOT_READY) or attempt == 2:
                     raise
                 self._plan = None
         fut: Future[PublishResult] = Future()

@@ -29,7 +29,7 @@ from weightwire.protocol.peer import (
     PeerWelcome,
     PlanProblem,
 )
-from weightwire.protocol.plan import MAX_SLOTS, NodePlan
+from weightwire.protocol.plan import NodePlan
 
 log = structlog.get_logger("weightwire.daemon.coordinator")
 
@@ -60,7 +60,6 @@ class Coordinator:
     jobs: dict[str, Job] = field(default_factory=dict)
     _planning: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     _plans: dict[str, dict[str, NodePlan]] = field(default_factory=dict)
-    _slots: dict[str, dict[tuple[str, int], int]] = field(default_factory=dict)
 
     # --- membership ----------------------------------------------------------
 
@@ -130,6 +129,8 @@ class Coordinator:
         if prev is not None and prev.incarnation == adv.incarnation and prev.seq > adv.seq:
             return
         job.adverts[sender] = adv
+        if adv.plan_hash != job.plan_hash:
+            job.assigned.pop(sender, None)  # it lost or never had the current plan
         self._replan(job)
 
     def _replan(self, job: Job) -> None:
@@ -139,6 +140,15 @@ class Coordinator:
         self._planning[job.name] = asyncio.get_running_loop().create_task(self._plan_job(job))
 
     async def _plan_job(self, job: Job) -> None:
+        try:
+            await self._plan_job_now(job)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a planner bug must be seen, and must not kill the daemon
+            log.exception("planning failed", job=job.name)
+            self._problem(job, WeightwireError(f"internal planning error: {exc!r}"))
+
+    async def _plan_job_now(self, job: Job) -> None:
         trainers, engines, missing, problems = self._collect(job)
         if problems:
             self._problem(job, PlanError("; ".join(problems), code=ErrorCode.DUPLICATE))
@@ -155,7 +165,7 @@ class Coordinator:
         t0 = time.monotonic()
         try:
             engines = self.resolve(trainers, engines)
-            slots = self._slots_for(job.name, engines)
+            slots = {e.rank: e.slot for e in engines}
             plans = await asyncio.to_thread(plan, job.name, trainers, engines, self.options, slots)
         except WeightwireError as exc:
             self._problem(job, exc)
@@ -188,23 +198,6 @@ class Coordinator:
             self.send(node, AssignPlan(plan=node_plan))
             job.assigned[node] = member.incarnation
 
-    def _slots_for(self, job: str, engines: list[EngineRank]) -> dict[int, int]:
-        """Each engine rank's immediate counter on its node, unique across jobs, stable."""
-        out: dict[int, int] = {}
-        for e in sorted(engines, key=lambda e: e.rank):
-            taken = self._slots.setdefault(e.node, {})
-            for key in [k for k in taken if k[0] == job and k[1] == e.rank]:
-                out[e.rank] = taken[key]
-            if e.rank not in out:
-                used = set(taken.values())
-                slot = next(i for i in range(MAX_SLOTS) if i not in used)
-                taken[(job, e.rank)] = out[e.rank] = slot
-        for node, taken in self._slots.items():  # free slots of ranks that moved or left
-            for key in [k for k in taken if k[0] == job]:
-                if not any(e.rank == key[1] and e.node == node for e in engines):
-                    del taken[key]
-        return out
-
     def _problem(self, job: Job, exc: WeightwireError) -> None:
         job.plan_hash, job.inputs, job.assigned = "", "", {}
         if job.problem == exc.message:
@@ -232,7 +225,7 @@ class Coordinator:
                 else:
                     if r.rank in engines:
                         dupes.append(f"engine rank {r.rank} on {engines[r.rank].node} and {node}")
-                    engines[r.rank] = EngineRank(node, r.rank, r.destinations, r.regions)
+                    engines[r.rank] = EngineRank(node, r.rank, r.destinations, r.regions, r.slot)
         problems = list(dupes)
         for role, sizes in worlds.items():
             if len(sizes) > 1:

@@ -47,7 +47,7 @@ from weightwire.protocol.peer import (
     VersionAbort,
     VersionStart,
 )
-from weightwire.protocol.plan import NodePlan
+from weightwire.protocol.plan import MAX_SLOTS, NodePlan
 from weightwire.protocol.regions import TransportEndpoints
 from weightwire.transport.base import Transport
 from weightwire.transport.hostmem import sweep_stale
@@ -106,6 +106,8 @@ class Daemon:
         self.plan_problems: dict[str, PlanError] = {}
         self.plan_waiters: dict[str, list[asyncio.Future[None]]] = {}
         self.publishers: dict[tuple[str, int], Publisher] = {}
+        self.detached: dict[tuple[str, int], Any] = {}
+        self.slots: dict[tuple[str, int], int] = {}  # runs of gone sessions still writing
         self.related_since: dict[str, float] = {}
         self.lost: set[str] = set()
         self.advert_seq = 0
@@ -280,11 +282,32 @@ class Daemon:
             self._spawn(t.disconnect(node, reason))
         for rc in self.completions.ranks.values():
             rc.fail_in_progress(ErrorCode.PEER_LOST, reason, source=node)
+        for job, plan in list(self.plans.items()):
+            if node in self._nodes_of(plan):
+                self._withdraw(job, f"plan withdrawn: {reason}")
 
     def node_back(self, node: str) -> None:
         if node in self.lost:
             self.lost.discard(node)
             log.info("peer back", peer=node)
+            for job in {s.job for s in self.local.sessions.values()}:
+                self.advertise(job)
+
+    @staticmethod
+    def _nodes_of(plan: NodePlan) -> set[str]:
+        nodes = {r.node for s in plan.sends for r in s.regions}
+        return nodes | {n for e in plan.expects for n in e.sources}
+
+    def _withdraw(self, job: str, reason: str) -> None:
+        """Stop using a job's plan (it involves a lost node) until the coordinator sends one."""
+        plan = self.plans.pop(job, None)
+        if plan is None:
+            return
+        log.warning("plan withdrawn", job=job, plan=plan.plan_hash, reason=reason)
+        for (j, _), pub in self.publishers.items():
+            if j == job:
+                pub.set_plan(None, reason)
+        self.advertise(job)
 
     # --- peer messages -------------------------------------------------------
 
@@ -388,6 +411,7 @@ class Daemon:
                         destinations=tuple(s.destinations.values()),
                         layout=s.layout,
                         regions=tuple(r.descriptor for r in self.registry.of_session(s.id)),
+                        slot=self._slot(s.job, s.rank),
                     )
                 )
         self.advert_seq += 1
@@ -399,8 +423,17 @@ class Daemon:
                 job=job,
                 ranks=tuple(ranks),
                 seq=self.advert_seq,
+                plan_hash=self.plans[job].plan_hash if job in self.plans else "",
             ),
         )
+
+    def _slot(self, job: str, rank: int) -> int:
+        """The immediate counter of an engine rank here: stable while its session lives."""
+        key = (job, rank)
+        if key not in self.slots:
+            used = set(self.slots.values())
+            self.slots[key] = next(i for i in range(MAX_SLOTS) if i not in used)
+        return self.slots[key]
 
     def install_plan(self, plan: NodePlan) -> None:
         old = self.plans.get(plan.job)
@@ -419,8 +452,7 @@ class Daemon:
             if pub is not None:
                 pub.set_plan(rp)
         self.completions.install(plan.job, plan.plan_hash, plan.expects)
-        related = {r.node for s in plan.sends for r in s.regions}
-        related |= {n for e in plan.expects for n in e.sources}
+        related = self._nodes_of(plan)
         now = time.monotonic()
         self.related_since = {
             n: self.related_since.get(n, now) for n in related | set(self._other_related(plan.job))
@@ -500,6 +532,7 @@ class Daemon:
                 reply=lambda result, s=session: self.local.send(s.identity, result),
                 announce=lambda v, kind, m, nodes, s=session: self._announce(s, v, kind, m, nodes),
             )
+            pub.previous = self.detached.pop(key, None)
             self.publishers[key] = pub
             plan = self.plans.get(session.job)
             for rp in plan.sends if plan else ():
@@ -601,6 +634,10 @@ class Daemon:
             pub = self.publishers.pop((session.job, session.rank), None)
             if pub is not None:
                 pub.abort(f"trainer rank {session.rank} disconnected mid-version")
+                if pub.run is not None and pub.run.tasks:
+                    self.detached[(session.job, session.rank)] = pub.run
+        if session.role == "engine":
+            self.slots.pop((session.job, session.rank), None)
         for region in self.registry.of_session(session.id):
             self.registry.remove(region.local.id)
         if session.sources or session.destinations:

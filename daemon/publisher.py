@@ -62,14 +62,18 @@ class Publisher:
     staging: LocalRegion | None = None
     last_version: int = -1
     run: Run | None = None
+    previous: Run | None = None  # the last run of an earlier session of this rank
     _regions: dict[tuple[str, int], RegionDescriptor] = field(default_factory=dict)
 
-    def set_plan(self, plan: RankPlan) -> None:
+    def set_plan(self, plan: RankPlan | None, reason: str = "") -> None:
+        """A new plan, or None: the plan was withdrawn (a node it involves was lost)."""
         running = self.run is not None and not self.run.finished
-        if running and self.plan is not None and plan.plan_hash != self.plan.plan_hash:
-            self._fail(WeightwireError("the plan changed mid-version", code=ErrorCode.PLAN_CHANGED))
+        new_hash = plan.plan_hash if plan is not None else None
+        if running and self.plan is not None and new_hash != self.plan.plan_hash:
+            why = reason or "the plan changed mid-version"
+            self._fail(WeightwireError(why, code=ErrorCode.PLAN_CHANGED))
         self.plan = plan
-        self._regions = {(r.node, r.id): r for r in plan.regions}
+        self._regions = {(r.node, r.id): r for r in plan.regions} if plan else {}
 
     @property
     def destinations(self) -> set[str]:
@@ -94,10 +98,11 @@ class Publisher:
                 f"register one first",
                 code=ErrorCode.NOT_READY,
             )
-        if self.run is not None and self.run.tasks:
-            raise VersionError(
-                f"version {self.run.version} still has writes in flight", code=ErrorCode.NOT_READY
-            )
+        for run in (self.previous, self.run):
+            if run is not None and run.tasks:
+                raise VersionError(
+                    f"version {run.version} still has writes in flight", code=ErrorCode.NOT_READY
+                )
         self.last_version = version
         self.run = Run(version=version, plan=self.plan, staging=self.staging)
         self.announce(version, "start", "", self.destinations)
@@ -213,11 +218,17 @@ class Publisher:
         )
 
     async def drain(self, timeout_s: float) -> None:
-        """Wait for writes still in flight (a failed version's stragglers)."""
-        if self.run is None or not self.run.tasks:
-            return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait(set(self.run.tasks), timeout=timeout_s)
+        """Wait for writes still in flight: a failed version's stragglers, or those of an
+        earlier session of this rank, which must never land on top of a newer version."""
+        tasks = set()
+        for run in (self.previous, self.run):
+            if run is not None:
+                tasks |= run.tasks
+        if tasks:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait(tasks, timeout=timeout_s)
+        if self.previous is not None and not self.previous.tasks:
+            self.previous = None
 
     def progress(self) -> dict[str, object]:
         run = self.run

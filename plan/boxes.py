@@ -122,3 +122,19 @@ def _check_blocks(piece: Piece, rel: Box, block: int) -> None:
                 f"FP8 block quantization of {piece.source} needs whole {block}x{block} tiles, "
                 f"but the sources hold it split at {start}..{end} on dim {len(rel.sizes) + d}"
             )
+
+
+def split_rows(box: Box, piece: Piece, source_dtype: str, max_bytes: int) -> list[Box]:
+    """Cut a sub-box along its first dimension into parts of at most ~`max_bytes`, so a
+    large tensor spans several buckets and its packing overlaps its transfer. FP8 tiles
+    are never cut: 2-D boxes split at whole tiles."""
+    nbytes = place(piece, source_dtype, box).nbytes
+    rows = box.sizes[0]
+    if nbytes <= max_bytes or rows <= 1:
+        return [box]
+    step = max(1, rows * max_bytes // nbytes)
+    if isinstance(piece.transform, Fp8BlockQuant | Fp8BlockScale) and len(box.sizes) == 2:
+        block = piece.transform.block
+        step = max(block, step // block * block)
+    lo = box.offsets[0]
+    return [_slab(box, 0, r, min(r + step, lo + rows)) for r in range(lo, lo + rows, step)]

@@ -38,7 +38,7 @@ from weightwire.protocol.tensors import (
     transformed_itemsize,
 )
 
-from .boxes import cover, place
+from .boxes import cover, place, split_rows
 
 
 class PlanOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -60,6 +60,7 @@ class EngineRank:
     rank: int
     tensors: tuple[DestTensor, ...]  # each with its pieces resolved
     regions: tuple[RegionDescriptor, ...]
+    slot: int = -1  # its immediate counter on its node (-1: numbered here)
 
 
 @dataclass
@@ -143,7 +144,11 @@ def plan(
                 used.add(piece.source)
                 held = holders[piece.source]
                 dtype = held[0].tensor.dtype
-                subs = cover(piece.box, [h.tensor.held() for h in held])
+                subs = [
+                    chunk
+                    for sub in cover(piece.box, [h.tensor.held() for h in held])
+                    for chunk in split_rows(sub, piece, dtype, options.bucket_bytes)
+                ]
                 if not subs:
                     problems.append(
                         f"engine rank {e.rank}: {dst.name} needs {piece.source}{_fmt(piece.box)}, "

@@ -44,6 +44,7 @@ class RankAdvert(msgspec.Struct, frozen=True, kw_only=True):
     destinations: tuple[DestTensor, ...] = ()
     layout: EngineLayout | None = None
     regions: tuple[RegionDescriptor, ...] = ()
+    slot: int = -1  # engine ranks: the immediate counter its node gave it (unique on the node)
 
 
 class Advertise(PeerMsg, frozen=True, tag="advertise"):
@@ -54,6 +55,7 @@ class Advertise(PeerMsg, frozen=True, tag="advertise"):
     job: str
     ranks: tuple[RankAdvert, ...]
     seq: NonNeg = 0
+    plan_hash: str = ""  # the plan this node holds for the job ("" = none): stale ones are re-sent
 
 
 class Membership(PeerMsg, frozen=True, tag="membership"):

@@ -1,0 +1,223 @@
+"""Faults with real processes: a peer daemon killed mid-transfer, daemons and the coordinator
+restarted, a trainer that dies mid-publish, a rank that goes away. Transfers are made slow
+(tc on the trainer host's link) so that "mid-transfer" is a real place in time."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from weightwire.cli.localcluster import LocalCluster
+from weightwire.cli.status import fetch
+from weightwire.client import Engine, Trainer
+from weightwire.protocol.errors import PeerLostError, WeightwireError
+
+from .conftest import FAST, NETNS, NETNS_WHY
+from .ranks.big_trainer import COLS, ROWS, weights
+
+pytestmark = pytest.mark.skipif(not NETNS, reason=f"fault tests need namespaces: {NETNS_WHY}")
+HERE = Path(__file__).parent
+HEARTBEAT_TIMEOUT = float(FAST["heartbeat-timeout-s"])
+MB = {"max-write-bytes": str(4 << 20), "bucket-bytes": str(8 << 20)}
+
+
+@pytest.fixture(scope="module")
+def faults() -> Iterator[LocalCluster]:
+    """host0 coordinates; host1 runs trainer ranks (its link throttled); host2 engine ranks."""
+    c = LocalCluster(hosts=3, use_netns=True, extra={**FAST, **MB})
+    c.start()
+    assert c.net is not None
+    c.net.throttle(1, 200)
+    c.wait_joined()
+    yield c
+    c.stop()
+
+
+def restart(c: LocalCluster, host: int) -> None:
+    old = c.daemons[host]
+    port = old.endpoint.rsplit(":", 1)[1] if host == 0 else "0"
+    coord = "" if host == 0 else c.daemons[0].endpoint
+    c.start_daemon(
+        host, node=old.node, coordinator=host == 0, coordinator_endpoint=coord, peer_port=int(port)
+    )
+    c.wait_joined()
+
+
+def pair(c: LocalCluster, job: str) -> tuple[Trainer, Engine, torch.Tensor]:
+    dst = torch.zeros(ROWS, COLS)
+    eng = Engine(0, 1, socket=c.daemons[2].socket, job=job, timeout_s=30)
+    eng.register({"w": dst})
+    tr = Trainer(0, 1, socket=c.daemons[1].socket, job=job, timeout_s=30)
+    tr.register({"w": weights(0)})
+    tr.prepare()
+    return tr, eng, dst
+
+
+def publish_in_background(tr: Trainer, version: int, w: torch.Tensor) -> dict[str, object]:
+    out: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            out["stats"] = tr.publish(version, {"w": w})
+        except WeightwireError as exc:
+            out["error"], out["t"] = exc, time.time()
+
+    out["thread"] = t = threading.Thread(target=run)
+    t.start()
+    return out
+
+
+def test_engine_daemon_killed_mid_transfer_then_back(faults: LocalCluster) -> None:
+    tr, eng, dst = pair(faults, "kill-engine-daemon")
+    tr.publish(1, {"w": weights(1)})
+    eng.wait(1)
+    pending = publish_in_background(tr, 2, weights(2))
+    time.sleep(0.7)
+    killed = time.time()
+    faults.daemons[2].proc.send_signal(signal.SIGKILL)
+    pending["thread"].join(20)  # type: ignore[attr-defined]
+    err = pending.get("error")
+    assert isinstance(err, PeerLostError), pending
+    assert "host2" in str(err), err
+    assert pending["t"] - killed <= HEARTBEAT_TIMEOUT + 1.0  # type: ignore[operator]
+    restart(faults, 2)  # the engine process re-registers by itself
+    tr.publish(3, {"w": weights(3)})
+    eng.wait(3, timeout_s=30)
+    assert torch.equal(dst, weights(3))
+    tr.close()
+    eng.close()
+
+
+def test_trainer_daemon_killed_mid_transfer_then_back(faults: LocalCluster) -> None:
+    tr, eng, dst = pair(faults, "kill-trainer-daemon")
+    tr.publish(1, {"w": weights(1)})
+    eng.wait(1)
+    failures: list[tuple[BaseException, float]] = []
+    eng.on_version(
+        lambda ev: failures.append((ev, time.time())) if isinstance(ev, Exception) else None
+    )
+    pending = publish_in_background(tr, 2, weights(2))
+    time.sleep(0.7)
+    killed = time.time()
+    faults.daemons[1].proc.send_signal(signal.SIGKILL)
+    deadline = time.time() + 10
+    while not failures and time.time() < deadline:
+        time.sleep(0.05)
+    assert failures, "the engine rank was never told version 2 failed"
+    exc, when = failures[0]
+    assert "host1" in str(exc) and when - killed <= HEARTBEAT_TIMEOUT + 1.0, (exc, when - killed)
+    with pytest.raises(WeightwireError):
+        eng.wait(2, timeout_s=5)
+    pending["thread"].join(20)  # type: ignore[attr-defined]
+    assert isinstance(pending.get("error"), PeerLostError), pending
+    restart(faults, 1)  # the trainer process re-registers by itself
+    tr.publish(3, {"w": weights(3)})
+    eng.wait(3, timeout_s=30)
+    assert torch.equal(dst, weights(3))
+    tr.close()
+    eng.close()
+
+
+def test_coordinator_restarted_plan_restored(faults: LocalCluster) -> None:
+    tr, eng, dst = pair(faults, "coordinator-restart")
+    tr.publish(1, {"w": weights(1)})
+    eng.wait(1)
+    before = fetch(faults.daemons[1].socket)["plans"]["coordinator-restart"]
+    faults.daemons[0].proc.send_signal(signal.SIGKILL)
+    faults.daemons[0].proc.wait(10)
+    tr.publish(2, {"w": weights(2)})  # installed plans keep working without a coordinator
+    eng.wait(2)
+    restart(faults, 0)
+    deadline = time.time() + 15
+    jobs: dict[str, object] = {}
+    while time.time() < deadline:
+        jobs = (fetch(faults.daemons[0].socket).get("coordination") or {}).get("jobs", {})
+        if jobs.get("coordinator-restart", {}).get("plan"):  # type: ignore[union-attr]
+            break
+        time.sleep(0.2)
+    assert jobs["coordinator-restart"]["plan"] == before, jobs  # type: ignore[index]
+    tr.publish(3, {"w": weights(3)})
+    eng.wait(3)
+    assert torch.equal(dst, weights(3))
+    tr.close()
+    eng.close()
+
+
+def test_trainer_dying_mid_publish_never_completes_anywhere(faults: LocalCluster) -> None:
+    job = "trainer-dies"
+    dst = torch.zeros(ROWS, COLS)
+    eng = Engine(0, 1, socket=faults.daemons[2].socket, job=job, timeout_s=30)
+    eng.register({"w": dst})
+    events: list[object] = []
+    eng.on_version(events.append)
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
+    sock = faults.daemons[1].socket
+    doomed = subprocess.run(
+        [*faults.prefix(1), sys.executable, "-m", "tests.ranks.half_trainer", sock, job],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=HERE.parent,
+        timeout=60,
+    )
+    assert doomed.returncode == -signal.SIGKILL, doomed.stderr
+    assert "posted 1 of" in doomed.stdout
+    with pytest.raises(WeightwireError) as err:
+        eng.wait(1, timeout_s=15)
+    assert "disconnected mid-version" in str(err.value), err.value
+    assert not any(getattr(e, "version", None) == 1 for e in events), "version 1 completed"
+    survivor = subprocess.Popen(
+        [*faults.prefix(1), sys.executable, str(HERE / "ranks" / "big_trainer.py"), sock, job],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert survivor.stdin is not None and survivor.stdout is not None
+    assert json.loads(survivor.stdout.readline())["event"] == "ready"
+    survivor.stdin.write("2\n")
+    survivor.stdin.flush()
+    eng.wait(2, timeout_s=30)
+    assert torch.equal(dst, weights(2))
+    survivor.stdin.close()
+    assert survivor.wait(30) == 0
+    eng.close()
+
+
+def test_local_socket_is_group_only_and_gone_ranks_are_released(faults: LocalCluster) -> None:
+    host = faults.daemons[2]
+    assert stat.S_IMODE(os.stat(host.socket).st_mode) == 0o660
+    code = (
+        "import sys, time, torch\n"
+        "from weightwire.client import Engine\n"
+        "e = Engine(0, 1, socket=sys.argv[1], job='released')\n"
+        "e.register({'x': torch.zeros(1 << 20)})\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    p = subprocess.Popen(
+        [sys.executable, "-c", code, host.socket], stdout=subprocess.PIPE, text=True
+    )
+    assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    owners = [r["owner"] for r in fetch(host.socket)["regions"]]
+    assert any(f"pid {p.pid}" in o for o in owners), owners
+    p.kill()
+    p.wait()
+    deadline = time.time() + float(FAST["session-timeout-s"]) + 3
+    while time.time() < deadline:
+        owners = [r["owner"] for r in fetch(host.socket)["regions"]]
+        if not any(f"pid {p.pid}" in o for o in owners):
+            break
+        time.sleep(0.2)
+    assert not any(f"pid {p.pid}" in o for o in owners), "a dead rank's region was kept"
