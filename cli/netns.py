@@ -80,6 +80,27 @@ class Hosts:
             self.names.append(ns)
             self.addresses.append(addr)
 
+    def throttle(self, i: int, mbit: int) -> None:
+        """Limit what host i sends to `mbit` Mbit/s (to make transfers last, for fault tests)."""
+        _ip(
+            "netns",
+            "exec",
+            self.names[i],
+            "tc",
+            "qdisc",
+            "replace",
+            "dev",
+            "eth0",
+            "root",
+            "tbf",
+            "rate",
+            f"{mbit}mbit",
+            "burst",
+            "256kb",
+            "latency",
+            "100ms",
+        )
+
     def prefix(self, i: int) -> list[str]:
         """The command prefix that runs a program on host i."""
         return ["ip", "netns", "exec", self.names[i]]
