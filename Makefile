@@ -6,7 +6,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 
-.PHONY: demo test test-fast lint typecheck setup sysdeps clean bench-tcp
+.PHONY: demo test test-fast lint typecheck setup sysdeps clean bench-tcp test-sglang
 
 setup: $(STAMP)
 
@@ -31,6 +31,11 @@ test: setup sysdeps
 	echo "== mypy (strict: protocol, transport)"; scripts/typecheck.sh || rc=1; \
 	echo "== pytest"; $(VPY) -m pytest -q -ra || rc=1; \
 	exit $$rc
+
+# weightwire's recipes against SGLang 0.5.23's own model classes and loaders, on CPU.
+test-sglang:
+	scripts/sglang-env.sh
+	.venv-sglang/bin/python -m pytest -q tests/sglang
 
 test-fast: setup
 	$(VPY) -m pytest -q -ra -m "not slow"

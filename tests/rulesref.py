@@ -17,6 +17,113 @@ import torch
 
 from weightwire.client.fp8 import quantize_blocks
 
+# Tiny configs of every family (the published layouts, shrunk).
+BASE: dict[str, Any] = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=32,
+    vocab_size=1000,  # not a multiple of 64: vocab padding
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    torch_dtype="bfloat16",
+)
+YARN = {
+    "type": "yarn",
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 128,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+DSV3: dict[str, Any] = dict(
+    BASE,
+    architectures=["DeepseekV3ForCausalLM"],
+    model_type="deepseek_v3",
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=64,
+    kv_lora_rank=32,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,
+    first_k_dense_replace=1,
+    moe_layer_freq=1,
+    n_group=2,
+    topk_group=1,
+    topk_method="noaux_tc",
+    scoring_func="sigmoid",
+    norm_topk_prob=True,
+    routed_scaling_factor=2.5,
+    rope_scaling=YARN,
+    num_nextn_predict_layers=0,
+)
+QMOE: dict[str, Any] = dict(
+    BASE,
+    architectures=["Qwen3MoeForCausalLM"],
+    model_type="qwen3_moe",
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    norm_topk_prob=True,
+)
+FP8Q = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [128, 128],
+}
+BIG = dict(hidden_size=256, intermediate_size=512, num_key_value_heads=4, head_dim=64)
+CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen3": dict(BASE, architectures=["Qwen3ForCausalLM"], model_type="qwen3"),
+    "qwen3-tied": dict(
+        BASE, architectures=["Qwen3ForCausalLM"], model_type="qwen3", tie_word_embeddings=True
+    ),
+    "qwen2": dict(BASE, architectures=["Qwen2ForCausalLM"], model_type="qwen2", head_dim=16),
+    "llama": dict(BASE, architectures=["LlamaForCausalLM"], model_type="llama"),
+    "llama-bias": dict(
+        BASE, architectures=["LlamaForCausalLM"], model_type="llama", attention_bias=True
+    ),
+    "qwen3-moe": QMOE,
+    "deepseek-v3": DSV3,
+    "kimi-k2": dict(DSV3, model_type="kimi_k2", n_group=1, topk_group=1),
+    "deepseek-noqlora": dict(DSV3, q_lora_rank=None),
+    # FP8: every rank's slice is whole 128x128 blocks
+    "qwen3-fp8": dict(BASE, **BIG, architectures=["Qwen3ForCausalLM"], model_type="qwen3"),
+    "qwen3-fp8-kvrep": dict(  # 2 kv heads of 128 over tp 4: replicated, still whole blocks
+        BASE,
+        **dict(BIG, num_key_value_heads=2, head_dim=128),
+        architectures=["Qwen3ForCausalLM"],
+        model_type="qwen3",
+        quantization_config=FP8Q,
+    ),
+    "qwen3-moe-fp8": dict(QMOE, **BIG, moe_intermediate_size=256),
+    "deepseek-v3-fp8": dict(
+        DSV3,
+        hidden_size=256,
+        intermediate_size=512,
+        q_lora_rank=128,
+        kv_lora_rank=128,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=64,
+        v_head_dim=64,
+        moe_intermediate_size=256,
+        quantization_config=FP8Q,  # dest_dtype "" follows the config: FP8
+    ),
+}
+
 
 def family(cfg: dict[str, Any]) -> str:
     arch = cfg["architectures"][0]
@@ -39,6 +146,7 @@ class Reference:
         ep: int = 1,
         fp8: int | None = None,
         dtype: torch.dtype = torch.bfloat16,
+        qcache: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
         self.cfg, self.hf, self.tp, self.r, self.ep = cfg, hf, tp, rank, ep
         self.block, self.dtype = fp8, dtype
@@ -46,7 +154,7 @@ class Reference:
         self.mr = rank % self.moe_tp  # moe tp rank
         self.er = rank // self.moe_tp  # moe ep rank
         self.fam = family(cfg)
-        self._q: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._q = qcache if qcache is not None else {}  # whole-tensor FP8, shareable by ranks
         self.out: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ helpers
@@ -234,6 +342,8 @@ def reference(
     ep: int = 1,
     fp8: int | None = None,
     dtype: torch.dtype = torch.bfloat16,
+    qcache: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Every engine tensor of TP rank `rank` (EP over `ep`), by SGLang name."""
-    return Reference(cfg, hf, tp, rank, ep, fp8, dtype).build()
+    """Every engine tensor of TP rank `rank` (EP over `ep`), by SGLang name. `qcache`
+    keeps the whole-tensor FP8 quantization between ranks of one model."""
+    return Reference(cfg, hf, tp, rank, ep, fp8, dtype, qcache).build()

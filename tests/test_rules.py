@@ -20,108 +20,9 @@ from weightwire.protocol.local import EngineLayout
 from weightwire.protocol.tensors import Box, DestTensor
 
 from .planlib import engine, execute, trainer
-from .rulesref import reference
+from .rulesref import CONFIGS, reference
 
 ROOT = Path(__file__).resolve().parent.parent
-
-BASE: dict[str, Any] = dict(
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    head_dim=32,
-    vocab_size=1000,  # not a multiple of 64: vocab padding
-    max_position_embeddings=512,
-    rms_norm_eps=1e-6,
-    rope_theta=10000.0,
-    tie_word_embeddings=False,
-    torch_dtype="bfloat16",
-)
-YARN = {
-    "type": "yarn",
-    "rope_type": "yarn",
-    "factor": 4.0,
-    "original_max_position_embeddings": 128,
-    "beta_fast": 32,
-    "beta_slow": 1,
-    "mscale": 1.0,
-    "mscale_all_dim": 1.0,
-}
-DSV3: dict[str, Any] = dict(
-    BASE,
-    architectures=["DeepseekV3ForCausalLM"],
-    model_type="deepseek_v3",
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    q_lora_rank=64,
-    kv_lora_rank=32,
-    qk_nope_head_dim=32,
-    qk_rope_head_dim=16,
-    v_head_dim=32,
-    n_routed_experts=8,
-    n_shared_experts=1,
-    num_experts_per_tok=2,
-    moe_intermediate_size=64,
-    first_k_dense_replace=1,
-    moe_layer_freq=1,
-    n_group=2,
-    topk_group=1,
-    topk_method="noaux_tc",
-    scoring_func="sigmoid",
-    norm_topk_prob=True,
-    routed_scaling_factor=2.5,
-    rope_scaling=YARN,
-    num_nextn_predict_layers=0,
-)
-QMOE: dict[str, Any] = dict(
-    BASE,
-    architectures=["Qwen3MoeForCausalLM"],
-    model_type="qwen3_moe",
-    num_experts=8,
-    num_experts_per_tok=2,
-    moe_intermediate_size=64,
-    decoder_sparse_step=1,
-    mlp_only_layers=[],
-    norm_topk_prob=True,
-)
-FP8Q = {
-    "quant_method": "fp8",
-    "fmt": "e4m3",
-    "activation_scheme": "dynamic",
-    "weight_block_size": [128, 128],
-}
-BIG = dict(hidden_size=256, intermediate_size=512, num_key_value_heads=4, head_dim=64)
-CONFIGS: dict[str, dict[str, Any]] = {
-    "qwen3": dict(BASE, architectures=["Qwen3ForCausalLM"], model_type="qwen3"),
-    "qwen3-tied": dict(
-        BASE, architectures=["Qwen3ForCausalLM"], model_type="qwen3", tie_word_embeddings=True
-    ),
-    "qwen2": dict(BASE, architectures=["Qwen2ForCausalLM"], model_type="qwen2", head_dim=16),
-    "llama": dict(BASE, architectures=["LlamaForCausalLM"], model_type="llama"),
-    "llama-bias": dict(
-        BASE, architectures=["LlamaForCausalLM"], model_type="llama", attention_bias=True
-    ),
-    "qwen3-moe": QMOE,
-    "deepseek-v3": DSV3,
-    "kimi-k2": dict(DSV3, model_type="kimi_k2", n_group=1, topk_group=1),
-    "deepseek-noqlora": dict(DSV3, q_lora_rank=None),
-    # FP8: every rank's slice is whole 128x128 blocks
-    "qwen3-fp8": dict(BASE, **BIG, architectures=["Qwen3ForCausalLM"], model_type="qwen3"),
-    "qwen3-moe-fp8": dict(QMOE, **BIG, moe_intermediate_size=256),
-    "deepseek-v3-fp8": dict(
-        DSV3,
-        hidden_size=256,
-        intermediate_size=512,
-        q_lora_rank=128,
-        kv_lora_rank=128,
-        qk_nope_head_dim=64,
-        qk_rope_head_dim=64,
-        v_head_dim=64,
-        moe_intermediate_size=256,
-        quantization_config=FP8Q,  # dest_dtype "" follows the config: FP8
-    ),
-}
 
 # (config, tp, ep, dest_dtype)
 CASES = [
@@ -147,6 +48,7 @@ CASES = [
     ("qwen3", 2, 1, "float32"),  # cast on the sender
     ("qwen3-fp8", 1, 1, "fp8"),
     ("qwen3-fp8", 2, 1, "fp8"),
+    ("qwen3-fp8-kvrep", 4, 1, ""),
     ("qwen3-moe-fp8", 2, 1, "fp8"),
     ("qwen3-moe-fp8", 2, 2, "fp8"),
     ("deepseek-v3-fp8", 2, 1, ""),
@@ -219,8 +121,9 @@ def test_rules_bitwise_vs_reference(name: str, tp: int, ep: int, dest: str, trai
     plans = plan("job", ts, es)  # raises if any HF tensor is unused or any byte uncovered
     regions = execute(plans, ts, es, hf)
     dtype = TORCH[dest] if dest in ("float32", "float16") else torch.bfloat16
+    qcache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for e in es:
-        ref = reference(cfg, hf, tp, e.rank, ep, block, dtype)
+        ref = reference(cfg, hf, tp, e.rank, ep, block, dtype, qcache)
         assert sorted(ref) == sorted(d.name for d in e.tensors), (
             "rules and reference disagree on names"
         )
@@ -274,6 +177,7 @@ FAMILY = {
     "qwen3": "qwen3",
     "qwen3-tied": "qwen3",
     "qwen3-fp8": "qwen3",
+    "qwen3-fp8-kvrep": "qwen3",
     "qwen2": "qwen2",
     "llama": "llama",
     "llama-bias": "llama",
