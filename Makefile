@@ -15,6 +15,7 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q "$(TORCH)"
 	$(VPY) -m pip install -q -e ".[client,dev]"
+	@$(VPY) -m pip install -q atheris 2>/dev/null || echo "atheris did not install: fuzzing runs on hypothesis alone"
 	@touch $(STAMP)
 
 # System packages the tests use (iperf3 for the tcp benchmark); only as root, never fatal.

@@ -125,6 +125,10 @@ class LocalServer:
                 log.warning("bad local message", code=exc.code.value, error=exc.message)
                 self.send(identity, Error(code=exc.code.value, message=exc.message))
                 continue
+            except Exception as exc:  # nothing a rank sends may end this loop
+                log.exception("local message could not be decoded")
+                self.send(identity, Error(code=ErrorCode.MALFORMED.value, message=repr(exc)))
+                continue
             ctx = (
                 {"role": session.role, "rank": session.rank, "job": session.job} if session else {}
             )

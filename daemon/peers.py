@@ -156,7 +156,9 @@ class PeerMesh:
             self.last_seen[sender] = time.monotonic()
             try:
                 msg, _ = self.codec.decode(frames[1:])
-            except ProtocolError as exc:
+            except Exception as exc:  # nothing a peer sends may end this loop
+                if not isinstance(exc, ProtocolError):
+                    exc = ProtocolError(repr(exc))
                 log.warning("bad peer message", peer=sender, code=exc.code.value, error=exc.message)
                 self.send_soon(sender, PeerError(code=exc.code.value, message=exc.message))
                 continue

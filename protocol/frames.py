@@ -49,7 +49,8 @@ class Codec(Generic[T]):
             raise ProtocolError(
                 f"invalid {kind!r} message: {exc}", code=ErrorCode.INVALID
             ) from None
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, ValueError, RecursionError) as exc:
+            # msgspec raises UnicodeDecodeError (a ValueError) for invalid UTF-8 in strings
             raise ProtocolError(f"undecodable {kind!r} message: {exc}") from None
         assert isinstance(msg, msgspec.Struct)
         if tag_of(msg).encode() != kind:

@@ -51,7 +51,7 @@ def decode_header(kind: int, header: bytes | memoryview) -> DataMessage:
         msg = _decoder.decode(header)
     except msgspec.ValidationError as exc:
         raise ProtocolError(f"invalid frame header: {exc}", code=ErrorCode.INVALID) from None
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, ValueError, RecursionError) as exc:
         raise ProtocolError(f"undecodable frame header: {exc}") from None
     if KIND[type(msg)] != kind:
         raise ProtocolError(f"frame kind {kind} does not match header {type(msg).__name__}")
