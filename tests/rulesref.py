@@ -109,6 +109,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
         model_type="qwen3",
         quantization_config=FP8Q,
     ),
+    "qwen2-fp8": dict(BASE, **BIG, architectures=["Qwen2ForCausalLM"], model_type="qwen2"),
+    "llama-fp8": dict(
+        BASE, **BIG, architectures=["LlamaForCausalLM"], model_type="llama", attention_bias=True
+    ),
     "qwen3-moe-fp8": dict(QMOE, **BIG, moe_intermediate_size=256),
     "deepseek-v3-fp8": dict(
         DSV3,
