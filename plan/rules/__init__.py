@@ -154,6 +154,12 @@ def _key(config: Mapping[str, Any]) -> str:
     return json.dumps(config, sort_keys=True, default=str)
 
 
+@lru_cache(maxsize=8)
+def _hf_tensors(config_json: str, dtype: str) -> tuple[HfTensor, ...]:
+    """One model's HF tensors, shared by the engine ranks the coordinator resolves."""
+    return tuple(hf_tensors(json.loads(config_json), dtype))
+
+
 @lru_cache(maxsize=64)
 def _engine_tensors(
     config_json: str, tp: int, rank: int, ep: int, ep_rank: int, dest_dtype: str, family: str
@@ -164,8 +170,7 @@ def _engine_tensors(
     layout = EngineLayout(
         family=family, tp_size=tp, tp_rank=rank, ep_size=ep, ep_rank=ep_rank, dest_dtype=dest_dtype
     )
-    hf = hf_tensors(config, checkpoint_dtype(config))
-    ctx = make_ctx(config, layout, hf)
+    ctx = make_ctx(config, layout, _hf_tensors(config_json, checkpoint_dtype(config)))
     _family(ctx.family).engine_tensors(ctx)
     return tuple(ctx.out)
 

@@ -292,7 +292,7 @@ class Ctx:
                 )
 
 
-def make_ctx(config: Mapping[str, Any], layout: EngineLayout, hf: list[HfTensor]) -> Ctx:
+def make_ctx(config: Mapping[str, Any], layout: EngineLayout, hf: Sequence[HfTensor]) -> Ctx:
     family = family_of(config, layout.family)
     tp, rank, ep = layout.tp_size, layout.tp_rank, layout.ep_size
     if tp < 1 or not 0 <= rank < tp:
