@@ -46,6 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     kg.add_argument("--dir", default="/etc/weightwire")
     kg.add_argument("--name", default=os.uname().nodename)
 
+    pl = sub.add_parser("plan", help="a sync's bytes per NIC, busiest-NIC bound, simulated time")
+    from .plan import add_arguments as plan_arguments
+
+    plan_arguments(pl)
+
     args = p.parse_args(argv)
     try:
         match args.cmd:
@@ -68,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"secret key  {secret}  (curve_secret_key_file; keep it, mode 0600)")
                 print(f"z85 public  {key}")
                 return 0
+            case "plan":
+                from .plan import run as run_plan
+
+                return run_plan(args)
             case "bench":
                 from weightwire.bench.tcp import run as run_tcp
 

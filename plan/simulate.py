@@ -42,7 +42,7 @@ class SimResult:
     seconds: float  # the last byte lands
     src_finish: FloatArray  # per source NIC: when its last byte has gone (0: it sends none)
     dst_finish: FloatArray  # per destination NIC: when its last byte has landed
-    src_bytes: FloatArray
+    src_bytes: FloatArray  # payload bytes per NIC (overheads not counted)
     dst_bytes: FloatArray
     pairs: int  # (source, destination) pairs that carry bytes
     flows: int  # (source, destination, bucket) flows
@@ -149,6 +149,8 @@ def simulate(
         raise ValueError("a flow names a NIC outside the rates given")
     if (s_rate <= 0).any() or (d_rate <= 0).any():
         raise ValueError("NIC rates must be positive")
+    src_bytes: FloatArray = np.bincount(s_arr, weights=v_arr, minlength=ns).astype(np.float64)
+    dst_bytes: FloatArray = np.bincount(d_arr, weights=v_arr, minlength=nd).astype(np.float64)
     if writes is not None and write_overhead_s:
         w_arr = np.asarray(writes, dtype=np.float64)
         v_arr = v_arr + w_arr * write_overhead_s * s_rate[s_arr]
@@ -168,7 +170,7 @@ def simulate(
     sb = f_src * nb + f_bucket
     sent_sb = np.bincount(sb, weights=f_bytes, minlength=ns * nb).reshape(ns, nb)
     present = np.bincount(sb, minlength=ns * nb).reshape(ns, nb) > 0
-    packed = sent_sb.copy()
+    packed: FloatArray = sent_sb.astype(np.float64)
     if packed_bytes is not None:
         packed = np.zeros((ns, nb))
         for (s, b), v in packed_bytes.items():
@@ -240,8 +242,8 @@ def simulate(
         seconds=float(p_finish.max()) if npairs else 0.0,
         src_finish=src_finish,
         dst_finish=dst_finish,
-        src_bytes=np.bincount(s_arr, weights=v_arr, minlength=ns),
-        dst_bytes=np.bincount(d_arr, weights=v_arr, minlength=nd),
+        src_bytes=src_bytes,
+        dst_bytes=dst_bytes,
         pairs=npairs,
         flows=int(uniq.shape[0]),
         steps=steps,

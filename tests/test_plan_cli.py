@@ -1,0 +1,166 @@
+"""`weightwire plan`: its JSON, its bound against a count made here from the config alone,
+and `plan_gathered` against the real planner, write for write."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from weightwire.cli.main import main
+from weightwire.cli.plan import (
+    DTYPES,
+    Topology,
+    engine_ranks,
+    plan_gathered,
+    trainer_ranks,
+)
+from weightwire.plan.planner import PlanOptions, plan
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = ROOT / "data" / "models"
+
+
+def run_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
+    assert main(["plan", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def qwen3_dense_gpu_bytes(cfg: dict[str, Any], tp: int, rank: int, fp8: bool) -> int:
+    """What one SGLang TP rank of a Qwen3 dense model holds, counted from the config:
+    column-parallel q/k/v and gate/up, row-parallel o/down, vocab-parallel embeddings
+    (padding to 64 rows never sent), norms whole. FP8: linear weights one byte per element
+    plus a float32 scale per 128x128 tile of each fused segment; the rest bf16."""
+    h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    inter, vocab = cfg["intermediate_size"], cfg["vocab_size"]
+    assert tp <= nkv and nh % tp == 0 and nkv % tp == 0 and inter % tp == 0
+
+    def tiles(n: int) -> int:
+        return math.ceil(n / 128)
+
+    def linear(segments_rows: list[int], cols: int) -> int:
+        elems = sum(segments_rows) * cols
+        if not fp8:
+            return 2 * elems
+        return elems + 4 * sum(tiles(r) for r in segments_rows) * tiles(cols)
+
+    q, kv, i = nh // tp * hd, nkv // tp * hd, inter // tp
+    layer = (
+        linear([q, kv, kv], h)  # qkv_proj
+        + linear([h], q)  # o_proj: all rows, this rank's columns
+        + linear([i, i], h)  # gate_up_proj
+        + linear([h], i)  # down_proj
+        + 2 * (2 * hd + 2 * h)  # q_norm, k_norm, input/post-attention norms
+    )
+    padded = math.ceil(vocab / 64) * 64
+    per = padded // tp
+    rows = max(0, min(per, vocab - rank * per))  # padding rows stay zero on the engine
+    vocab_bytes = 2 * rows * h * (1 if cfg.get("tie_word_embeddings") else 2)
+    return layers * layer + vocab_bytes + 2 * h  # + final norm
+
+
+@pytest.mark.parametrize(
+    ("trainers", "engines", "dtype"),
+    [(4, "2x2", "bf16"), (3, "2x2", "fp8"), (16, "1x4", "fp8"), (2, "1x1", "bf16")],
+)
+def test_qwen3_8b_json_and_bound(
+    capsys: pytest.CaptureFixture[str], trainers: int, engines: str, dtype: str
+) -> None:
+    cfg = json.loads((MODELS / "qwen3-8b.json").read_text())
+    j = run_json(
+        capsys,
+        "--model",
+        str(MODELS / "qwen3-8b.json"),
+        "--trainers",
+        str(trainers),
+        "--engines",
+        engines,
+        "--nic-gbps",
+        "400",
+        "--dtype",
+        dtype,
+    )
+    for key in ("bytes_total", "bound_s", "simulated_s", "efficiency"):
+        assert key in j
+    replicas, tp = (int(x) for x in engines.split("x"))
+    per_gpu = [qwen3_dense_gpu_bytes(cfg, tp, r, dtype == "fp8") for r in range(tp)] * replicas
+    rate = 400e9 / 8
+    bound = max(max(per_gpu) / rate, sum(per_gpu) / (trainers * rate))
+    assert j["bound_s"] == pytest.approx(bound, rel=1e-12)
+    assert j["bytes_total"] == sum(per_gpu)  # the plan sends exactly what engines need
+    assert j["engine_bytes"]["max"] == max(per_gpu) and j["engine_bytes"]["min"] == min(per_gpu)
+    assert j["simulated_s"] >= j["bound_s"] * (1 - 1e-12)
+    assert 0 < j["efficiency"] <= 1
+    assert j["efficiency"] == pytest.approx(j["bound_s"] / j["simulated_s"])
+    assert j["options"]["planner"] == "real"
+    assert len(j["busiest_engines"]) == min(5, replicas * tp)
+
+
+def test_human_output_and_plot(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "load.png"
+    args = ["--model", str(MODELS / "qwen3-8b.json"), "--trainers", "4", "--engines", "2x2"]
+    assert main(["plan", *args, "--nic-gbps", "200", "--dtype", "fp8", "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    for word in ("bound", "simulated", "efficiency", "engine NICs", "trainer NICs", "busiest"):
+        assert word in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_arguments(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "x.json", "--trainers", "2", "--engines", "2by2"])
+    missing = ["--trainers", "2", "--engines", "1x2", "--nic-gbps", "100", "--dtype", "bf16"]
+    assert main(["plan", "--model", str(tmp_path / "none.json"), *missing]) == 2
+    # 32 heads over TP 3 cannot be laid out: a plan error, not a traceback
+    three = ["--trainers", "2", "--engines", "1x3", "--nic-gbps", "100", "--dtype", "bf16"]
+    assert main(["plan", "--model", str(MODELS / "qwen3-8b.json"), *three]) == 1
+    assert "divisible" in capsys.readouterr().err
+
+
+def small(name: str, **changes: Any) -> dict[str, Any]:
+    cfg = json.loads((MODELS / f"{name}.json").read_text())
+    cfg.update(changes)
+    return cfg
+
+
+GATHERED_CASES = [
+    # (config, trainers, replicas, tp, ep, dtype, bucket MiB): small buckets make the
+    # planner cut large pieces into row chunks
+    (small("qwen3-8b", num_hidden_layers=3), 5, 2, 2, 1, "fp8", 64),
+    (small("qwen3-8b", num_hidden_layers=2), 3, 1, 4, 1, "bf16", 16),
+    (small("qwen3-30b-a3b", num_hidden_layers=2), 7, 2, 4, 4, "fp8", 32),
+    (small("qwen3-30b-a3b", num_hidden_layers=2, num_experts=16), 4, 1, 4, 2, "bf16", 8),
+    (small("kimi-k2", num_hidden_layers=3, n_routed_experts=32), 24, 2, 8, 8, "fp8", 64),
+    (small("kimi-k2", num_hidden_layers=2, n_routed_experts=16), 9, 1, 4, 2, "bf16", 256),
+]
+
+
+@pytest.mark.parametrize(
+    ("cfg", "n", "replicas", "tp", "ep", "dtype", "bucket_mb"),
+    GATHERED_CASES,
+    ids=[f"{c[0]['model_type']}-{c[1]}x{c[2]}x{c[3]}-{c[5]}" for c in GATHERED_CASES],
+)
+def test_plan_gathered_equals_the_planner(
+    cfg: dict[str, Any], n: int, replicas: int, tp: int, ep: int, dtype: str, bucket_mb: int
+) -> None:
+    """The shortcut the command takes at scale gives the planner's own sends: every trainer
+    rank's staging size, buckets, pack ops and writes, equal."""
+    topo = Topology(n, replicas, tp, ep, 400)
+    trainers = trainer_ranks(cfg, n)
+    engines = engine_ranks(cfg, topo, DTYPES[dtype], range(replicas))
+    options = PlanOptions(bucket_bytes=bucket_mb << 20, max_write_bytes=4 << 20)
+    real = plan("plan", trainers, engines, options)
+    fast = plan_gathered(trainers, engines, options)
+    real_sends = {rp.rank: rp for node in real.values() for rp in node.sends}
+    fast_sends = {rp.rank: rp for node in fast.values() for rp in node.sends}
+    assert sorted(real_sends) == sorted(fast_sends) == list(range(n))
+    for rank, rp in real_sends.items():
+        fp = fast_sends[rank]
+        assert fp.staging_bytes == rp.staging_bytes, rank
+        assert fp.buckets == rp.buckets, rank
+    assert sum(rp.write_count for rp in real_sends.values()) > n  # not a trivial case
