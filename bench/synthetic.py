@@ -63,12 +63,23 @@ def qwen3_dense(
     return out
 
 
+SMALL = {
+    "hidden": 512,
+    "heads": 8,
+    "kv_heads": 2,
+    "head_dim": 64,
+    "intermediate": 1536,
+    "vocab": 8192,
+}
+
+
 def qwen3_of_size(gigabytes: float, itemsize: int = 2) -> list[TensorDef]:
-    """A Qwen3-shaped model of about `gigabytes` (decimal) of weights."""
-    one = sum(t.numel for t in qwen3_dense(layers=1)) - sum(t.numel for t in qwen3_dense(layers=0))
-    fixed = sum(t.numel for t in qwen3_dense(layers=0))
-    layers = max(1, round((gigabytes * 1e9 / itemsize - fixed) / one))
-    return qwen3_dense(layers=layers)
+    """A Qwen3-shaped model of about `gigabytes` (decimal) of weights (narrower when small)."""
+    dims = {} if gigabytes >= 0.5 else SMALL
+    one = sum(t.numel for t in qwen3_dense(layers=1, **dims))
+    fixed = sum(t.numel for t in qwen3_dense(layers=0, **dims))
+    layers = max(1, round((gigabytes * 1e9 / itemsize - fixed) / (one - fixed)))
+    return qwen3_dense(layers=layers, **dims)
 
 
 def _seed(name: str) -> int:

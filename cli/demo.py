@@ -144,6 +144,7 @@ def run(args: Any) -> int:
         print(f"  {len(ranks)} rank processes registered in {time.monotonic() - t0:.1f} s")
         rows = []
         total_verified = 0
+        first_resources: dict[str, tuple[int, int]] = {}
         for v in range(1, args.versions + 1):
             for t in trainers:
                 t.send(cmd="prepare", version=v)
@@ -166,6 +167,9 @@ def run(args: Any) -> int:
             if bad:
                 raise RuntimeError(f"version {v}: destination bytes differ: {bad}")
             total_verified += sum(ev["bytes"] for ev in verified)
+            if v == 1:
+                first_resources = _resources(cluster)
+        last_resources = _resources(cluster)
         print()
         print(
             f"  {'version':>7}  {'sync s':>8}  {'GB moved':>9}  {'GB/s':>6}  "
@@ -177,6 +181,15 @@ def run(args: Any) -> int:
                 f"  {v:>7}  {sync_s:>8.3f}  {landed / 1e9:>9.3f}  {landed / sync_s / 1e9:>6.2f}  "
                 f"{slowest:>14.3f}  {'ok' if good else 'MISMATCH'} ({n}/{n} engine ranks)"
             )
+        if args.versions > 10 or args.resources:
+            print()
+            print("  daemon resources, after version 1 -> after the last version:")
+            for node, (rss, fds) in first_resources.items():
+                rss2, fds2 = last_resources[node]
+                print(
+                    f"    resources {node}: rss {rss / 1e6:.1f} MB -> {rss2 / 1e6:.1f} MB, "
+                    f"open fds {fds} -> {fds2}"
+                )
         ok = True
     finally:
         for r in ranks:
@@ -235,6 +248,14 @@ def _collect(
     line = f"  v{version} {_bar(1.0)} 100.0% landed at the engines"
     print("\r" + line if tty else line, flush=True)
     return [results[t.rank] for t in trainers]
+
+
+def _resources(cluster: LocalCluster) -> dict[str, tuple[int, int]]:
+    out = {}
+    for d in cluster.daemons:
+        s = fetch(d.socket)
+        out[d.node] = (int(s["rss_bytes"]), int(s["open_fds"]))
+    return out
 
 
 def _progress(cluster: LocalCluster, engine_hosts: list[int], version: int) -> float:

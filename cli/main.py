@@ -23,6 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--model-gb", type=float, default=1.2)
     demo.add_argument("--versions", type=int, default=3)
     demo.add_argument(
+        "--resources", action="store_true", help="daemon RSS and open fds, first vs last version"
+    )
+    demo.add_argument(
         "--netns",
         choices=["auto", "on", "off"],
         default="off",

@@ -1,0 +1,39 @@
+"""Soak: 200 consecutive versions on the demo topology; daemon RSS and fds stay flat."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import NETNS
+
+
+@pytest.mark.timeout(900)
+def test_200_versions_rss_and_fds_flat() -> None:
+    cmd = [
+        sys.executable,
+        "-m",
+        "weightwire.cli.main",
+        "demo",
+        "--model-gb",
+        "0.03",
+        "--versions",
+        "200",
+        "--resources",
+        "--netns",
+        "on" if NETNS else "off",
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "verified 200 versions" in out.stdout
+    lines = re.findall(
+        r"resources (\S+): rss ([\d.]+) MB -> ([\d.]+) MB, open fds (\d+) -> (\d+)", out.stdout
+    )
+    assert len(lines) == 2, out.stdout
+    print("\n".join(f"{n}: rss {a} -> {b} MB, fds {c} -> {d}" for n, a, b, c, d in lines))
+    for node, rss1, rss2, fd1, fd2 in lines:
+        assert int(fd2) <= int(fd1) + 2, f"{node} leaks file descriptors: {fd1} -> {fd2}"
+        assert float(rss2) <= float(rss1) * 1.25 + 16, f"{node} RSS grew: {rss1} -> {rss2} MB"
