@@ -116,6 +116,8 @@ def main() -> None:
     p.add_argument("--model-gb", type=float, required=True)
     p.add_argument("--timeout", type=float, default=300)
     args = p.parse_args()
+    # several rank processes share few cores: torch's intra-op threads would only spin
+    torch.set_num_threads(1)
     model = synthetic.qwen3_of_size(args.model_gb)
     try:
         (trainer if args.role == "trainer" else engine)(args, model)
