@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import msgspec
 import structlog
 
-from weightwire.plan.planner import EngineRank, PlanOptions, TrainerRank, plan
+from weightwire.plan.planner import EngineRank, PlanOptions, TrainerRank, plan, resolve_recipes
 from weightwire.protocol import PROTOCOL_VERSION
 from weightwire.protocol.errors import ErrorCode, PlanError, WeightwireError
 from weightwire.protocol.peer import (
@@ -34,8 +34,6 @@ from weightwire.protocol.plan import NodePlan
 log = structlog.get_logger("weightwire.daemon.coordinator")
 
 Send = Callable[[str, PeerMsg], None]
-Resolve = Callable[[list[TrainerRank], list[EngineRank]], list[EngineRank]]
-"""Fills in engine recipes that registrations left to the rules (identity if none)."""
 
 
 @dataclass
@@ -54,7 +52,6 @@ class Coordinator:
     send: Send
     options: PlanOptions
     heartbeat_timeout_s: float
-    resolve: Resolve = lambda trainers, engines: engines
     members: dict[str, Member] = field(default_factory=dict)
     last_seen: dict[str, float] = field(default_factory=dict)
     jobs: dict[str, Job] = field(default_factory=dict)
@@ -164,7 +161,7 @@ class Coordinator:
             return
         t0 = time.monotonic()
         try:
-            engines = self.resolve(trainers, engines)
+            engines = resolve_recipes(engines)
             slots = {e.rank: e.slot for e in engines}
             plans = await asyncio.to_thread(plan, job.name, trainers, engines, self.options, slots)
         except WeightwireError as exc:
@@ -225,7 +222,9 @@ class Coordinator:
                 else:
                     if r.rank in engines:
                         dupes.append(f"engine rank {r.rank} on {engines[r.rank].node} and {node}")
-                    engines[r.rank] = EngineRank(node, r.rank, r.destinations, r.regions, r.slot)
+                    engines[r.rank] = EngineRank(
+                        node, r.rank, r.destinations, r.regions, r.slot, r.layout
+                    )
         problems = list(dupes)
         for role, sizes in worlds.items():
             if len(sizes) > 1:

@@ -22,7 +22,7 @@ import zmq.asyncio
 
 from weightwire.protocol import PROTOCOL_VERSION, check_protocol
 from weightwire.protocol.errors import ErrorCode, ProtocolError, WeightwireError
-from weightwire.protocol.frames import Codec
+from weightwire.protocol.frames import Codec, request_id
 from weightwire.protocol.local import (
     AbortVersion,
     BeginVersion,
@@ -123,7 +123,8 @@ class LocalServer:
                 msg, _ = self.codec.decode(frames[1:])
             except ProtocolError as exc:
                 log.warning("bad local message", code=exc.code.value, error=exc.message)
-                self.send(identity, Error(code=exc.code.value, message=exc.message))
+                req = request_id(frames[1:])
+                self.send(identity, Error(req=req, code=exc.code.value, message=exc.message))
                 continue
             except Exception as exc:  # nothing a rank sends may end this loop
                 log.exception("local message could not be decoded")

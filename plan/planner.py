@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import hashlib
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import msgspec
 
 from weightwire.protocol.errors import ErrorCode, PlanError
+from weightwire.protocol.local import EngineLayout
 from weightwire.protocol.plan import (
     MAX_SLOTS,
     Bucket,
@@ -61,6 +62,7 @@ class EngineRank:
     tensors: tuple[DestTensor, ...]  # each with its pieces resolved
     regions: tuple[RegionDescriptor, ...]
     slot: int = -1  # its immediate counter on its node (-1: numbered here)
+    layout: EngineLayout | None = None  # for tensors whose recipes are left to the rules
 
 
 @dataclass
@@ -98,6 +100,29 @@ class _RankWork:
     packs: dict[tuple[object, ...], _Pack] = field(default_factory=dict)
     sends: list[_Send] = field(default_factory=list)
     load: int = 0
+
+
+def resolve_recipes(engines: list[EngineRank]) -> list[EngineRank]:
+    """Engine ranks with every recipe filled in: those left to the rules come from the
+    model-family rules and the rank's layout. Raises PlanError naming every problem."""
+    from .rules import resolve
+
+    out: list[EngineRank] = []
+    problems: list[str] = []
+    for e in engines:
+        if all(t.pieces is not None for t in e.tensors):
+            out.append(e)
+            continue
+        if e.layout is None:
+            problems.append(f"engine rank {e.rank} left recipes to the rules but gave no layout")
+            continue
+        try:
+            out.append(replace(e, tensors=resolve(e.tensors, e.layout)))
+        except PlanError as exc:
+            problems.append(f"engine rank {e.rank}: {exc.message}")
+    if problems:
+        raise PlanError("\n  ".join(problems))
+    return out
 
 
 def is_expert(name: str) -> bool:

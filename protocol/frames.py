@@ -22,6 +22,17 @@ def tag_of(msg: msgspec.Struct) -> str:
     return str(msg.__struct_config__.tag)
 
 
+def request_id(frames: Sequence[Any]) -> int:
+    """The `req` of a message that failed to decode, when it can still be read (else 0),
+    so the error reply reaches the caller waiting for it."""
+    try:
+        raw = msgspec.msgpack.decode(frames[1])
+    except Exception:
+        return 0
+    req = raw.get("req") if isinstance(raw, dict) else None
+    return req if isinstance(req, int) and 0 < req < 2**63 else 0
+
+
 class Codec(Generic[T]):
     def __init__(self, union: Any, *, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self._decoder: msgspec.msgpack.Decoder[T] = msgspec.msgpack.Decoder(union)

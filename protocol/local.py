@@ -6,7 +6,7 @@ the same `req`. Notifications from the daemon (`req` = 0) are unsolicited.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -73,7 +73,7 @@ class EngineLayout(msgspec.Struct, frozen=True, kw_only=True):
     ep_size: int = 1
     ep_rank: int = 0
     replica: int = 0
-    model: dict[str, int | float | str | bool | list[int] | None] = {}
+    model: dict[str, Any] = {}  # the model's config (HF config.json) for the rules
     dest_dtype: str = ""
 
 

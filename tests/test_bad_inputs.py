@@ -183,6 +183,12 @@ def test_malformed_and_oversized_messages(cluster: LocalCluster) -> None:
         reply, _ = codec.decode(s.recv_multipart())
         assert isinstance(reply, Error), reply
         assert reply.code == code and needle in reply.message, (code, reply)
+    # a request that fails validation is answered under its own req, so its caller hears
+    s.send_multipart(
+        [b"hello", msgspec.msgpack.encode({"type": "hello", "protocol": "x", "req": 77})]
+    )
+    reply, _ = codec.decode(s.recv_multipart())
+    assert isinstance(reply, Error) and reply.req == 77
     s.close()
     assert fetch(cluster.daemons[0].socket)["node"] == "host0"
     healthy_sync(cluster, "after-garbage")
