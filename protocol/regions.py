@@ -64,6 +64,7 @@ class VerbsEndpoint(msgspec.Struct, frozen=True, kw_only=True):
 
 class CudaEndpoint(msgspec.Struct, frozen=True, kw_only=True):
     host_id: str
+    channel: str = ""  # Unix datagram socket where the node takes immediates of cuda writes
 
 
 class TransportEndpoints(msgspec.Struct, frozen=True, kw_only=True):

@@ -1,0 +1,325 @@
+"""The cuda transport: one-sided writes between regions of one host, by the GPU's copy
+engines, over NVLink or PCIe.
+
+The writer opens the destination's CUDA IPC handle (once) and copies into it on a stream
+of the source device; a worker thread per device waits for each copy's event off the
+event loop. Only then is the immediate delivered: to this daemon's own handler when the
+destination is local, to another transport in this process directly, or over a Unix
+datagram channel to another daemon of the same host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import queue
+import secrets
+import socket
+import struct
+import tempfile
+import threading
+from dataclasses import dataclass
+from typing import ClassVar
+
+import structlog
+
+from weightwire.protocol.errors import ErrorCode, PeerLostError, RegionError
+from weightwire.protocol.regions import (
+    CudaEndpoint,
+    CudaKey,
+    RegionDescriptor,
+    RegionKeys,
+    TransportEndpoints,
+)
+from weightwire.transport.base import ImmHandler, LocalRegion, Transport, check_destination
+from weightwire.transport.cudadrv import CudaError, Driver, driver
+
+log = structlog.get_logger("weightwire.transport.cuda")
+
+_IMM = struct.Struct("<I")
+_INSTANCES: dict[str, CudaTransport] = {}  # transports of this process, by node
+
+
+def host_id() -> str:
+    """Identifies this machine (and boot): GPU memory is shareable within one host only."""
+    parts = []
+    for path in ("/etc/machine-id", "/proc/sys/kernel/random/boot_id"):
+        with contextlib.suppress(OSError), open(path) as f:
+            parts.append(f.read().strip())
+    return "-".join(parts) or socket.gethostname()
+
+
+@dataclass(eq=False, slots=True)
+class _Copy:
+    dst: int
+    src: int
+    nbytes: int
+    future: asyncio.Future[None]
+    imm: int | None
+    dst_node: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Local:
+    region: LocalRegion
+    handle: bytes
+    offset: int
+
+
+class CudaTransport(Transport):
+    name: ClassVar[str] = "cuda"
+
+    def __init__(self, node: str, *, channel_dir: str | None = None) -> None:
+        self.node = node
+        self.host = host_id()
+        self._channel_path = os.path.join(
+            channel_dir or tempfile.gettempdir(), f"weightwire-cuda-{secrets.token_hex(6)}.sock"
+        )
+        self._drv: Driver | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._on_imm: ImmHandler | None = None
+        self._regions: dict[int, _Local] = {}
+        self._peers: dict[str, str] = {}  # node -> its channel path
+        self._opened: dict[bytes, int] = {}  # peer IPC handles opened here -> base pointer
+        self._queues: dict[int, queue.SimpleQueue[_Copy | None]] = {}
+        self._threads: list[threading.Thread] = []
+        self._channel: socket.socket | None = None
+        self._lock = threading.Lock()
+        self._stats = {"bytes_sent": 0, "writes": 0, "bytes_received": 0}
+
+    # --- lifecycle -----------------------------------------------------------
+
+    async def start(self, on_imm: ImmHandler) -> None:
+        self._drv = driver()
+        if not self._drv.devices:
+            raise CudaError("the CUDA driver sees no GPU")
+        self._loop = asyncio.get_running_loop()
+        self._on_imm = on_imm
+        ch = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK)
+        ch.bind(self._channel_path)
+        self._channel = ch
+        self._loop.add_reader(ch.fileno(), self._on_channel)
+        _INSTANCES[self.node] = self
+
+    def endpoints(self) -> TransportEndpoints:
+        return TransportEndpoints(cuda=CudaEndpoint(host_id=self.host, channel=self._channel_path))
+
+    def can_reach(self, endpoints: TransportEndpoints) -> bool:
+        return endpoints.cuda is not None and endpoints.cuda.host_id == self.host
+
+    async def close(self) -> None:
+        _INSTANCES.pop(self.node, None)
+        for node, path in list(self._peers.items()):  # tell same-host peers we are gone
+            other = _INSTANCES.get(node)
+            if other is not None:
+                other._peers.pop(self.node, None)
+            elif self._channel is not None:
+                with contextlib.suppress(OSError):
+                    self._channel.sendto(b"B" + self.node.encode(), path)
+        for q in self._queues.values():
+            q.put(None)
+
+        def join() -> None:
+            for t in self._threads:
+                t.join(10)
+
+        await asyncio.to_thread(join)
+        if self._loop is not None and self._channel is not None:
+            self._loop.remove_reader(self._channel.fileno())
+            self._channel.close()
+            self._channel = None
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._channel_path)
+        if self._drv is not None:
+            for base in self._opened.values():
+                with contextlib.suppress(CudaError):
+                    self._drv.ipc_close(base)
+        self._opened.clear()
+
+    # --- regions -------------------------------------------------------------
+
+    def register(self, region: LocalRegion) -> RegionKeys:
+        if region.kind != "gpu":
+            return RegionKeys()  # host regions are read locally; nobody writes them through here
+        handle = region.extra.get("ipc_handle")
+        offset = region.extra.get("ipc_offset", 0)
+        uuid = region.extra.get("device_uuid")
+        if (
+            not isinstance(handle, bytes)
+            or not isinstance(offset, int)
+            or not isinstance(uuid, str)
+        ):
+            raise RegionError(
+                f"gpu region {region.id} has no CUDA IPC handle", code=ErrorCode.INVALID
+            )
+        self._regions[region.id] = _Local(region, handle, offset)
+        return RegionKeys(
+            cuda=CudaKey(host_id=self.host, device_uuid=uuid, ipc_handle=handle, offset=offset)
+        )
+
+    def deregister(self, region_id: int) -> None:
+        self._regions.pop(region_id, None)
+
+    # --- data path -----------------------------------------------------------
+
+    async def connect(self, node: str, endpoints: TransportEndpoints) -> None:
+        ep = endpoints.cuda
+        if ep is None or ep.host_id != self.host:
+            raise PeerLostError(f"node {node} is not on this host; cuda cannot reach it")
+        self._peers[node] = ep.channel
+
+    async def disconnect(self, node: str, reason: str) -> None:
+        self._peers.pop(node, None)
+
+    def _destination(self, dst: RegionDescriptor, dst_offset: int, length: int) -> tuple[int, int]:
+        """(device pointer, device ordinal) of the write's first destination byte."""
+        assert self._drv is not None
+        if dst.node != self.node and dst.node not in self._peers:
+            raise PeerLostError(f"not connected to node {dst.node}")
+        if dst.node == self.node or dst.node in _INSTANCES:
+            owner = self if dst.node == self.node else _INSTANCES[dst.node]
+            local = owner._regions.get(dst.id)
+            if local is None:
+                raise RegionError(
+                    f"unknown region {dst.id} of {dst.node}", code=ErrorCode.UNKNOWN_REGION
+                )
+            local.region.check(dst_offset, length, "write")
+            assert local.region.device is not None
+            return local.region.address + dst_offset, local.region.device
+        key = dst.keys.cuda
+        if key is None or key.host_id != self.host:
+            raise RegionError(f"region {dst.id} of {dst.node} is not reachable by cuda")
+        with self._lock:
+            base = self._opened.get(key.ipc_handle)
+            if base is None:
+                self._drv.use(self._drv.ordinal_of(key.device_uuid))
+                base = self._opened[key.ipc_handle] = self._drv.ipc_open(key.ipc_handle)
+        _, size = self._drv.address_range(base)
+        if key.offset + dst.length > size:
+            raise RegionError(
+                f"region {dst.id} of {dst.node} claims {dst.length} bytes at offset {key.offset} "
+                f"of a {size}-byte allocation",
+                code=ErrorCode.OUT_OF_BOUNDS,
+            )
+        return base + key.offset + dst_offset, self._drv.ordinal_of(key.device_uuid)
+
+    async def write(
+        self,
+        src: LocalRegion,
+        src_offset: int,
+        dst: RegionDescriptor,
+        dst_offset: int,
+        length: int,
+        imm: int | None,
+    ) -> None:
+        src.check(src_offset, length, "source")
+        check_destination(dst, dst_offset, length)
+        dst_ptr, dst_dev = self._destination(dst, dst_offset, length)
+        device = src.device if src.kind == "gpu" and src.device is not None else dst_dev
+        assert self._loop is not None
+        fut: asyncio.Future[None] = self._loop.create_future()
+        self._queue(device).put(
+            _Copy(dst_ptr, src.address + src_offset, length, fut, imm, dst.node)
+        )
+        await fut
+
+    def _queue(self, device: int) -> queue.SimpleQueue[_Copy | None]:
+        q = self._queues.get(device)
+        if q is None:
+            q = self._queues[device] = queue.SimpleQueue()
+            t = threading.Thread(
+                target=self._worker, args=(device, q), name=f"ww-cuda-{device}", daemon=True
+            )
+            t.start()
+            self._threads.append(t)
+        return q
+
+    def _worker(self, device: int, q: queue.SimpleQueue[_Copy | None]) -> None:
+        """Issue every queued copy on one stream, then complete them in order."""
+        drv = self._drv
+        assert drv is not None and self._loop is not None
+        drv.use(device)
+        stream = drv.stream()
+        while True:
+            first = q.get()
+            if first is None:
+                return
+            batch = [first]
+            while len(batch) < 64:
+                try:
+                    nxt = q.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    q.put(None)
+                    break
+                batch.append(nxt)
+            issued: list[tuple[_Copy, int | None, BaseException | None]] = []
+            for c in batch:
+                try:
+                    drv.copy_async(c.dst, c.src, c.nbytes, stream)
+                    event = drv.event()
+                    drv.record(event, stream)
+                    issued.append((c, event, None))
+                except CudaError as exc:
+                    issued.append((c, None, exc))
+            for c, ev, err in issued:
+                if ev is not None:
+                    try:
+                        drv.wait_event(ev)
+                    except CudaError as exc:
+                        err = exc
+                    finally:
+                        drv.destroy_event(ev)
+                if err is None:
+                    with self._lock:
+                        self._stats["bytes_sent"] += c.nbytes
+                        self._stats["writes"] += 1
+                    if c.imm is not None:
+                        self._deliver(c.dst_node, c.imm)
+                self._loop.call_soon_threadsafe(_settle, c.future, err)
+
+    def _deliver(self, node: str, imm: int) -> None:
+        """The immediate of a finished copy, to whichever transport owns the destination."""
+        owner = self if node == self.node else _INSTANCES.get(node)
+        if owner is not None:
+            assert owner._loop is not None
+            owner._loop.call_soon_threadsafe(owner._receive, imm, self.node)
+            return
+        path = self._peers.get(node)
+        if path is None or self._channel is None:
+            return
+        with contextlib.suppress(OSError):
+            self._channel.sendto(b"I" + _IMM.pack(imm) + self.node.encode(), path)
+
+    def _receive(self, imm: int, source: str) -> None:
+        if self._on_imm is not None:
+            self._on_imm(imm, source)
+
+    def _on_channel(self) -> None:
+        assert self._channel is not None
+        while True:
+            try:
+                data = self._channel.recv(4096)
+            except BlockingIOError:
+                return
+            kind, body = data[:1], data[1:]
+            if kind == b"I" and len(body) > _IMM.size:
+                (imm,) = _IMM.unpack_from(body)
+                self._receive(imm, body[_IMM.size :].decode(errors="replace"))
+            elif kind == b"B":
+                self._peers.pop(body.decode(errors="replace"), None)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._stats)
+
+
+def _settle(fut: asyncio.Future[None], err: BaseException | None) -> None:
+    if fut.done():
+        return
+    if err is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(err)

@@ -1,0 +1,262 @@
+"""The CUDA driver API, as much of it as weightwire needs, through ctypes on libcuda.
+
+No torch and no Python CUDA package: the daemon opens the CUDA IPC handles that ranks
+hand it, copies between GPU regions, and exports dma-bufs for RDMA registration, with
+the driver library alone. Every call checks its result and raises `CudaError` naming
+the call and the driver's error name.
+
+The driver's current context is per thread: every thread that calls in must first call
+`Driver.use(device)`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import threading
+from dataclasses import dataclass
+
+from weightwire.protocol.errors import ErrorCode, WeightwireError
+
+IPC_HANDLE_BYTES = 64
+LAZY_ENABLE_PEER_ACCESS = 0x1
+STREAM_NON_BLOCKING = 0x1
+EVENT_DISABLE_TIMING = 0x2
+HOST_REGISTER_PORTABLE = 0x1
+HOST_ALLOC_PORTABLE = 0x1
+POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
+RANGE_HANDLE_DMA_BUF_FD = 0x1
+NOT_READY = 600
+
+
+class CudaError(WeightwireError):
+    code = ErrorCode.TRANSFER
+
+
+class _IpcHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_BYTES)]
+
+
+class _Uuid(ctypes.Structure):
+    _fields_ = [("bytes", ctypes.c_ubyte * 16)]
+
+
+def _uuid_text(raw: bytes) -> str:
+    h = raw.hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+@dataclass(frozen=True)
+class Device:
+    ordinal: int
+    uuid: str  # as nvidia-smi prints it, GPU-xxxxxxxx-...
+
+
+class Driver:
+    """One per process (see `driver()`); loading fails with CudaError where there is no GPU."""
+
+    def __init__(self) -> None:
+        name = ctypes.util.find_library("cuda") or "libcuda.so.1"
+        try:
+            self._lib = ctypes.CDLL(name)
+        except OSError as exc:
+            raise CudaError(f"no CUDA driver library ({name}): {exc}") from None
+        self._ctx: dict[int, ctypes.c_void_p] = {}
+        self._lock = threading.Lock()
+        self._call("cuInit", ctypes.c_uint(0))
+        count = ctypes.c_int()
+        self._call("cuDeviceGetCount", ctypes.byref(count))
+        self.devices: list[Device] = []
+        for i in range(count.value):
+            dev = ctypes.c_int()
+            self._call("cuDeviceGet", ctypes.byref(dev), ctypes.c_int(i))
+            uuid = _Uuid()
+            self._call("cuDeviceGetUuid", ctypes.byref(uuid), dev)
+            self.devices.append(Device(i, _uuid_text(bytes(uuid.bytes))))
+
+    # --- plumbing ------------------------------------------------------------
+
+    def _call(self, fn: str, *args: object) -> None:
+        rc = getattr(self._lib, fn)(*args)
+        if rc != 0:
+            raise CudaError(f"{fn} failed: {self.error_name(rc)}")
+
+    def error_name(self, rc: int) -> str:
+        out = ctypes.c_char_p()
+        if self._lib.cuGetErrorName(ctypes.c_int(rc), ctypes.byref(out)) != 0 or not out.value:
+            return f"CUDA error {rc}"
+        return f"{out.value.decode()} ({rc})"
+
+    def ordinal_of(self, uuid: str) -> int:
+        for d in self.devices:
+            if d.uuid == uuid:
+                return d.ordinal
+        raise CudaError(
+            f"GPU {uuid} is not visible to this process (visible: "
+            f"{', '.join(d.uuid for d in self.devices) or 'none'}); check CUDA_VISIBLE_DEVICES",
+            code=ErrorCode.INVALID,
+        )
+
+    def use(self, ordinal: int) -> None:
+        """Make `ordinal`'s primary context current in the calling thread."""
+        with self._lock:
+            ctx = self._ctx.get(ordinal)
+            if ctx is None:
+                dev = ctypes.c_int()
+                self._call("cuDeviceGet", ctypes.byref(dev), ctypes.c_int(ordinal))
+                ctx = ctypes.c_void_p()
+                self._call("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), dev)
+                self._ctx[ordinal] = ctx
+        self._call("cuCtxSetCurrent", ctx)
+
+    # --- memory ------------------------------------------------------------------
+
+    def address_range(self, ptr: int) -> tuple[int, int]:
+        """(base, size) of the allocation that holds device pointer `ptr`."""
+        base, size = ctypes.c_uint64(), ctypes.c_size_t()
+        self._call(
+            "cuMemGetAddressRange_v2", ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr)
+        )
+        return int(base.value), int(size.value)
+
+    def device_of(self, ptr: int) -> int:
+        out = ctypes.c_int()
+        self._call(
+            "cuPointerGetAttribute",
+            ctypes.byref(out),
+            ctypes.c_int(POINTER_ATTRIBUTE_DEVICE_ORDINAL),
+            ctypes.c_uint64(ptr),
+        )
+        return int(out.value)
+
+    def ipc_handle(self, base: int) -> bytes:
+        """The IPC handle of the allocation starting at `base` (not of VMM allocations)."""
+        handle = _IpcHandle()
+        self._call("cuIpcGetMemHandle", ctypes.byref(handle), ctypes.c_uint64(base))
+        return bytes(handle.reserved)
+
+    def ipc_open(self, handle: bytes) -> int:
+        if len(handle) != IPC_HANDLE_BYTES:
+            raise CudaError(
+                f"a CUDA IPC handle has {IPC_HANDLE_BYTES} bytes, not {len(handle)}",
+                code=ErrorCode.INVALID,
+            )
+        h = _IpcHandle()
+        ctypes.memmove(ctypes.byref(h), handle, IPC_HANDLE_BYTES)
+        ptr = ctypes.c_uint64()
+        self._call(
+            "cuIpcOpenMemHandle_v2", ctypes.byref(ptr), h, ctypes.c_uint(LAZY_ENABLE_PEER_ACCESS)
+        )
+        return int(ptr.value)
+
+    def ipc_close(self, ptr: int) -> None:
+        self._call("cuIpcCloseMemHandle", ctypes.c_uint64(ptr))
+
+    def alloc(self, nbytes: int) -> int:
+        ptr = ctypes.c_uint64()
+        self._call("cuMemAlloc_v2", ctypes.byref(ptr), ctypes.c_size_t(nbytes))
+        return int(ptr.value)
+
+    def free(self, ptr: int) -> None:
+        self._call("cuMemFree_v2", ctypes.c_uint64(ptr))
+
+    def host_alloc(self, nbytes: int) -> memoryview:
+        """Pinned host memory, as a writable memoryview (freed with the process)."""
+        p = ctypes.c_void_p()
+        self._call(
+            "cuMemHostAlloc",
+            ctypes.byref(p),
+            ctypes.c_size_t(nbytes),
+            ctypes.c_uint(HOST_ALLOC_PORTABLE),
+        )
+        return memoryview((ctypes.c_char * nbytes).from_address(int(p.value or 0))).cast("B")
+
+    def host_register(self, address: int, nbytes: int) -> None:
+        """Pin existing host memory (a region's mapping) for fast copies to and from GPUs."""
+        self._call(
+            "cuMemHostRegister_v2",
+            ctypes.c_void_p(address),
+            ctypes.c_size_t(nbytes),
+            ctypes.c_uint(HOST_REGISTER_PORTABLE),
+        )
+
+    def host_unregister(self, address: int) -> None:
+        self._call("cuMemHostUnregister", ctypes.c_void_p(address))
+
+    def dma_buf_fd(self, ptr: int, nbytes: int) -> int:
+        """A dma-buf file descriptor of device memory, for RDMA registration (ibv_reg_dmabuf_mr)."""
+        fd = ctypes.c_int(-1)
+        self._call(
+            "cuMemGetHandleForAddressRange",
+            ctypes.byref(fd),
+            ctypes.c_uint64(ptr),
+            ctypes.c_size_t(nbytes),
+            ctypes.c_int(RANGE_HANDLE_DMA_BUF_FD),
+            ctypes.c_ulonglong(0),
+        )
+        return int(fd.value)
+
+    # --- copies, streams and events ----------------------------------------------
+
+    def stream(self) -> int:
+        s = ctypes.c_void_p()
+        self._call("cuStreamCreate", ctypes.byref(s), ctypes.c_uint(STREAM_NON_BLOCKING))
+        return int(s.value or 0)
+
+    def copy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        """Any direction (unified addressing): device, peer device, or pinned host memory."""
+        self._call(
+            "cuMemcpyAsync",
+            ctypes.c_uint64(dst),
+            ctypes.c_uint64(src),
+            ctypes.c_size_t(nbytes),
+            ctypes.c_void_p(stream),
+        )
+
+    def event(self) -> int:
+        e = ctypes.c_void_p()
+        self._call("cuEventCreate", ctypes.byref(e), ctypes.c_uint(EVENT_DISABLE_TIMING))
+        return int(e.value or 0)
+
+    def record(self, event: int, stream: int) -> None:
+        self._call("cuEventRecord", ctypes.c_void_p(event), ctypes.c_void_p(stream))
+
+    def wait_event(self, event: int) -> None:
+        """Blocks until the work before the event is done (call it off the event loop)."""
+        self._call("cuEventSynchronize", ctypes.c_void_p(event))
+
+    def destroy_event(self, event: int) -> None:
+        self._call("cuEventDestroy_v2", ctypes.c_void_p(event))
+
+    def synchronize(self, stream: int) -> None:
+        self._call("cuStreamSynchronize", ctypes.c_void_p(stream))
+
+
+_driver: Driver | None = None
+_driver_error: CudaError | None = None
+_driver_lock = threading.Lock()
+
+
+def driver() -> Driver:
+    """The process's driver (loaded once); CudaError if this machine has no usable GPU."""
+    global _driver, _driver_error
+    with _driver_lock:
+        if _driver is None and _driver_error is None:
+            try:
+                _driver = Driver()
+            except CudaError as exc:
+                _driver_error = exc
+        if _driver is None:
+            assert _driver_error is not None
+            raise _driver_error
+        return _driver
+
+
+def available() -> tuple[bool, str]:
+    try:
+        d = driver()
+    except CudaError as exc:
+        return False, exc.message
+    if not d.devices:
+        return False, "the CUDA driver sees no GPU"
+    return True, ""
