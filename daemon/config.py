@@ -36,6 +36,7 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     coordinator_public_key: str = ""  # z85; required on non-coordinators when CURVE is on
     insecure: bool = False  # plaintext peer sockets (logs a warning); never in production
     transport: Literal["tcp", "verbs", "auto"] = "auto"
+    cuda: Literal["auto", "on", "off"] = "auto"  # same-host GPU writes (auto: if a GPU is visible)
     tcp_bind: str = "0.0.0.0"
     tcp_port: int = 0
     tcp_streams: int = 4

@@ -27,6 +27,7 @@ from weightwire.protocol.local import (
     AbortVersion,
     BeginVersion,
     BucketReady,
+    CudaRegion,
     DeclareDestinations,
     DeclareSources,
     Error,
@@ -177,6 +178,10 @@ class LocalServer:
             return
         session = self._session(identity, msg)
         match msg:
+            case RegisterRegion(cuda=CudaRegion() as info, length=length, purpose=purpose):
+                region = d.registry.add_cuda(info, length, purpose, session.id, session.label)
+                d.region_added(session, region)
+                self.send(identity, RegionRegistered(req=msg.req, region=region.local.id))
             case RegisterRegion(path=path, length=length, purpose=purpose):
                 region = d.registry.add_shared(path, length, purpose, session.id, session.label)
                 d.region_added(session, region)

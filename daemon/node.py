@@ -48,8 +48,8 @@ from weightwire.protocol.peer import (
     VersionStart,
 )
 from weightwire.protocol.plan import MAX_SLOTS, NodePlan
-from weightwire.protocol.regions import TransportEndpoints
-from weightwire.transport.base import Transport
+from weightwire.protocol.regions import RegionDescriptor, TransportEndpoints
+from weightwire.transport.base import LocalRegion, Transport
 from weightwire.transport.hostmem import sweep_stale
 
 from .completion import Completions
@@ -484,15 +484,21 @@ class Daemon:
             if not fut.done():
                 fut.set_exception(err)
 
-    async def transport_to(self, node: str) -> Transport:
+    async def transport_to(
+        self, node: str, src: LocalRegion | None = None, dst: RegionDescriptor | None = None
+    ) -> Transport:
+        """The preferred transport that reaches `node` and carries src -> dst, connected."""
         member = self.members.get(node)
         if member is None:
             raise PeerLostError(f"node {node} is not a member of the cluster")
         for t in self.transports:
-            if t.can_reach(member.transports):
-                await t.connect(node, member.transports)
-                return t
-        raise PeerLostError(f"no transport of {self.node} reaches {node}")
+            if not t.can_reach(member.transports):
+                continue
+            if src is not None and dst is not None and not t.accepts(src, dst):
+                continue
+            await t.connect(node, member.transports)
+            return t
+        raise PeerLostError(f"no transport of {self.node} reaches {node} for this write")
 
     # --- signals between transport instances ---------------------------------
 

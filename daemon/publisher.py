@@ -29,8 +29,8 @@ from weightwire.transport.base import LocalRegion, Transport
 
 log = structlog.get_logger("weightwire.daemon.publisher")
 
-PickTransport = Callable[[str], Awaitable[Transport]]
-"""Returns a connected transport to a node (connecting if needed)."""
+PickTransport = Callable[[str, LocalRegion, RegionDescriptor], Awaitable[Transport]]
+"""Returns a connected transport to a node that carries src -> dst (connecting if needed)."""
 
 
 @dataclass
@@ -142,7 +142,7 @@ class Publisher:
             raise WeightwireError(
                 f"plan names region {w.dst_region} of {w.dst_node}, not advertised"
             )
-        transport = await self.pick(w.dst_node)
+        transport = await self.pick(w.dst_node, run.staging, dst)
         await transport.write(
             run.staging, w.src_offset, dst, w.dst_offset, w.length, encode_imm(run.version, w.slot)
         )

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from weightwire.protocol.errors import ErrorCode, RegistrationError
+from weightwire.protocol.local import CudaRegion
 from weightwire.protocol.regions import RegionDescriptor, RegionKeys
 from weightwire.transport.base import LocalRegion, Transport
 from weightwire.transport.hostmem import SharedFile, open_shared
@@ -30,6 +32,7 @@ class RegionRegistry:
     regions: dict[int, Region] = field(default_factory=dict)
     _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     _closing: list[SharedFile] = field(default_factory=list)
+    _ipc: dict[bytes, tuple[int, int]] = field(default_factory=dict)  # handle -> (base, refs)
 
     def add_shared(self, path: str, length: int, purpose: str, session: str, owner: str) -> Region:
         file = open_shared(path, length)
@@ -61,6 +64,77 @@ class RegionRegistry:
         log.info("region registered", region=region_id, bytes=length, purpose=purpose, owner=owner)
         return region
 
+    def add_cuda(
+        self, info: CudaRegion, length: int, purpose: str, session: str, owner: str
+    ) -> Region:
+        """GPU memory of a rank, through its CUDA IPC handle (opened once per allocation)."""
+        from weightwire.transport.cudadrv import driver
+
+        drv = driver()
+        ordinal = drv.ordinal_of(info.device_uuid)
+        drv.use(ordinal)
+        base, refs = self._ipc.get(info.ipc_handle, (0, 0))
+        if not refs:
+            base = drv.ipc_open(info.ipc_handle)
+        self._ipc[info.ipc_handle] = (base, refs + 1)
+        try:
+            _, size = drv.address_range(base)
+            if info.offset + length > size:
+                raise RegistrationError(
+                    f"GPU region of {length} bytes at offset {info.offset} overruns its "
+                    f"{size}-byte allocation",
+                    code=ErrorCode.OUT_OF_BOUNDS,
+                )
+            region_id = next(self._ids)
+            local = LocalRegion(
+                id=region_id,
+                kind="gpu",
+                length=length,
+                address=base + info.offset,
+                device=ordinal,
+                owner=owner,
+                extra={
+                    "ipc_handle": info.ipc_handle,
+                    "ipc_offset": info.offset,
+                    "device_uuid": info.device_uuid,
+                },
+            )
+            keys = self._register(local)
+        except BaseException:
+            self._release_ipc(info.ipc_handle)
+            raise
+        region = Region(
+            local=local,
+            descriptor=RegionDescriptor(
+                id=region_id, node=self.node, kind="gpu", length=length, keys=keys
+            ),
+            purpose=purpose,
+            session=session,
+        )
+        self.regions[region_id] = region
+        log.info(
+            "region registered",
+            region=region_id,
+            bytes=length,
+            purpose=purpose,
+            owner=owner,
+            kind="gpu",
+            device=info.device_uuid,
+        )
+        return region
+
+    def _release_ipc(self, handle: bytes) -> None:
+        from weightwire.transport.cudadrv import CudaError, driver
+
+        base, refs = self._ipc.pop(handle, (0, 0))
+        if refs > 1:
+            self._ipc[handle] = (base, refs - 1)
+        elif refs == 1:
+            try:
+                driver().ipc_close(base)
+            except CudaError as exc:
+                log.warning("could not close a CUDA IPC mapping", error=exc.message)
+
     def _register(self, local: LocalRegion) -> RegionKeys:
         merged = RegionKeys()
         done: list[Transport] = []
@@ -85,8 +159,14 @@ class RegionRegistry:
             return
         for t in self.transports:
             t.deregister(region_id)
+            unpin = getattr(t, "unpin", None)
+            if unpin is not None:
+                unpin(region.local)
         if region.file is not None:
             self._closing.append(region.file)
+        handle = region.local.extra.get("ipc_handle")
+        if isinstance(handle, bytes):
+            self._release_ipc(handle)
         self.reap()
         log.info("region released", region=region_id, owner=region.local.owner)
 

@@ -45,13 +45,23 @@ class Welcome(LocalMsg, frozen=True, tag="welcome"):
 # --- registration ----------------------------------------------------------
 
 
-class RegisterRegion(LocalMsg, frozen=True, tag="register_region"):
-    """Shared host memory the rank created (a /dev/shm file); the daemon maps it once."""
+class CudaRegion(msgspec.Struct, frozen=True, kw_only=True):
+    """GPU memory of a rank: its allocation's CUDA IPC handle and where the region starts."""
 
-    path: Name
+    device_uuid: str
+    ipc_handle: bytes
+    offset: NonNeg = 0
+
+
+class RegisterRegion(LocalMsg, frozen=True, tag="register_region"):
+    """Memory the rank owns, mapped by the daemon once: a /dev/shm file (`path`, cpu) or
+    GPU memory (`cuda`, gpu)."""
+
     length: Annotated[int, msgspec.Meta(gt=0)]
+    path: Annotated[str, msgspec.Meta(max_length=1024)] = ""
     purpose: Literal["staging", "weights"] = "weights"
     kind: Literal["cpu", "gpu"] = "cpu"
+    cuda: CudaRegion | None = None
 
 
 class RegionRegistered(LocalMsg, frozen=True, tag="region_registered"):

@@ -70,6 +70,10 @@ class Transport(abc.ABC):
     def can_reach(self, endpoints: TransportEndpoints) -> bool:
         """Whether this transport can write to a node that advertised `endpoints`."""
 
+    def accepts(self, src: LocalRegion, dst: RegionDescriptor) -> bool:
+        """Whether this transport can carry a write from `src` into `dst` (kinds, keys)."""
+        return True
+
     @abc.abstractmethod
     def register(self, region: LocalRegion) -> RegionKeys:
         """Make a region reachable (once, when it appears); returns the keys peers need."""

@@ -160,8 +160,8 @@ class Driver:
     def free(self, ptr: int) -> None:
         self._call("cuMemFree_v2", ctypes.c_uint64(ptr))
 
-    def host_alloc(self, nbytes: int) -> memoryview:
-        """Pinned host memory, as a writable memoryview (freed with the process)."""
+    def host_alloc(self, nbytes: int) -> tuple[int, memoryview]:
+        """Pinned host memory: its address and a writable view of it (free with host_free)."""
         p = ctypes.c_void_p()
         self._call(
             "cuMemHostAlloc",
@@ -169,7 +169,11 @@ class Driver:
             ctypes.c_size_t(nbytes),
             ctypes.c_uint(HOST_ALLOC_PORTABLE),
         )
-        return memoryview((ctypes.c_char * nbytes).from_address(int(p.value or 0))).cast("B")
+        address = int(p.value or 0)
+        return address, memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+
+    def host_free(self, address: int) -> None:
+        self._call("cuMemFreeHost", ctypes.c_void_p(address))
 
     def host_register(self, address: int, nbytes: int) -> None:
         """Pin existing host memory (a region's mapping) for fast copies to and from GPUs."""

@@ -108,6 +108,10 @@ class CudaTransport(Transport):
     def can_reach(self, endpoints: TransportEndpoints) -> bool:
         return endpoints.cuda is not None and endpoints.cuda.host_id == self.host
 
+    def accepts(self, src: LocalRegion, dst: RegionDescriptor) -> bool:
+        """GPU destinations of this host (from GPU or pinned host memory)."""
+        return dst.kind == "gpu" and (dst.node == self.node or dst.keys.cuda is not None)
+
     async def close(self) -> None:
         _INSTANCES.pop(self.node, None)
         for node, path in list(self._peers.items()):  # tell same-host peers we are gone
@@ -141,7 +145,13 @@ class CudaTransport(Transport):
 
     def register(self, region: LocalRegion) -> RegionKeys:
         if region.kind != "gpu":
-            return RegionKeys()  # host regions are read locally; nobody writes them through here
+            # host regions are only read (a CPU replica copied to a GPU): pin them for speed
+            assert self._drv is not None
+            if region.address and not region.extra.get("pinned"):
+                with contextlib.suppress(CudaError):
+                    self._drv.host_register(region.address, region.length)
+                    region.extra["pinned"] = True
+            return RegionKeys()
         handle = region.extra.get("ipc_handle")
         offset = region.extra.get("ipc_offset", 0)
         uuid = region.extra.get("device_uuid")
@@ -160,6 +170,11 @@ class CudaTransport(Transport):
 
     def deregister(self, region_id: int) -> None:
         self._regions.pop(region_id, None)
+
+    def unpin(self, region: LocalRegion) -> None:
+        if region.extra.pop("pinned", False) and self._drv is not None:
+            with contextlib.suppress(CudaError):
+                self._drv.host_unregister(region.address)
 
     # --- data path -----------------------------------------------------------
 

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 
@@ -94,6 +95,7 @@ class OutgoingStream:
     _closed: threading.Event = field(default_factory=threading.Event)
     _last_progress: float = field(default_factory=time.monotonic)
     _threads: list[threading.Thread] = field(default_factory=list)
+    _bounce: Any = None  # pinned host memory for GPU sources (created on first use)
 
     def start(self) -> None:
         for target, role in ((self._send_loop, "send"), (self._ack_loop, "ack")):
@@ -119,7 +121,17 @@ class OutgoingStream:
                 return
             try:
                 self.sock.sendall(p.header, socket.MSG_MORE)
-                if p.src.fd is not None:
+                if p.src.kind == "gpu":
+                    assert p.src.device is not None
+                    if self._bounce is None:
+                        from .bounce import Bounce
+
+                        self._bounce = Bounce()
+                    staged = self._bounce.from_device(
+                        p.src.device, p.src.address + p.src_offset, p.length
+                    )
+                    self.sock.sendall(staged)
+                elif p.src.fd is not None:
                     off, left = p.src_offset, p.length
                     while left:
                         n = os.sendfile(fd, p.src.fd, off, left)

@@ -36,6 +36,7 @@ from weightwire.protocol.regions import (
 from weightwire.transport.base import ImmHandler, LocalRegion, Transport, check_destination
 
 from . import wire
+from .bounce import Bounce
 from .streams import IncomingStream, OutgoingStream, Pending, tune
 
 log = structlog.get_logger("weightwire.transport.tcp")
@@ -59,20 +60,48 @@ class RegionTable:
     def remove(self, region_id: int) -> None:
         self._regions.pop(region_id, None)
 
-    def target(self, write: Write) -> memoryview:
+    def lookup(self, write: Write) -> LocalRegion:
+        """The region a write may land in; RegionError (the connection closes) otherwise."""
         reg = self._regions.get(write.region)
         if reg is None:
             raise RegionError(f"unknown region {write.region}", code=ErrorCode.UNKNOWN_REGION)
         if reg.rkey != write.rkey:
             raise RegionError(f"wrong key for region {write.region}", code=ErrorCode.UNAUTHORIZED)
         reg.region.check(write.offset, write.length, "write")
-        view = reg.region.view
-        if view is None:
+        return reg.region
+
+    def target(self, write: Write) -> memoryview:
+        region = self.lookup(write)
+        if region.view is None:
             raise RegionError(f"region {write.region} is not host memory")
-        return view[write.offset : write.offset + write.length]
+        return region.view[write.offset : write.offset + write.length]
 
     def landed(self, write: Write) -> None:
         pass
+
+
+class StreamSink:
+    """One receive stream's sink: host regions directly, GPU regions through a bounce."""
+
+    def __init__(self, table: RegionTable) -> None:
+        self.table = table
+        self.bounce: Bounce | None = None
+        self._gpu: LocalRegion | None = None
+
+    def target(self, write: Write) -> memoryview:
+        region = self.table.lookup(write)
+        if region.kind == "cpu":
+            self._gpu = None
+            return self.table.target(write)
+        self.bounce = self.bounce or Bounce()
+        self._gpu = region
+        return self.bounce.buffer(write.length)
+
+    def landed(self, write: Write) -> None:
+        if self._gpu is not None and self.bounce is not None:
+            assert self._gpu.device is not None
+            self.bounce.to_device(self._gpu.device, self._gpu.address + write.offset, write.length)
+            self._gpu = None
 
 
 class TcpTransport(Transport):
@@ -135,6 +164,9 @@ class TcpTransport(Transport):
     def can_reach(self, endpoints: TransportEndpoints) -> bool:
         return endpoints.tcp is not None
 
+    def accepts(self, src: LocalRegion, dst: RegionDescriptor) -> bool:
+        return dst.keys.tcp is not None
+
     async def close(self) -> None:
         if self._loop is not None and self._listener is not None:
             self._loop.remove_reader(self._listener.fileno())
@@ -161,10 +193,8 @@ class TcpTransport(Transport):
     # --- regions -------------------------------------------------------------
 
     def register(self, region: LocalRegion) -> RegionKeys:
-        if region.view is None:
-            raise RegionError(
-                f"tcp can only register host memory; region {region.id} is {region.kind}"
-            )
+        if region.view is None and region.kind != "gpu":
+            raise RegionError(f"tcp cannot reach region {region.id}: no host view, not a GPU")
         rkey = secrets.randbits(64)
         self._table.add(region, rkey)
         return RegionKeys(tcp=TcpKey(rkey=rkey))
@@ -185,7 +215,7 @@ class TcpTransport(Transport):
             sock=conn,
             address=f"{addr[0]}:{addr[1]}",
             loop=self._loop,
-            machine=wire.ReceiveMachine(self._table),
+            machine=wire.ReceiveMachine(StreamSink(self._table)),
             on_imm=self._deliver_imm,
             stall_timeout_s=self.stall_timeout_s,
             on_received=self._count_received,
@@ -280,7 +310,7 @@ class TcpTransport(Transport):
     ) -> None:
         src.check(src_offset, length, "source")
         check_destination(dst, dst_offset, length)
-        if src.view is None and src.fd is None:
+        if src.view is None and src.fd is None and src.kind != "gpu":
             raise RegionError(f"tcp cannot read region {src.id} ({src.kind} memory)")
         if dst.keys.tcp is None:
             raise RegionError(f"region {dst.id} of node {dst.node} has no tcp key")
