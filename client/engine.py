@@ -97,7 +97,9 @@ class Engine:
         self._conn.request(self._hello)
         self._regions: list[SharedFile] = []
         self._buffers: list[torch.Tensor] = []
-        self._declared: list[tuple[SharedFile, tuple[DestTensor, ...], EngineLayout | None]] = []
+        self._declared: list[
+            tuple[RegisterRegion, tuple[DestTensor, ...], EngineLayout | None]
+        ] = []
 
     def register(
         self,
@@ -107,20 +109,61 @@ class Engine:
     ) -> dict[str, torch.Tensor]:
         """Receive into these tensors from now on.
 
-        Each tensor is moved, in place, into one shared region (its current contents
-        are kept): the same tensor objects, e.g. a model's parameters, see every
-        landed version. `sources` says what feeds each one: by default the whole
-        source tensor of the same name; `Rows` for a dim-0 slice; `Recipe` for
-        explicit pieces; None (with a `layout`) leaves it to the coordinator's rules.
+        GPU tensors are registered where they are (one region per CUDA allocation). Host
+        tensors are moved, in place, into one shared region (their contents are kept).
+        Either way the same tensor objects, e.g. a model's parameters, see every landed
+        version. `sources` says what feeds each one: by default the whole source tensor of
+        the same name; `Rows` for a dim-0 slice; `Recipe` for explicit pieces; None (with a
+        `layout`) leaves it to the coordinator's rules.
         """
         sources = sources or {}
-        placed: list[tuple[str, torch.Tensor, int]] = []
-        offset = 0
         for name, t in tensors.items():
             if not t.is_contiguous():
                 raise RegistrationError(f"tensor {name} must be contiguous to receive in place")
-            if t.device.type != "cpu":
-                raise RegistrationError(f"tensor {name} is on {t.device}; GPU regions need cuda")
+        host = {n: t for n, t in tensors.items() if t.device.type == "cpu"}
+        gpu = {n: t for n, t in tensors.items() if t.device.type == "cuda"}
+        other = set(tensors) - set(host) - set(gpu)
+        if other:
+            raise RegistrationError(f"tensors on unsupported devices: {sorted(other)}")
+        specs: list[DestTensor] = []
+        if host:
+            specs += self._register_host(host, sources, layout)
+        if gpu:
+            specs += self._register_gpu(gpu, sources, layout)
+        return dict(tensors)
+
+    def _declare(
+        self,
+        request: RegisterRegion,
+        placed: list[tuple[str, torch.Tensor, int]],
+        sources: Mapping[str, Source],
+        layout: EngineLayout | None,
+    ) -> list[DestTensor]:
+        region = expect(self._conn.request(request), RegionRegistered).region
+        specs = tuple(
+            DestTensor(
+                name=name,
+                dtype=name_of(t.dtype),
+                shape=tuple(t.shape),
+                region=region,
+                offset=off,
+                pieces=self._pieces(name, t, sources.get(name), layout),
+            )
+            for name, t, off in placed
+        )
+        self._conn.request(DeclareDestinations(tensors=specs, layout=layout))
+        self._declared.append((request, specs, layout))
+        return list(specs)
+
+    def _register_host(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        sources: Mapping[str, Source],
+        layout: EngineLayout | None,
+    ) -> list[DestTensor]:
+        placed: list[tuple[str, torch.Tensor, int]] = []
+        offset = 0
+        for name, t in tensors.items():
             offset = -(-offset // ALIGN) * ALIGN
             placed.append((name, t, offset))
             offset += t.numel() * t.element_size()
@@ -128,10 +171,9 @@ class Engine:
             max(offset, 1), purpose=f"engine-r{self.rank}", gid=self._conn.socket_gid
         )
         try:
-            region = expect(
-                self._conn.request(RegisterRegion(path=shared.path, length=shared.length)),
-                RegionRegistered,
-            ).region
+            specs = self._declare(
+                RegisterRegion(path=shared.path, length=shared.length), placed, sources, layout
+            )
         except BaseException:
             shared.unlink()
             shared.close()
@@ -139,28 +181,33 @@ class Engine:
         buf = torch.frombuffer(shared.map, dtype=torch.uint8)
         self._regions.append(shared)
         self._buffers.append(buf)
-        specs = []
-        for name, t, off in placed:
-            specs.append(
-                DestTensor(
-                    name=name,
-                    dtype=name_of(t.dtype),
-                    shape=tuple(t.shape),
-                    region=region,
-                    offset=off,
-                    pieces=self._pieces(name, t, sources.get(name), layout),
-                )
-            )
-        self._conn.request(DeclareDestinations(tensors=tuple(specs), layout=layout))
-        self._declared.append((shared, tuple(specs), layout))
-        out = {}
         with torch.no_grad():
-            for name, t, off in placed:
+            for _, t, off in placed:
                 view = buf[off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
                 view.copy_(t)
                 t.set_(view)
-                out[name] = t
-        return out
+        return specs
+
+    def _register_gpu(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        sources: Mapping[str, Source],
+        layout: EngineLayout | None,
+    ) -> list[DestTensor]:
+        from . import cuda
+
+        groups: dict[tuple[int, int], list[tuple[str, torch.Tensor]]] = {}
+        for name, t in tensors.items():
+            base, size = cuda.allocation_of(t)
+            groups.setdefault((base, size), []).append((name, t))
+        specs: list[DestTensor] = []
+        for (base, size), members in sorted(groups.items()):
+            placed = [(name, t, t.data_ptr() - base) for name, t in members]
+            request = RegisterRegion(
+                length=size, kind="gpu", cuda=cuda.region_of(members[0][1], base=base)
+            )
+            specs += self._declare(request, placed, sources, layout)
+        return specs
 
     @staticmethod
     def _pieces(
@@ -217,14 +264,11 @@ class Engine:
         """The daemon restarted: register the same memory again, on a fresh session."""
         self._conn.fail_pending(PeerLostError("the daemon restarted; wait again"))
         self._conn.request(self._hello)
-        for i, (shared, specs, layout) in enumerate(self._declared):
-            region = expect(
-                self._conn.request(RegisterRegion(path=shared.path, length=shared.length)),
-                RegionRegistered,
-            ).region
+        for i, (request, specs, layout) in enumerate(self._declared):
+            region = expect(self._conn.request(request), RegionRegistered).region
             specs = tuple(msgspec.structs.replace(t, region=region) for t in specs)
             self._conn.request(DeclareDestinations(tensors=specs, layout=layout))
-            self._declared[i] = (shared, specs, layout)
+            self._declared[i] = (request, specs, layout)
 
     def _lost(self) -> None:
         self._conn.fail_pending(

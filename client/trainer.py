@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -30,16 +32,59 @@ from weightwire.protocol.local import (
     PlanReply,
     PublishResult,
     RegionRegistered,
-    RegisterRegion,
 )
 from weightwire.protocol.plan import RankPlan
 from weightwire.protocol.tensors import SourceTensor
-from weightwire.transport.hostmem import SharedFile, create_shared
 
 from .connection import DaemonConnection, expect
 from .dtypes import name_of
 from .layouts import Full, Layout, local_box
-from .pack import pack
+from .pack import Packer
+from .staging import Staging
+
+
+class _Poster:
+    """Tells the daemon a bucket is packed once its CUDA event has completed, on a thread of
+    its own, so that the GPU packs bucket k+1 while the daemon moves bucket k."""
+
+    def __init__(self, conn: DaemonConnection, version: int) -> None:
+        self.conn, self.version = conn, version
+        self.started: dict[int, float] = {}
+        self.ready: dict[int, float] = {}
+        self._queue: queue.SimpleQueue[tuple[int, torch.cuda.Event | None] | None] = (
+            queue.SimpleQueue()
+        )
+        self._thread: threading.Thread | None = None
+        self._done = False
+
+    def post(self, bucket: int, device: torch.device, started: float) -> None:
+        self.started[bucket] = started
+        if device.type != "cuda":
+            self.ready[bucket] = time.time()
+            self.conn.send(BucketReady(version=self.version, bucket=bucket))
+            return
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="ww-poster", daemon=True)
+            self._thread.start()
+        self._queue.put((bucket, event))
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            bucket, event = item
+            if event is not None:
+                event.synchronize()
+            self.ready[bucket] = time.time()
+            self.conn.send(BucketReady(version=self.version, bucket=bucket))
+
+    def finish(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
 
 
 @dataclass(frozen=True)
@@ -51,6 +96,20 @@ class PublishStats:
     pack_seconds: float  # time spent packing buckets (overlaps the transfer)
     transfer_seconds: float  # from the first write posted until the last one landed
     total_seconds: float  # the whole publish call
+    buckets: tuple[BucketTimes, ...] = ()
+
+
+@dataclass(frozen=True)
+class BucketTimes:
+    """Wall-clock times of one bucket: packing started, packed (its CUDA event done),
+    posted by the daemon, and every write of it landed."""
+
+    index: int
+    nbytes: int
+    prepare_start: float
+    prepared: float
+    posted: float
+    landed: float
 
 
 @dataclass
@@ -70,8 +129,13 @@ class Trainer:
         socket: str | None = None,
         job: str = "default",
         timeout_s: float = 300.0,
+        staging: Literal["auto", "gpu", "cpu"] = "auto",
     ) -> None:
+        """`staging`: where buckets are packed. "gpu" (the default when the tensors are on a
+        GPU) keeps everything on the device; "cpu" is the pinned CPU replica in the
+        engines' layout (host memory the daemon sends from, e.g. over tcp or RDMA)."""
         self.rank, self.world_size, self.job, self.timeout_s = rank, world_size, job, timeout_s
+        self.placement = staging
         self._results: dict[int, Future[PublishResult]] = {}
         self._lock = threading.Lock()
         self._hello = Hello(
@@ -89,8 +153,8 @@ class Trainer:
         self._conn.request(self._hello)
         self._tensors: dict[str, _Registered] = {}
         self._plan: RankPlan | None = None
-        self._staging: SharedFile | None = None
-        self._staging_tensor: torch.Tensor | None = None
+        self._staging: Staging | None = None
+        self._packer = Packer()
 
     # --- registration --------------------------------------------------------
 
@@ -141,28 +205,29 @@ class Trainer:
         self._ensure_staging(plan)
         return plan
 
+    def _device(self) -> torch.device:
+        for r in self._tensors.values():
+            if r.tensor.is_cuda:
+                return r.tensor.device
+        return torch.device("cpu")
+
     def _ensure_staging(self, plan: RankPlan) -> torch.Tensor:
         need = max(plan.staging_bytes, 1)
-        if self._staging is None or self._staging.length < need:
-            shared = create_shared(need, purpose=f"staging-r{self.rank}", gid=self._conn.socket_gid)
+        if self._staging is None or self._staging.nbytes < need:
+            device = self._device()
+            placement = self.placement
+            if placement == "auto":
+                placement = "gpu" if device.type == "cuda" else "cpu"
+            staging = Staging(need, placement, device, self._conn.socket_gid, self.rank)
             try:
-                expect(
-                    self._conn.request(
-                        RegisterRegion(path=shared.path, length=need, purpose="staging")
-                    ),
-                    RegionRegistered,
-                )
+                expect(self._conn.request(staging.request()), RegionRegistered)
             except BaseException:
-                shared.unlink()
-                shared.close()
+                staging.close()
                 raise
             if self._staging is not None:
-                self._staging.unlink()
-            self._staging = shared
-            self._staging_tensor = torch.frombuffer(shared.map, dtype=torch.uint8)
-            self._staging_tensor.zero_()
-        assert self._staging_tensor is not None
-        return self._staging_tensor
+                self._staging.close()
+            self._staging = staging
+        return self._staging.tensor
 
     def publish(
         self, version: int, tensors: Mapping[str, torch.Tensor] | None = None
@@ -187,14 +252,18 @@ class Trainer:
         fut: Future[PublishResult] = Future()
         with self._lock:
             self._results[version] = fut
+        poster = _Poster(self._conn, version)
         pack_s = 0.0
-        for bucket in plan.buckets:
-            p0 = time.perf_counter()
-            for op in bucket.packs:
-                pack(op, current[op.source], staging)
-            pack_s += time.perf_counter() - p0
-            self._conn.send(BucketReady(version=version, bucket=bucket.index))
         try:
+            for bucket in plan.buckets:
+                p0 = time.perf_counter()
+                started = time.time()
+                for op in bucket.packs:
+                    self._packer.pack(op, current[op.source], staging)
+                self._packer.clear()
+                poster.post(bucket.index, staging.device, started)
+                pack_s += time.perf_counter() - p0
+            poster.finish()
             result = fut.result(self.timeout_s)
         except TimeoutError:
             raise TimeoutError_(
@@ -202,10 +271,22 @@ class Trainer:
                 f"{self.timeout_s:.0f} s"
             ) from None
         finally:
+            poster.finish()
             with self._lock:
                 self._results.pop(version, None)
         if not result.ok:
             raise error_from_code(result.code, f"version {version}: {result.message}")
+        times = tuple(
+            BucketTimes(
+                index=b.index,
+                nbytes=b.nbytes,
+                prepare_start=poster.started.get(b.index, 0.0),
+                prepared=poster.ready.get(b.index, 0.0),
+                posted=result.buckets[b.index][0] if b.index < len(result.buckets) else 0.0,
+                landed=result.buckets[b.index][1] if b.index < len(result.buckets) else 0.0,
+            )
+            for b in plan.buckets
+        )
         return PublishStats(
             version=version,
             nbytes=result.nbytes,
@@ -214,6 +295,7 @@ class Trainer:
             pack_seconds=pack_s,
             transfer_seconds=result.transfer_seconds,
             total_seconds=time.perf_counter() - t0,
+            buckets=times,
         )
 
     def _current(self, tensors: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
@@ -255,11 +337,7 @@ class Trainer:
                 DeclareSources(tensors=tuple(r.spec for r in self._tensors.values()))
             )
         if self._staging is not None:
-            self._conn.request(
-                RegisterRegion(
-                    path=self._staging.path, length=self._staging.length, purpose="staging"
-                )
-            )
+            self._conn.request(self._staging.request())
         self._plan = None
 
     def _lost(self) -> None:
@@ -281,9 +359,8 @@ class Trainer:
     def close(self) -> None:
         self._conn.close()
         if self._staging is not None:
-            self._staging_tensor = None
-            self._staging.unlink()
             self._staging.close()
+            self._staging = None
 
     def __enter__(self) -> Trainer:
         return self

@@ -44,6 +44,9 @@ class Run:
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     started: float = field(default_factory=time.monotonic)
     first_post: float = 0.0
+    bucket_posted: dict[int, float] = field(default_factory=dict)  # wall clock
+    bucket_left: dict[int, int] = field(default_factory=dict)  # writes not landed yet
+    bucket_landed: dict[int, float] = field(default_factory=dict)
     bytes_done: int = 0
     writes_done: int = 0
     error: WeightwireError | None = None
@@ -127,16 +130,20 @@ class Publisher:
         run.posted.add(bucket)
         if not run.first_post:
             run.first_post = time.monotonic()
+        run.bucket_posted[bucket] = time.time()
+        run.bucket_left[bucket] = len(run.plan.buckets[bucket].writes)
+        if not run.bucket_left[bucket]:
+            run.bucket_landed[bucket] = time.time()
         with structlog.contextvars.bound_contextvars(rank=self.rank, version=version):
             tasks = [
-                asyncio.get_running_loop().create_task(self._write(run, w))
+                asyncio.get_running_loop().create_task(self._write(run, w, bucket))
                 for w in run.plan.buckets[bucket].writes
             ]
         for task in tasks:
             run.tasks.add(task)
             task.add_done_callback(lambda t, run=run: self._written(run, t))
 
-    async def _write(self, run: Run, w: WriteOp) -> None:
+    async def _write(self, run: Run, w: WriteOp, bucket: int) -> None:
         dst = self._regions.get((w.dst_node, w.dst_region))
         if dst is None:
             raise WeightwireError(
@@ -148,6 +155,9 @@ class Publisher:
         )
         run.bytes_done += w.length
         run.writes_done += 1
+        run.bucket_left[bucket] -= 1
+        if not run.bucket_left[bucket]:
+            run.bucket_landed[bucket] = time.time()
 
     def _written(self, run: Run, task: asyncio.Task[None]) -> None:
         run.tasks.discard(task)
@@ -183,6 +193,10 @@ class Publisher:
                 writes=run.writes_done,
                 seconds=seconds,
                 transfer_seconds=transfer,
+                buckets=tuple(
+                    (run.bucket_posted[b], run.bucket_landed.get(b, 0.0))
+                    for b in range(len(run.plan.buckets))
+                ),
             )
         )
 

@@ -144,6 +144,7 @@ class PublishResult(LocalMsg, frozen=True, tag="publish_result"):
     code: str = ""
     message: str = ""
     transfer_seconds: float = 0.0  # from the first write posted to the last one landed
+    buckets: tuple[tuple[float, float], ...] = ()  # per bucket: (posted, landed), wall clock
 
 
 # --- engine ----------------------------------------------------------------
