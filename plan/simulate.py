@@ -203,9 +203,10 @@ def simulate(
         if ptr < total_posts and post_t[ptr] <= t:
             end = int(np.searchsorted(post_t, t, side="right"))
             idx = post_pair[ptr:end]
+            # a post to a pair already moving changes no rate, only when it drains
+            dirty = dirty or bool((backlog[idx] <= 0).any())
             np.add.at(backlog, idx, post_bytes[ptr:end])
             ptr = end
-            dirty = True
         if dirty:
             mask = backlog > 0
             active = np.flatnonzero(mask)
@@ -232,7 +233,7 @@ def simulate(
         backlog[gone] = 0.0
         p_finish[gone] = drain[done]
         t = t_end
-        dirty = True
+        dirty = gone.size > 0
 
     src_finish = np.zeros(ns)
     dst_finish = np.zeros(nd)
