@@ -34,3 +34,10 @@ def region_of(t: torch.Tensor, base: int | None = None) -> CudaRegion:
         ) from None
     start = t.data_ptr() if base is None else base
     return CudaRegion(device_uuid=drv.devices[device].uuid, ipc_handle=handle, offset=start - alloc)
+
+
+def gpu_uuid(device: int | None) -> str:
+    """The UUID of CUDA device `device` (as the daemon knows it); "" for None."""
+    if device is None:
+        return ""
+    return driver().devices[device].uuid

@@ -32,6 +32,7 @@ from weightwire.protocol.tensors import Box, DestTensor, Piece
 from weightwire.transport.hostmem import SharedFile, create_shared
 
 from .connection import DaemonConnection, expect
+from .cuda import gpu_uuid
 from .dtypes import name_of
 
 ALIGN = 256
@@ -77,6 +78,7 @@ class Engine:
         socket: str | None = None,
         job: str = "default",
         timeout_s: float = 300.0,
+        device: int | None = None,
     ) -> None:
         self.rank, self.world_size, self.job, self.timeout_s = rank, world_size, job, timeout_s
         self._callbacks: list[Callable[[VersionInfo | Exception], None]] = []
@@ -90,6 +92,7 @@ class Engine:
             job=job,
             pid=os.getpid(),
             client="weightwire.client.Engine",
+            device_uuid=gpu_uuid(device),
         )
         self._conn = DaemonConnection(
             socket, on_notify=self._on_notify, on_reset=self._replay, on_lost=self._lost

@@ -25,27 +25,38 @@ def quantize_blocks(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, to
 
     codes: float8_e4m3fn, the shape of `x`. scales: float32, shape
     `(*lead, ceil(R / block), ceil(C / block))`, `scales * codes` approximates `x`.
+
+    Bitwise the same on every device: |x| and its max are exact in x's own dtype (and in
+    float32 after), and every division is tensor by tensor, never by a Python number
+    (CUDA divides by a scalar as a multiplication by its reciprocal, which can differ in
+    the last bit).
     """
     if x.dim() < 2:
         raise ValueError(f"FP8 block quantization needs a 2-D (or stacked) tensor, got {x.dim()}-D")
     if block <= 0:
         raise ValueError(f"block must be positive, got {block}")
+    if not x.is_floating_point():
+        raise ValueError(f"FP8 block quantization needs a floating-point tensor, got {x.dtype}")
+    if x.dtype == torch.float64:
+        x = x.float()  # the convention divides in float32
     *lead, rows, cols = x.shape
     tr, tc = -(-rows // block), -(-cols // block)
-    xf = x.float() if x.dtype != torch.float32 else x
     pr, pc = tr * block - rows, tc * block - cols
-    padded = F.pad(xf, (0, pc, 0, pr)) if (pr or pc) else xf
+    padded = F.pad(x, (0, pc, 0, pr)) if (pr or pc) else x  # zeros never raise an amax
     tiles = padded.reshape(*lead, tr, block, tc, block)
     if tiles.numel():
-        amax = tiles.abs().amax(dim=(-3, -1))
+        amax = torch.maximum(tiles.amax(dim=(-3, -1)), -tiles.amin(dim=(-3, -1))).float()
     else:
         amax = torch.zeros((*lead, tr, tc), dtype=torch.float32, device=x.device)
-    scales = amax.clamp_min(AMAX_FLOOR) / FP8_MAX
-    codes = (tiles / scales[..., :, None, :, None]).clamp_(-FP8_MAX, FP8_MAX)
-    codes = codes.reshape(*lead, tr * block, tc * block)
+    scales = amax.clamp_min(AMAX_FLOOR) / torch.full_like(amax, FP8_MAX)
+    # float32(x) / scale, in one float32 buffer, then clamped in place
+    work = torch.empty(tiles.shape, dtype=torch.float32, device=x.device)
+    torch.div(tiles, scales[..., :, None, :, None], out=work)
+    work.clamp_(-FP8_MAX, FP8_MAX)
+    codes = work.view(*lead, tr * block, tc * block)
     if pr or pc:
         codes = codes[..., :rows, :cols]
-    return codes.to(torch.float8_e4m3fn).contiguous(), scales.contiguous()
+    return codes.to(torch.float8_e4m3fn).contiguous(), scales
 
 
 def dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor, block: int = 128) -> torch.Tensor:

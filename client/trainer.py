@@ -37,6 +37,7 @@ from weightwire.protocol.plan import RankPlan
 from weightwire.protocol.tensors import SourceTensor
 
 from .connection import DaemonConnection, expect
+from .cuda import gpu_uuid
 from .dtypes import name_of
 from .layouts import Full, Layout, local_box
 from .pack import Packer
@@ -129,6 +130,7 @@ class Trainer:
         socket: str | None = None,
         job: str = "default",
         timeout_s: float = 300.0,
+        device: int | None = None,
         staging: Literal["auto", "gpu", "cpu"] = "auto",
     ) -> None:
         """`staging`: where buckets are packed. "gpu" (the default when the tensors are on a
@@ -146,6 +148,7 @@ class Trainer:
             job=job,
             pid=os.getpid(),
             client="weightwire.client.Trainer",
+            device_uuid=gpu_uuid(device),
         )
         self._conn = DaemonConnection(
             socket, on_notify=self._on_notify, on_reset=self._replay, on_lost=self._lost

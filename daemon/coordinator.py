@@ -218,12 +218,12 @@ class Coordinator:
                 if r.role == "trainer":
                     if r.rank in trainers:
                         dupes.append(f"trainer rank {r.rank} on {trainers[r.rank].node} and {node}")
-                    trainers[r.rank] = TrainerRank(node, r.rank, r.sources)
+                    trainers[r.rank] = TrainerRank(node, r.rank, r.sources, r.lanes)
                 else:
                     if r.rank in engines:
                         dupes.append(f"engine rank {r.rank} on {engines[r.rank].node} and {node}")
                     engines[r.rank] = EngineRank(
-                        node, r.rank, r.destinations, r.regions, r.slot, r.layout
+                        node, r.rank, r.destinations, r.regions, r.slot, r.layout, r.lanes
                     )
         problems = list(dupes)
         for role, sizes in worlds.items():

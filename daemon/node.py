@@ -400,6 +400,7 @@ class Daemon:
                         rank=s.rank,
                         world_size=s.hello.world_size,
                         sources=tuple(s.sources.values()),
+                        lanes=self._lanes(s),
                     )
                 )
             elif s.role == "engine" and s.destinations:
@@ -412,6 +413,7 @@ class Daemon:
                         layout=s.layout,
                         regions=tuple(r.descriptor for r in self.registry.of_session(s.id)),
                         slot=self._slot(s.job, s.rank),
+                        lanes=self._lanes(s),
                     )
                 )
         self.advert_seq += 1
@@ -426,6 +428,10 @@ class Daemon:
                 plan_hash=self.plans[job].plan_hash if job in self.plans else "",
             ),
         )
+
+    def _lanes(self, session: Session) -> int:
+        """How many paths (NICs) this node's data planes have for the rank's memory."""
+        return max(t.lanes(session.hello.device_uuid) for t in self.transports)
 
     def _slot(self, job: str, rank: int) -> int:
         """The immediate counter of an engine rank here: stable while its session lives."""

@@ -150,8 +150,9 @@ class Publisher:
                 f"plan names region {w.dst_region} of {w.dst_node}, not advertised"
             )
         transport = await self.pick(w.dst_node, run.staging, dst)
+        imm = encode_imm(run.version, w.slot)
         await transport.write(
-            run.staging, w.src_offset, dst, w.dst_offset, w.length, encode_imm(run.version, w.slot)
+            run.staging, w.src_offset, dst, w.dst_offset, w.length, imm, lane=w.lane
         )
         run.bytes_done += w.length
         run.writes_done += 1

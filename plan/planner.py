@@ -45,6 +45,7 @@ from .boxes import cover, place, split_rows
 class PlanOptions(msgspec.Struct, frozen=True, kw_only=True):
     bucket_bytes: int = 256 << 20
     max_write_bytes: int = 32 << 20
+    min_stripe_bytes: int = 1 << 20  # a write is striped over lanes only in parts this large
     allow_unused_sources: bool = False
 
 
@@ -53,6 +54,7 @@ class TrainerRank:
     node: str
     rank: int
     tensors: tuple[SourceTensor, ...]
+    lanes: int = 1  # NICs its node has for it: writes are striped over them
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,7 @@ class EngineRank:
     regions: tuple[RegionDescriptor, ...]
     slot: int = -1  # its immediate counter on its node (-1: numbered here)
     layout: EngineLayout | None = None  # for tensors whose recipes are left to the rules
+    lanes: int = 1
 
 
 @dataclass
@@ -223,8 +226,10 @@ def plan(
 
     region_by_key = {(e.node, r.id): r for e in engines for r in e.regions}
     rank_plans: dict[tuple[str, int], RankPlan] = {}
+    lanes = {e.rank: e.lanes for e in engines}
+    src_lanes = {(t.node, t.rank): t.lanes for t in trainers}
     for key, w in sorted(work.items()):
-        buckets, staging = _layout(w, options, slots, expect_count)
+        buckets, staging = _layout(w, options, slots, expect_count, src_lanes[key], lanes)
         regions = sorted({(s.dst_node, s.dst_region) for s in w.sends}, key=lambda r: (r[0], r[1]))
         rank_plans[key] = RankPlan(
             plan_hash="",
@@ -369,7 +374,12 @@ def _slots(engines: list[EngineRank]) -> dict[int, int]:
 
 
 def _layout(
-    w: _RankWork, options: PlanOptions, slots: dict[int, int], expect_count: dict[int, int]
+    w: _RankWork,
+    options: PlanOptions,
+    slots: dict[int, int],
+    expect_count: dict[int, int],
+    src_lanes: int = 1,
+    dst_lanes: dict[int, int] | None = None,
 ) -> tuple[list[Bucket], int]:
     """Staging offsets (dense first, then experts), buckets, and merged, chunked writes."""
     packs = sorted(w.packs.values(), key=lambda p: (p.expert, p.order))
@@ -399,7 +409,7 @@ def _layout(
         sends_by_bucket[bucket_of[id(s.pack)]].append(s)
     buckets: list[Bucket] = []
     for index, (bp, kind) in enumerate(zip(bucket_packs, bucket_kinds, strict=True)):
-        writes = _writes(sends_by_bucket[index], options.max_write_bytes, slots)
+        writes = _writes(sends_by_bucket[index], options, slots, src_lanes, dst_lanes or {})
         for wr in writes:
             expect_count[wr.dst_rank] += 1
         buckets.append(
@@ -427,8 +437,16 @@ def _alignment(p: _Pack) -> int:
     return 4 if isinstance(p.transform, Fp8BlockScale) else 16
 
 
-def _writes(sends: list[_Send], max_bytes: int, slots: dict[int, int]) -> list[WriteOp]:
-    """Merge sends contiguous in both staging and destination, then cut into chunks."""
+def _writes(
+    sends: list[_Send],
+    options: PlanOptions,
+    slots: dict[int, int],
+    src_lanes: int = 1,
+    dst_lanes: dict[int, int] | None = None,
+) -> list[WriteOp]:
+    """Merge sends contiguous in both staging and destination, cut them into chunks, and
+    stripe each chunk over the lanes both ends have (each stripe is a write of its own,
+    with its own immediate, so the destination counts stripes exactly)."""
     order = sorted(sends, key=lambda s: (s.dst_node, s.dst_rank, s.dst_region, s.pack.offset))
     merged: list[list[int]] = []  # [src, length, dst_offset] + identity of the target
     targets: list[tuple[str, int, int]] = []
@@ -442,20 +460,26 @@ def _writes(sends: list[_Send], max_bytes: int, slots: dict[int, int]) -> list[W
         merged.append([s.pack.offset, s.nbytes, s.dst_offset])
         targets.append(target)
     out: list[WriteOp] = []
+    src_lanes = max(1, src_lanes)
     for (src, length, dst), (node, rank, region) in zip(merged, targets, strict=True):
-        for start in range(0, length, max_bytes):
-            n = min(max_bytes, length - start)
-            out.append(
-                WriteOp(
-                    src_offset=src + start,
-                    length=n,
-                    dst_node=node,
-                    dst_region=region,
-                    dst_offset=dst + start,
-                    slot=slots[rank],
-                    dst_rank=rank,
+        lanes = max(1, min(src_lanes, (dst_lanes or {}).get(rank, 1)))
+        for start in range(0, length, options.max_write_bytes):
+            n = min(options.max_write_bytes, length - start)
+            k = max(1, min(lanes, n // max(1, options.min_stripe_bytes)))
+            step = -(-n // k)
+            for i, part in enumerate(range(0, n, step)):
+                out.append(
+                    WriteOp(
+                        src_offset=src + start + part,
+                        length=min(step, n - part),
+                        dst_node=node,
+                        dst_region=region,
+                        dst_offset=dst + start + part,
+                        slot=slots[rank],
+                        dst_rank=rank,
+                        lane=(len(out) + i) % src_lanes if k == 1 else i % src_lanes,
+                    )
                 )
-            )
     return out
 
 

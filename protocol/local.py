@@ -33,6 +33,7 @@ class Hello(LocalMsg, frozen=True, tag="hello"):
     job: Name = "default"
     pid: int = 0
     client: str = ""
+    device_uuid: str = ""  # the GPU this rank uses ("" for none): picks its NICs (lanes)
 
 
 class Welcome(LocalMsg, frozen=True, tag="welcome"):

@@ -45,6 +45,7 @@ class RankAdvert(msgspec.Struct, frozen=True, kw_only=True):
     layout: EngineLayout | None = None
     regions: tuple[RegionDescriptor, ...] = ()
     slot: int = -1  # engine ranks: the immediate counter its node gave it (unique on the node)
+    lanes: int = 1  # independent paths (NICs) its node's data plane has for this rank
 
 
 class Advertise(PeerMsg, frozen=True, tag="advertise"):

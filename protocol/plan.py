@@ -51,6 +51,7 @@ class WriteOp(msgspec.Struct, frozen=True, kw_only=True):
     dst_offset: NonNeg
     slot: Annotated[int, msgspec.Meta(ge=0, lt=MAX_SLOTS)]
     dst_rank: NonNeg = 0
+    lane: NonNeg = 0  # which of the source's paths (NIC) carries it; stripes of one write differ
 
 
 class Bucket(msgspec.Struct, frozen=True, kw_only=True):

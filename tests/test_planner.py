@@ -210,3 +210,38 @@ def test_errors_list_the_names() -> None:
         trainer("T", 1, {"a": torch.randn(4, 5), "b": g["b"]}, {"a": None, "b": None}),
     ]
     assert "disagree on a" in errors_of(disagree, [both])
+
+
+@pytest.mark.parametrize(("src_lanes", "dst_lanes"), [(1, 1), (2, 2), (4, 2), (2, 8)])
+def test_writes_striped_over_lanes_and_counted(src_lanes: int, dst_lanes: int) -> None:
+    """Each stripe is a write with its own immediate on its own lane; the destination expects
+    every stripe, and the bytes still land bitwise."""
+    from dataclasses import replace
+
+    g = {"w": torch.randn(1024, 1024)}  # 4 MiB
+    ts = [replace(trainer("T", 0, g, {"w": None}), lanes=src_lanes)]
+    es = [
+        replace(
+            engine(
+                "E",
+                0,
+                [
+                    (
+                        "w",
+                        "float32",
+                        (1024, 1024),
+                        (Piece(source="w", box=Box.full((1024, 1024)), dst_offset=0),),
+                    )
+                ],
+            ),
+            lanes=dst_lanes,
+        )
+    ]
+    plans = plan("job", ts, es, PlanOptions(max_write_bytes=2 << 20, min_stripe_bytes=256 << 10))
+    writes = [w for b in plans["T"].sends[0].buckets for w in b.writes]
+    stripes = min(src_lanes, dst_lanes)
+    assert len(writes) == 2 * stripes
+    assert {w.lane for w in writes} == set(range(stripes)) if stripes > 1 else True
+    assert all(w.lane < src_lanes for w in writes)
+    assert plans["E"].expects[0].count == len(writes)
+    check_bitwise(execute(plans, ts, es, g), es, g)

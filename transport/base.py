@@ -99,8 +99,10 @@ class Transport(abc.ABC):
         dst_offset: int,
         length: int,
         imm: int | None,
+        lane: int = 0,
     ) -> None:
-        """Write `length` bytes; see the module docstring."""
+        """Write `length` bytes; see the module docstring. `lane` picks one of the source's
+        paths (a NIC, a stream); transports with a single path ignore it."""
 
     @abc.abstractmethod
     async def close(self) -> None:
@@ -112,6 +114,10 @@ class Transport(abc.ABC):
     async def on_signal(self, node: str, payload: bytes) -> bytes:
         """Handle a bring-up message from `node`'s instance of this transport."""
         raise NotImplementedError(f"transport {self.name} takes no signals")
+
+    def lanes(self, device_uuid: str) -> int:
+        """Independent paths this transport has for memory of that GPU ("" = host memory)."""
+        return 1
 
     def stats(self) -> dict[str, int]:
         return {}

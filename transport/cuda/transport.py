@@ -227,6 +227,7 @@ class CudaTransport(Transport):
         dst_offset: int,
         length: int,
         imm: int | None,
+        lane: int = 0,
     ) -> None:
         src.check(src_offset, length, "source")
         check_destination(dst, dst_offset, length)

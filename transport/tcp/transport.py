@@ -307,6 +307,7 @@ class TcpTransport(Transport):
         dst_offset: int,
         length: int,
         imm: int | None,
+        lane: int = 0,
     ) -> None:
         src.check(src_offset, length, "source")
         check_destination(dst, dst_offset, length)
