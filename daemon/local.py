@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import socket
 import stat
@@ -27,7 +28,6 @@ from weightwire.protocol.local import (
     AbortVersion,
     BeginVersion,
     BucketReady,
-    CudaRegion,
     DeclareDestinations,
     DeclareSources,
     Error,
@@ -178,14 +178,9 @@ class LocalServer:
             return
         session = self._session(identity, msg)
         match msg:
-            case RegisterRegion(cuda=CudaRegion() as info, length=length, purpose=purpose):
-                region = d.registry.add_cuda(info, length, purpose, session.id, session.label)
-                d.region_added(session, region)
-                self.send(identity, RegionRegistered(req=msg.req, region=region.local.id))
-            case RegisterRegion(path=path, length=length, purpose=purpose):
-                region = d.registry.add_shared(path, length, purpose, session.id, session.label)
-                d.region_added(session, region)
-                self.send(identity, RegionRegistered(req=msg.req, region=region.local.id))
+            case RegisterRegion():
+                # registering pins memory (RDMA: seconds for a large region): off the loop
+                self._spawn(identity, msg.req, self._register(session, msg))
             case DeclareSources(tensors=tensors):
                 session.declare_sources(tensors)
                 d.advertise(session.job)
@@ -217,6 +212,19 @@ class LocalServer:
                 raise ProtocolError(
                     f"{type(msg).__name__} is not a request a rank can send", code=ErrorCode.INVALID
                 )
+
+    async def _register(self, session: Session, msg: RegisterRegion) -> RegionRegistered:
+        d = self.daemon
+        if msg.cuda is not None:
+            add = functools.partial(d.registry.add_cuda, msg.cuda)
+        else:
+            add = functools.partial(d.registry.add_shared, msg.path)
+        region = await asyncio.to_thread(add, msg.length, msg.purpose, session.id, session.label)
+        if self.sessions.get(session.identity) is not session:  # it left meanwhile
+            d.registry.remove(region.local.id)
+            raise ProtocolError("the session ended during registration", code=ErrorCode.NO_SESSION)
+        d.region_added(session, region)
+        return RegionRegistered(req=msg.req, region=region.local.id)
 
     def _hello(self, identity: bytes, hello: Hello) -> None:
         check_protocol(hello.protocol, f"rank (pid {hello.pid})")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 from dataclasses import dataclass, field
 
 import structlog
@@ -33,10 +34,12 @@ class RegionRegistry:
     _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     _closing: list[SharedFile] = field(default_factory=list)
     _ipc: dict[bytes, tuple[int, int]] = field(default_factory=dict)  # handle -> (base, refs)
+    _lock: threading.Lock = field(default_factory=threading.Lock)  # adds run on worker threads
 
     def add_shared(self, path: str, length: int, purpose: str, session: str, owner: str) -> Region:
         file = open_shared(path, length)
-        region_id = next(self._ids)
+        with self._lock:
+            region_id = next(self._ids)
         local = LocalRegion(
             id=region_id,
             kind="cpu",
@@ -73,10 +76,11 @@ class RegionRegistry:
         drv = driver()
         ordinal = drv.ordinal_of(info.device_uuid)
         drv.use(ordinal)
-        base, refs = self._ipc.get(info.ipc_handle, (0, 0))
-        if not refs:
-            base = drv.ipc_open(info.ipc_handle)
-        self._ipc[info.ipc_handle] = (base, refs + 1)
+        with self._lock:
+            base, refs = self._ipc.get(info.ipc_handle, (0, 0))
+            if not refs:
+                base = drv.ipc_open(info.ipc_handle)
+            self._ipc[info.ipc_handle] = (base, refs + 1)
         try:
             _, size = drv.address_range(base)
             if info.offset + length > size:
@@ -85,7 +89,8 @@ class RegionRegistry:
                     f"{size}-byte allocation",
                     code=ErrorCode.OUT_OF_BOUNDS,
                 )
-            region_id = next(self._ids)
+            with self._lock:
+                region_id = next(self._ids)
             local = LocalRegion(
                 id=region_id,
                 kind="gpu",
@@ -126,10 +131,11 @@ class RegionRegistry:
     def _release_ipc(self, handle: bytes) -> None:
         from weightwire.transport.cudadrv import CudaError, driver
 
-        base, refs = self._ipc.pop(handle, (0, 0))
-        if refs > 1:
-            self._ipc[handle] = (base, refs - 1)
-        elif refs == 1:
+        with self._lock:
+            base, refs = self._ipc.pop(handle, (0, 0))
+            if refs > 1:
+                self._ipc[handle] = (base, refs - 1)
+        if refs == 1:
             try:
                 driver().ipc_close(base)
             except CudaError as exc:
