@@ -70,7 +70,7 @@ SHAPES = [
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16, torch.float64])
 def test_matches_reference(shape: tuple[int, ...], dtype: torch.dtype) -> None:
     x = sample(shape, dtype, seed=sum(shape))
     codes, scales = quantize_blocks(x)
@@ -108,6 +108,28 @@ def test_saturation_and_shapes() -> None:
     assert scales.dtype == torch.float32 and scales.shape == (4, 2, 3)
     assert codes.float().abs().max().item() == 448.0  # each tile's amax maps to 448
     assert codes.is_contiguous() and scales.is_contiguous()
+
+
+def test_quotients_above_448_saturate_like_the_clamp() -> None:
+    """Where float32(amax) / float32(amax / 448) rounds above 448, the literal formula's
+    clamp bites; the one-pass store must give the same code (448)."""
+    g = torch.Generator().manual_seed(11)
+    amax = torch.rand(64 * 64, generator=g, dtype=torch.float32) * 100 + 1e-3
+    scale = amax / torch.full_like(amax, 448.0)
+    over = (amax / scale) > 448.0
+    assert over.any()  # the case exists (about a quarter of random amaxes)
+    tiles = torch.randn(64, 128, 64, 128, generator=g) * 0.1
+    tiles[:, 0, :, 0] = amax.reshape(64, 64) * torch.where(
+        torch.rand(64, 64, generator=g) < 0.5, -1, 1
+    )
+    x = tiles.reshape(64 * 128, 64 * 128).to(torch.float32)
+    codes, scales = quantize_blocks(x)
+    want_codes, want_scales = reference(x[:1024, :1024], 128)  # the loop is slow: a corner
+    bits_equal(codes[:1024, :1024], want_codes)
+    bits_equal(scales[:8, :8], want_scales)
+    assert (codes.float().abs().amax() == 448.0).item()
+    literal = (x / scales.repeat_interleave(128, 0).repeat_interleave(128, 1)).clamp(-448, 448)
+    bits_equal(codes, literal.to(torch.float8_e4m3fn))
 
 
 def test_round_trip_error_is_within_fp8_precision() -> None:
@@ -225,11 +247,40 @@ def test_module_level_pack_shares_too(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("shape", [(130, 257), (3, 200, 130), (4, 1024, 7168)])
-def test_cuda_matches_cpu(shape: tuple[int, ...]) -> None:
-    x = sample(shape, torch.bfloat16, seed=7)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(130, 257), (3, 200, 130), (2, 256, 384)])
+def test_cuda_matches_reference(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    x = sample(shape, dtype, seed=7)
     codes, scales = quantize_blocks(x.cuda())
     assert codes.is_cuda and scales.is_cuda
+    want_codes, want_scales = reference(x, 128)
+    bits_equal(codes.cpu(), want_codes)
+    bits_equal(scales.cpu(), want_scales)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_matches_cpu_at_expert_size() -> None:
+    x = sample((4, 2048, 7168), torch.bfloat16, seed=8)
+    codes, scales = quantize_blocks(x.cuda())
     want_codes, want_scales = quantize_blocks(x)
     bits_equal(codes.cpu(), want_codes)
     bits_equal(scales.cpu(), want_scales)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_pack_ops() -> None:
+    local = sample((4, 300, 260), torch.bfloat16, seed=5).cuda()
+    box = Box(offsets=(1, 128, 0), sizes=(2, 172, 260))
+    q, s, ncodes, nscales = _ops(box, tuple(local.shape))
+    staging = torch.zeros(s.staging_offset + nscales, dtype=torch.uint8, device="cuda")
+    p = packmod.Packer()
+    p.pack(q, local, staging)
+    p.pack(s, local, staging)
+    want_codes, want_scales = reference(local[1:3, 128:300, 0:260].cpu(), 128)
+    got = staging.cpu()
+    assert torch.equal(got[:ncodes], want_codes.view(torch.uint8).flatten())
+    assert torch.equal(
+        got[s.staging_offset : s.staging_offset + nscales], want_scales.view(torch.uint8).flatten()
+    )
