@@ -256,8 +256,10 @@ def plan_gathered(
     slots = P._slots(list(es))
     counts: dict[int, int] = defaultdict(int)
     sends: dict[str, list[RankPlan]] = {}
+    dst_lanes = {e.rank: e.lanes for e in es}
+    src_lanes = {t.rank: t.lanes for t in ts}
     for (node, rank), w in sorted(work.items()):
-        buckets, staging = P._layout(w, options, slots, counts)
+        buckets, staging = P._layout(w, options, slots, counts, src_lanes[rank], dst_lanes)
         rp = RankPlan(plan_hash="", rank=rank, staging_bytes=staging, buckets=tuple(buckets))
         sends.setdefault(node, []).append(rp)
     return {

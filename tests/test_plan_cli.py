@@ -3,6 +3,7 @@ and `plan_gathered` against the real planner, write for write."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -164,3 +165,19 @@ def test_plan_gathered_equals_the_planner(
         assert fp.staging_bytes == rp.staging_bytes, rank
         assert fp.buckets == rp.buckets, rank
     assert sum(rp.write_count for rp in real_sends.values()) > n  # not a trivial case
+
+
+def test_plan_gathered_equals_the_planner_with_lanes() -> None:
+    """Several NICs per GPU: the planner stripes writes over the lanes both ends have."""
+    cfg = small("qwen3-30b-a3b", num_hidden_layers=1)
+    topo = Topology(3, 1, 4, 4, 400)
+    trainers = [dataclasses.replace(t, lanes=1 + t.rank % 2) for t in trainer_ranks(cfg, 3)]
+    engines = [dataclasses.replace(e, lanes=4) for e in engine_ranks(cfg, topo, "fp8", [0])]
+    options = PlanOptions(bucket_bytes=32 << 20, max_write_bytes=8 << 20)
+    real = plan("plan", trainers, engines, options)
+    fast = plan_gathered(trainers, engines, options)
+    real_sends = {rp.rank: rp for node in real.values() for rp in node.sends}
+    fast_sends = {rp.rank: rp for node in fast.values() for rp in node.sends}
+    assert any(w.lane for rp in real_sends.values() for b in rp.buckets for w in b.writes)
+    for rank, rp in real_sends.items():
+        assert fast_sends[rank].buckets == rp.buckets, rank
