@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import threading
@@ -32,9 +33,11 @@ from weightwire.protocol.local import (
     PlanReply,
     PublishResult,
     RegionRegistered,
+    RegisterRegion,
 )
 from weightwire.protocol.plan import RankPlan
 from weightwire.protocol.tensors import SourceTensor
+from weightwire.transport.hostmem import SharedFile, create_shared
 
 from .connection import DaemonConnection, expect
 from .cuda import gpu_uuid
@@ -157,9 +160,56 @@ class Trainer:
         self._tensors: dict[str, _Registered] = {}
         self._plan: RankPlan | None = None
         self._staging: Staging | None = None
+        self._sources: list[tuple[int, SharedFile, torch.Tensor]] = []  # (region, file, bytes)
         self._packer = Packer()
 
     # --- registration --------------------------------------------------------
+
+    def allocate(
+        self, specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+    ) -> dict[str, torch.Tensor]:
+        """Tensors that live in memory the daemon reads directly (zero-copy sources).
+
+        Registered later with `register`, their untransformed parts are written to the
+        engines straight from here: no packing, no staging copy (the CPU-replica way). Keep
+        them unchanged while a publish runs.
+        """
+        placed, offset = [], 0
+        for name, (shape, dtype) in specs.items():
+            offset = -(-offset // 256) * 256
+            placed.append((name, shape, dtype, offset))
+            offset += math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        shared = create_shared(
+            max(offset, 1), purpose=f"sources-r{self.rank}", gid=self._conn.socket_gid
+        )
+        try:
+            region = expect(
+                self._conn.request(
+                    RegisterRegion(path=shared.path, length=shared.length, purpose="sources")
+                ),
+                RegionRegistered,
+            ).region
+        except BaseException:
+            shared.unlink()
+            shared.close()
+            raise
+        raw = torch.frombuffer(shared.map, dtype=torch.uint8)
+        self._sources.append((region, shared, raw))
+        out = {}
+        for name, shape, dtype, off in placed:
+            n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            out[name] = raw[off : off + n].view(dtype).view(shape)
+        return out
+
+    def _region_of(self, t: torch.Tensor) -> tuple[int, int]:
+        """(region, byte offset) of a tensor allocated by `allocate`, or (-1, 0)."""
+        if t.device.type != "cpu" or not t.is_contiguous():
+            return -1, 0
+        for region, _, raw in self._sources:
+            base = raw.data_ptr()
+            if base <= t.data_ptr() and t.data_ptr() + t.nbytes <= base + raw.numel():
+                return region, t.data_ptr() - base
+        return -1, 0
 
     def register(
         self,
@@ -177,7 +227,15 @@ class Trainer:
             lay = layout.get(name, Full()) if isinstance(layout, Mapping) else (layout or Full())
             shape = tuple((global_shapes or {}).get(name, tuple(t.shape)))
             box = local_box(lay, shape, tuple(t.shape))
-            spec = SourceTensor(name=name, dtype=name_of(t.dtype), shape=shape, box=box)
+            region, offset = self._region_of(t)
+            spec = SourceTensor(
+                name=name,
+                dtype=name_of(t.dtype),
+                shape=shape,
+                box=box,
+                region=region,
+                offset=offset,
+            )
             if name in self._tensors:
                 raise RegistrationError(
                     f"tensor {name} is already registered", code=ErrorCode.DUPLICATE
@@ -214,8 +272,10 @@ class Trainer:
                 return r.tensor.device
         return torch.device("cpu")
 
-    def _ensure_staging(self, plan: RankPlan) -> torch.Tensor:
-        need = max(plan.staging_bytes, 1)
+    def _ensure_staging(self, plan: RankPlan) -> torch.Tensor | None:
+        if not plan.staging_bytes:  # everything is written from zero-copy sources
+            return None
+        need = plan.staging_bytes
         if self._staging is None or self._staging.nbytes < need:
             device = self._device()
             placement = self.placement
@@ -262,9 +322,11 @@ class Trainer:
                 p0 = time.perf_counter()
                 started = time.time()
                 for op in bucket.packs:
+                    assert staging is not None
                     self._packer.pack(op, current[op.source], staging)
                 self._packer.clear()
-                poster.post(bucket.index, staging.device, started)
+                device = staging.device if staging is not None else torch.device("cpu")
+                poster.post(bucket.index, device, started)
                 pack_s += time.perf_counter() - p0
             poster.finish()
             result = fut.result(self.timeout_s)
@@ -364,6 +426,9 @@ class Trainer:
         if self._staging is not None:
             self._staging.close()
             self._staging = None
+        for _, shared, _ in self._sources:
+            shared.unlink()
+        self._sources.clear()
 
     def __enter__(self) -> Trainer:
         return self

@@ -543,6 +543,7 @@ class Daemon:
                 pick=self.transport_to,
                 reply=lambda result, s=session: self.local.send(s.identity, result),
                 announce=lambda v, kind, m, nodes, s=session: self._announce(s, v, kind, m, nodes),
+                source_region=lambda rid, s=session: self._own_region(s, rid),
             )
             pub.previous = self.detached.pop(key, None)
             self.publishers[key] = pub
@@ -571,6 +572,15 @@ class Daemon:
             )
         for node in nodes:
             self.mesh.send_soon(node, msg)
+
+    def _own_region(self, session: Session, region_id: int) -> LocalRegion:
+        region = self.registry.regions.get(region_id)
+        if region is None or region.session != session.id:
+            raise WeightwireError(
+                f"region {region_id} is not registered by trainer rank {session.rank}",
+                code=ErrorCode.UNKNOWN_REGION,
+            )
+        return region.local
 
     def region_added(self, session: Session, region: Region) -> None:
         if session.role == "trainer" and region.purpose == "staging":

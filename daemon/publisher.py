@@ -39,7 +39,7 @@ class Run:
 
     version: int
     plan: RankPlan
-    staging: LocalRegion
+    staging: LocalRegion | None
     posted: set[int] = field(default_factory=set)
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     started: float = field(default_factory=time.monotonic)
@@ -61,6 +61,8 @@ class Publisher:
     reply: Callable[[PublishResult], None]
     announce: Callable[[int, str, str, set[str]], None]
     """announce(version, "start"|"abort", message, destination nodes)."""
+    source_region: Callable[[int], LocalRegion]
+    """The rank's own registered region `id` (zero-copy sources); raises if it is not its."""
     plan: RankPlan | None = None
     staging: LocalRegion | None = None
     last_version: int = -1
@@ -95,7 +97,8 @@ class Publisher:
                 f"version {version} does not follow version {self.last_version} of trainer "
                 f"rank {self.rank}: versions only go forwards"
             )
-        if self.staging is None or self.staging.length < self.plan.staging_bytes:
+        staging_ok = self.staging is not None and self.staging.length >= self.plan.staging_bytes
+        if self.plan.staging_bytes and not staging_ok:
             raise PlanError(
                 f"the plan needs a staging region of {self.plan.staging_bytes} bytes; "
                 f"register one first",
@@ -149,11 +152,12 @@ class Publisher:
             raise WeightwireError(
                 f"plan names region {w.dst_region} of {w.dst_node}, not advertised"
             )
-        transport = await self.pick(w.dst_node, run.staging, dst)
+        src = run.staging if w.src_region < 0 else self.source_region(w.src_region)
+        if src is None:
+            raise WeightwireError("the plan writes from staging, and this rank has none")
+        transport = await self.pick(w.dst_node, src, dst)
         imm = encode_imm(run.version, w.slot)
-        await transport.write(
-            run.staging, w.src_offset, dst, w.dst_offset, w.length, imm, lane=w.lane
-        )
+        await transport.write(src, w.src_offset, dst, w.dst_offset, w.length, imm, lane=w.lane)
         run.bytes_done += w.length
         run.writes_done += 1
         run.bucket_left[bucket] -= 1

@@ -84,7 +84,8 @@ class _Pack:
     nbytes: int
     expert: bool
     order: tuple[int, int, int]
-    offset: int = -1
+    offset: int = -1  # in staging, or (zero-copy) in `region`
+    region: int = -1  # >= 0: the bytes already lie in this region of the rank, as they are
 
 
 @dataclass
@@ -203,6 +204,7 @@ def plan(
                             expert=is_expert(piece.source) or is_expert(dst.name),
                             order=(e.rank, t_index, p_index),
                         )
+                        _zero_copy(pack, chosen.tensor)
                         w.packs[key] = pack
                     w.load += placed.nbytes
                     w.sends.append(
@@ -354,6 +356,26 @@ def _out_dtype(source_dtype: str, piece: Piece) -> str:
     raise AssertionError(piece.transform)
 
 
+def _zero_copy(pack: _Pack, held: SourceTensor) -> None:
+    """Mark a pack zero-copy when its bytes already lie, as the engine wants them, in a
+    region of the rank: an untransformed, contiguous part of a tensor declared in a region."""
+    same = isinstance(pack.transform, Copy) or (
+        isinstance(pack.transform, Cast) and pack.transform.dtype == held.dtype
+    )
+    if held.region < 0 or not same:
+        return
+    shape = held.held().sizes
+    box = pack.local
+    lead = next((d for d in range(len(shape)) if box.sizes[d] != 1), len(shape) - 1)
+    if any(box.offsets[d] or box.sizes[d] != shape[d] for d in range(lead + 1, len(shape))):
+        return  # not contiguous in the rank's tensor: it must be packed
+    linear = 0
+    for o, n in zip(box.offsets, shape, strict=True):
+        linear = linear * n + o
+    pack.region = held.region
+    pack.offset = held.offset + linear * ITEMSIZE[held.dtype]
+
+
 def _least_loaded(candidates: list[_Holder], work: dict[tuple[str, int], _RankWork]) -> _Holder:
     return min(candidates, key=lambda h: (work[(h.node, h.rank)].load, h.rank))
 
@@ -396,10 +418,11 @@ def _layout(
             bucket_packs.append([])
             bucket_kinds.append(kind)
             filled = 0
-        align = _alignment(p)
-        offset = -(-offset // align) * align
-        p.offset = offset
-        offset += p.nbytes
+        if p.region < 0:  # zero-copy packs need no staging
+            align = _alignment(p)
+            offset = -(-offset // align) * align
+            p.offset = offset
+            offset += p.nbytes
         filled += p.nbytes
         bucket_packs[-1].append(p)
         bucket_of[id(p)] = len(bucket_packs) - 1
@@ -425,9 +448,10 @@ def _layout(
                         nbytes=p.nbytes,
                     )
                     for p in bp
+                    if p.region < 0
                 ),
                 writes=tuple(writes),
-                nbytes=sum(p.nbytes for p in bp),
+                nbytes=sum(p.nbytes for p in bp if p.region < 0),
             )
         )
     return buckets, offset
@@ -447,11 +471,14 @@ def _writes(
     """Merge sends contiguous in both staging and destination, cut them into chunks, and
     stripe each chunk over the lanes both ends have (each stripe is a write of its own,
     with its own immediate, so the destination counts stripes exactly)."""
-    order = sorted(sends, key=lambda s: (s.dst_node, s.dst_rank, s.dst_region, s.pack.offset))
+    order = sorted(
+        sends,
+        key=lambda s: (s.dst_node, s.dst_rank, s.dst_region, s.pack.region, s.pack.offset),
+    )
     merged: list[list[int]] = []  # [src, length, dst_offset] + identity of the target
-    targets: list[tuple[str, int, int]] = []
+    targets: list[tuple[str, int, int, int]] = []  # (node, rank, dst region, src region)
     for s in order:
-        target = (s.dst_node, s.dst_rank, s.dst_region)
+        target = (s.dst_node, s.dst_rank, s.dst_region, s.pack.region)
         if merged and targets[-1] == target:
             src, length, dst = merged[-1]
             if src + length == s.pack.offset and dst + length == s.dst_offset:
@@ -461,7 +488,7 @@ def _writes(
         targets.append(target)
     out: list[WriteOp] = []
     src_lanes = max(1, src_lanes)
-    for (src, length, dst), (node, rank, region) in zip(merged, targets, strict=True):
+    for (src, length, dst), (node, rank, region, src_region) in zip(merged, targets, strict=True):
         lanes = max(1, min(src_lanes, (dst_lanes or {}).get(rank, 1)))
         for start in range(0, length, options.max_write_bytes):
             n = min(options.max_write_bytes, length - start)
@@ -478,6 +505,7 @@ def _writes(
                         slot=slots[rank],
                         dst_rank=rank,
                         lane=(len(out) + i) % src_lanes if k == 1 else i % src_lanes,
+                        src_region=src_region,
                     )
                 )
     return out

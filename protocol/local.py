@@ -60,7 +60,7 @@ class RegisterRegion(LocalMsg, frozen=True, tag="register_region"):
 
     length: Annotated[int, msgspec.Meta(gt=0)]
     path: Annotated[str, msgspec.Meta(max_length=1024)] = ""
-    purpose: Literal["staging", "weights"] = "weights"
+    purpose: Literal["staging", "weights", "sources"] = "weights"
     kind: Literal["cpu", "gpu"] = "cpu"
     cuda: CudaRegion | None = None
 

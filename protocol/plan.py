@@ -52,6 +52,7 @@ class WriteOp(msgspec.Struct, frozen=True, kw_only=True):
     slot: Annotated[int, msgspec.Meta(ge=0, lt=MAX_SLOTS)]
     dst_rank: NonNeg = 0
     lane: NonNeg = 0  # which of the source's paths (NIC) carries it; stripes of one write differ
+    src_region: int = -1  # -1: the staging region; else a region the rank registered (zero-copy)
 
 
 class Bucket(msgspec.Struct, frozen=True, kw_only=True):

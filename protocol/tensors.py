@@ -149,6 +149,8 @@ class SourceTensor(msgspec.Struct, frozen=True, kw_only=True):
     dtype: DType
     shape: tuple[NonNeg, ...]
     box: Box | None = None  # None: the whole tensor
+    region: int = -1  # a region of the rank where the held bytes live (row-major): zero-copy
+    offset: NonNeg = 0  # byte offset of the held box in that region
 
     def held(self) -> Box:
         return self.box if self.box is not None else Box.full(self.shape)

@@ -63,6 +63,7 @@ def execute(
     counts: dict[int, int] = {}
     for t in trainers:
         local = {s.name: slice_of(globals_[s.name], s.held()).clone() for s in t.tensors}
+        held = _source_regions(t, local)
         rp = next(s for s in plans[t.node].sends if s.rank == t.rank)
         staging = torch.zeros(max(rp.staging_bytes, 1), dtype=torch.uint8)
         for bucket in rp.buckets:
@@ -70,7 +71,8 @@ def execute(
                 pack(op, local[op.source], staging)
             for w in bucket.writes:
                 dst = regions[(w.dst_node, w.dst_region)]
-                dst[w.dst_offset : w.dst_offset + w.length] = staging[
+                src = staging if w.src_region < 0 else held[w.src_region]
+                dst[w.dst_offset : w.dst_offset + w.length] = src[
                     w.src_offset : w.src_offset + w.length
                 ]
                 counts[owner[(w.dst_node, w.dst_region)]] = (
@@ -80,6 +82,36 @@ def execute(
         expect = next(x for x in plans[e.node].expects if x.rank == e.rank)
         assert expect.count == counts.get(e.rank, 0), (e.rank, expect.count, counts)
     return {owner[k]: v for k, v in regions.items()}
+
+
+def _source_regions(t: TrainerRank, local: dict[str, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """The rank's registered regions, holding its zero-copy tensors at their offsets."""
+    sizes: dict[int, int] = {}
+    for s in t.tensors:
+        if s.region >= 0:
+            end = s.offset + local[s.name].numel() * local[s.name].element_size()
+            sizes[s.region] = max(sizes.get(s.region, 0), end)
+    out = {r: torch.zeros(n, dtype=torch.uint8) for r, n in sizes.items()}
+    for s in t.tensors:
+        if s.region >= 0:
+            raw = local[s.name].contiguous().view(torch.uint8).flatten()
+            out[s.region][s.offset : s.offset + raw.numel()] = raw
+    return out
+
+
+def _source_regions(t: TrainerRank, local: dict[str, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """The rank's registered regions, holding its zero-copy tensors at their offsets."""
+    sizes: dict[int, int] = {}
+    for s in t.tensors:
+        if s.region >= 0:
+            end = s.offset + local[s.name].numel() * local[s.name].element_size()
+            sizes[s.region] = max(sizes.get(s.region, 0), end)
+    out = {r: torch.zeros(n, dtype=torch.uint8) for r, n in sizes.items()}
+    for s in t.tensors:
+        if s.region >= 0:
+            raw = local[s.name].contiguous().view(torch.uint8).flatten()
+            out[s.region][s.offset : s.offset + raw.numel()] = raw
+    return out
 
 
 def reference(dst: DestTensor, globals_: dict[str, torch.Tensor]) -> torch.Tensor:

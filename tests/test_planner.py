@@ -245,3 +245,59 @@ def test_writes_striped_over_lanes_and_counted(src_lanes: int, dst_lanes: int) -
     assert all(w.lane < src_lanes for w in writes)
     assert plans["E"].expects[0].count == len(writes)
     check_bitwise(execute(plans, ts, es, g), es, g)
+
+
+def test_zero_copy_sources_are_written_from_their_region_without_packing() -> None:
+    """Tensors declared in a registered region are written from there as they are; only what
+    needs transforming (a cast here) or is not contiguous (a dim-1 slice) is packed."""
+    from dataclasses import replace
+
+    g = {"a": torch.randn(8, 16), "b": torch.randn(4, 16), "c": torch.randn(16, 8)}
+    base = trainer("T", 0, g, {"a": None, "b": None, "c": None})
+    import msgspec
+
+    placed = tuple(
+        msgspec.structs.replace(s, region=7, offset=off)
+        for s, off in zip(base.tensors, (0, 8 * 16 * 4, 12 * 16 * 4), strict=True)
+    )
+    ts = [replace(base, tensors=placed)]
+    es = [
+        engine(
+            "E",
+            0,
+            [
+                (
+                    "a",
+                    "float32",
+                    (8, 16),
+                    (Piece(source="a", box=Box.full((8, 16)), dst_offset=0),),
+                ),
+                (
+                    "b",
+                    "bfloat16",
+                    (4, 16),
+                    (
+                        Piece(
+                            source="b",
+                            box=Box.full((4, 16)),
+                            dst_offset=0,
+                            transform=Cast(dtype="bfloat16"),
+                        ),
+                    ),
+                ),
+                (
+                    "c",
+                    "float32",
+                    (16, 4),
+                    (Piece(source="c", box=Box.rows((16, 8), 2, 6, dim=1), dst_offset=0),),
+                ),
+            ],
+        )
+    ]
+    plans = plan("job", ts, es)
+    rp = plans["T"].sends[0]
+    packed = {op.source for b in rp.buckets for op in b.packs}
+    assert packed == {"b", "c"}, packed
+    zero = [w for b in rp.buckets for w in b.writes if w.src_region == 7]
+    assert sum(w.length for w in zero) == 8 * 16 * 4
+    check_bitwise(execute(plans, ts, es, g), es, g)
