@@ -1,0 +1,1 @@
+"""Adapters that put weightwire inside inference engines (`weightwire.adapters.sglang`)."""
