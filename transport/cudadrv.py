@@ -87,6 +87,14 @@ class Driver:
             return f"CUDA error {rc}"
         return f"{out.value.decode()} ({rc})"
 
+    def pci_bus_id(self, ordinal: int) -> str:
+        """The GPU's PCI address, e.g. `0000:3B:00.0` (for NIC affinity in sysfs)."""
+        dev = ctypes.c_int()
+        self._call("cuDeviceGet", ctypes.byref(dev), ctypes.c_int(ordinal))
+        buf = ctypes.create_string_buffer(32)
+        self._call("cuDeviceGetPCIBusId", buf, ctypes.c_int(len(buf)), dev)
+        return buf.value.decode()
+
     def ordinal_of(self, uuid: str) -> int:
         for d in self.devices:
             if d.uuid == uuid:
