@@ -139,10 +139,12 @@ def probe(api: Api, name: str, port: int = 1, gid_index: int = -1) -> DeviceInfo
         ctx.close()
 
 
-def discover(wanted: Iterable[str] = (), gid_index: int = -1) -> list[DeviceInfo]:
+def discover(
+    wanted: Iterable[str] = (), gid_index: int = -1, api: Api | None = None
+) -> list[DeviceInfo]:
     """The active devices to use: those named in `wanted` (all must be active), or every
     active one. VerbsUnavailable, naming the alternative, when there is none."""
-    api = load()
+    api = api or load()
     names = device_names(api)
     specs = [parse_spec(s) for s in wanted if s.strip()]
     if not names:

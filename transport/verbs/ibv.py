@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -57,7 +58,7 @@ def flatten(*modules: ModuleType) -> Enums:
                 flat.setdefault(name, int(val))
         for val in vars(mod).values():
             members = getattr(val, "__members__", None)
-            if isinstance(val, type) and isinstance(members, dict):
+            if isinstance(val, type) and isinstance(members, Mapping):  # a mappingproxy
                 for mname, mval in members.items():
                     if mname.startswith("IBV_"):
                         flat.setdefault(mname, int(mval))

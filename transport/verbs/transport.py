@@ -181,6 +181,7 @@ class _InQp:
     qpn: int
     psn: int
     recv: Any  # one RecvWR, reposted
+    depth: int  # receives kept posted
     state: str = READY
     gen: int = 1
 
@@ -243,7 +244,7 @@ class VerbsTransport(Transport):
         self.node = node
         self.api: Api = load()
         self.E = self.api.E
-        self.infos: list[DeviceInfo] = discover(devices, gid_index)  # VerbsUnavailable
+        self.infos: list[DeviceInfo] = discover(devices, gid_index, self.api)
         self.chunk_bytes = chunk_bytes
         self.wr_per_post = wr_per_post
         self.qps_per_peer = qps_per_peer
@@ -674,7 +675,7 @@ class VerbsTransport(Transport):
             raise TransferError(f"{node} has too many queue pairs here", code=ErrorCode.INVALID)
         self._drop_in(node, req.link)
         inl = _InLink(node=node, id=req.link, src=req.src)
-        depth = self.recv_depth
+        depth = min(self.recv_depth, dev.info.max_qp_wr)
 
         def build() -> list[_InQp]:
             made: list[_InQp] = []
@@ -689,7 +690,7 @@ class VerbsTransport(Transport):
                     sge = self.api.SGE(dev.scratch.buf, 64, dev.scratch.lkey)
                     recv = self.api.RecvWR(wr_id=0, num_sge=1, sg=[sge])
                     sge.close()  # RecvWR copied it
-                    r = _InQp(node, req.link, i, dev, qp, int(qp.qp_num), _psn(), recv)
+                    r = _InQp(node, req.link, i, dev, qp, int(qp.qp_num), _psn(), recv, depth)
                     made.append(r)
                     self._bring_in_up(r, inl.src, info)
             except BaseException:
@@ -719,7 +720,7 @@ class VerbsTransport(Transport):
     def _bring_in_up(self, r: _InQp, src: wire.Path, peer_qp: wire.QpInfo) -> None:
         """INIT, receives posted, RTR (towards the writer's QP), RTS. Worker thread."""
         r.dev.to_init(r.qp)
-        for i in range(self.recv_depth):
+        for i in range(r.depth):
             r.recv.wr_id = (r.gen << ID_BITS) | i
             r.qp.post_recv(r.recv)
         r.dev.to_rtr(r.qp, src, peer_qp.qpn, peer_qp.psn)
@@ -741,7 +742,7 @@ class VerbsTransport(Transport):
         await self._thread(rebuild)
         r.state = READY
         return wire.Accepted(
-            path=self._path(r.dev), qps=(wire.QpInfo(r.qpn, r.psn),), recv_depth=self.recv_depth
+            path=self._path(r.dev), qps=(wire.QpInfo(r.qpn, r.psn),), recv_depth=r.depth
         )
 
     def _drop_in(self, node: str, link: int) -> None:
@@ -755,7 +756,7 @@ class VerbsTransport(Transport):
                 r.qp.close()
             with contextlib.suppress(Exception):
                 r.recv.close()
-            r.dev.release_cq(self.recv_depth + 1)
+            r.dev.release_cq(r.depth + 1)
         self._stats["incoming_qps"] = sum(len(x.qps) for x in self._inlinks.values())
 
     def _path(self, dev: OpenDevice) -> wire.Path:
@@ -797,7 +798,8 @@ class VerbsTransport(Transport):
         return link
 
     async def _bring_up(self, link: _Link) -> None:
-        dev, depth = link.dev, self.send_depth
+        dev = link.dev
+        depth = max(2 * self.wr_per_post, min(self.send_depth, dev.info.max_qp_wr))
 
         def create() -> list[_Qp]:
             made: list[_Qp] = []
