@@ -58,6 +58,7 @@ class RecordingSGLang:
     hang: set[str] = field(default_factory=set)
     chunked: bool = False
     running_in_place: bool = False  # requests paused in place: flush_cache refuses
+    actions: dict[str, Callable[[], None]] = field(default_factory=dict)  # path -> run first
     session_open: bool = False
     paused: bool = False
     weight_version: str = "default"
@@ -142,6 +143,11 @@ class RecordingSGLang:
             return 405, {"detail": "Method Not Allowed"}
         if c.path in self.fail:
             return self.fail[c.path]
+        if c.path in self.actions:  # what the server does in its workers (other tests)
+            try:
+                self.actions[c.path]()
+            except Exception as exc:
+                return 500, {"success": False, "message": f"{type(exc).__name__}: {exc}"}
         return fn(c)
 
     @staticmethod

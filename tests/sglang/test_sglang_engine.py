@@ -24,6 +24,7 @@ before SGLang code runs for it (in a server each worker is its own process).
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import sys
@@ -59,6 +60,7 @@ from weightwire.adapters.sglang.layout import (
     registered_parameters,
     source_name,
 )
+from weightwire.adapters.sglang.lifecycle import SGLangClient, update_weights
 from weightwire.adapters.sglang.replica import SGLangReplica
 from weightwire.cli.localcluster import LocalCluster
 from weightwire.client import Shard, Trainer
@@ -67,6 +69,7 @@ from weightwire.plan.rules import hf_tensors
 from weightwire.protocol.errors import RegistrationError
 
 from ..rulesref import BASE, CONFIGS
+from ..test_sglang_lifecycle import RecordingSGLang
 
 pytestmark = pytest.mark.filterwarnings("ignore")  # SGLang's import-time chatter
 
@@ -466,3 +469,85 @@ def test_plugin_is_inert_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     plugin.register()
     assert not HookRegistry._hooks.get(plugin.LOAD_MODEL)
     HookRegistry.reset()
+
+
+# --------------------------------------------------------------------------- an RL loop
+def test_rl_loop_with_the_lifecycle_client(
+    sglang_hooks: type[ModelRunner],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    cluster: LocalCluster,
+) -> None:
+    """The README's loop: two trainer ranks with CPU replicas publish each step inside
+    `update_weights` on two SGLang servers (recording stand-ins whose /begin_weight_update
+    and /end_weight_update run SGLang's real WeightUpdater in that server's workers); the
+    other rank waits at a barrier (torch.distributed's, in a real trainer) for the engines'
+    sessions to open, and the driver's transfer ends when every rank's publish returned."""
+    cfg, tp, job = MODELS["qwen3"], 2, "sglang-rl-loop"
+    runners = start_workers(
+        sglang_hooks, monkeypatch, tmp_path, cluster,
+        cfg=cfg, tp=tp, ep=1, mode="replica", replicas=2, job=job,
+    )  # fmt: skip
+
+    def session(workers: list[ModelRunner], end: bool) -> Callable[[], None]:
+        def run() -> None:
+            for w in workers:
+                assert w.model is not None
+                sglang_cpu.republish(w.model)
+                upd = w.weight_updater()
+                upd.end_weight_update(run_post_load=True) if end else upd.begin_weight_update()
+
+        return run
+
+    async def main() -> None:
+        servers = []
+        for e in range(2):
+            workers = runners[e * tp : (e + 1) * tp]
+            actions = {
+                "/begin_weight_update": session(workers, end=False),
+                "/end_weight_update": session(workers, end=True),
+            }
+            servers.append(await RecordingSGLang(f"engine{e}", actions=actions).start())
+        trainers = [Trainer(r, 2, socket=cluster.daemons[0].socket, job=job) for r in range(2)]
+        replicas = [SGLangReplica(tr, cfg, tp_size=tp) for tr in trainers]
+        for tr in trainers:
+            tr.prepare()
+        in_session, landed = threading.Barrier(2), threading.Barrier(2)
+        engines = [SGLangClient(s.url) for s in servers]
+        for step in (1, 2):
+            hf = random_hf(cfg, seed=step)  # the RL framework's gathered HF state dict
+
+            def rank_publishes(rank: int, step: int = step, hf: Any = hf) -> None:
+                in_session.wait(30)  # dist.barrier(): the engines' sessions are open
+                replicas[rank].publish(step, hf)
+                landed.wait(30)  # dist.barrier(): every rank's writes landed
+
+            other = threading.Thread(target=rank_publishes, args=(1,))
+            other.start()
+            report = await update_weights(
+                engines, step, lambda f=rank_publishes: asyncio.to_thread(f, 0)
+            )
+            other.join(30)
+            assert report.version == str(step)
+            for w in runners:
+                assert w.model is not None
+                binding = plugin.binding_of(w.model)
+                assert binding is not None and binding.engine.latest.version == step
+            check_bitwise(runners, hf, step)
+            for s in servers:
+                assert [c.path for c in s.calls[-6:]] == [
+                    "/pause_generation",
+                    "/flush_cache",
+                    "/begin_weight_update",
+                    "/end_weight_update",
+                    "/update_weight_version",
+                    "/continue_generation",
+                ]
+                assert s.weight_version == str(step) and not s.paused
+        for rep in replicas:
+            rep.close()
+            rep.trainer.close()
+        for s in servers:
+            await s.stop()
+
+    asyncio.run(main())
