@@ -44,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     btcp.add_argument("--gb", type=float, default=2.0, help="bytes per measured round")
     btcp.add_argument("--seconds", type=float, default=3.0, help="iperf3 duration per round")
     btcp.add_argument("--rounds", type=int, default=3)
+    bgpu = bsub.add_parser("gpu", help="GPU sync vs the NCCL broadcast baseline (GPU machine)")
+    from weightwire.bench.gpu.cli import add_arguments as gpu_arguments
+
+    gpu_arguments(bgpu)
 
     kg = sub.add_parser("keygen", help="a CURVE key pair for a daemon (NAME.key, NAME.key_secret)")
     kg.add_argument("--dir", default="/etc/weightwire")
@@ -81,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
 
                 return run_plan(args)
             case "bench":
+                if args.bench == "gpu":
+                    from weightwire.bench.gpu import run as run_gpu
+
+                    return run_gpu(args)
                 from weightwire.bench.tcp import run as run_tcp
 
                 return run_tcp(args)

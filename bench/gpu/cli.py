@@ -1,0 +1,75 @@
+"""The arguments of `weightwire bench gpu` (argparse only: no torch at import)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default="data/models/qwen3-30b-a3b.json",
+        help="a Hugging Face config.json (relative paths also from the repository)",
+    )
+    p.add_argument(
+        "--layers",
+        default="auto",
+        help="decoder layers to use (auto: the config's, fewer if a rank would not fit)",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="override a config key (JSON value), e.g. to shrink the model: hidden_size=256",
+    )
+    p.add_argument("--dest", choices=["bf16", "fp8"], default="bf16", help="engine weights")
+    p.add_argument(
+        "--pairs",
+        default="2x2,1x1",
+        help="TxE runs: T trainer ranks (FSDP-T) -> E engine ranks (TP-E), T+E GPUs each",
+    )
+    p.add_argument("--versions", type=int, default=3, help="measured versions (after a warm-up)")
+    p.add_argument(
+        "--replica",
+        action="store_true",
+        help="instead: 1 -> 1 through the CPU replica (staging in pinned host memory), over "
+        "tcp to a second daemon, into the engine GPU; each stage's GB/s",
+    )
+    p.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace (JSON)")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout (table: stderr)")
+    p.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default="cuda",
+        help="cpu: gloo and tcp, to exercise the program where there is no GPU",
+    )
+    p.add_argument(
+        "--staging",
+        choices=["auto", "gpu", "cpu"],
+        default="auto",
+        help="trainer staging (auto: on the GPU with GPU tensors)",
+    )
+    p.add_argument(
+        "--trainer-layout",
+        choices=["fsdp", "full"],
+        default="fsdp",
+        help="trainers hold FSDP dim-0 shards, or every rank the full tensors",
+    )
+    p.add_argument("--bucket-mb", type=int, default=1024, help="baseline broadcast bucket")
+    p.add_argument("--no-baseline", action="store_true", help="weightwire only")
+    p.add_argument("--link-mb", type=int, default=1024, help="bytes per link-rate copy")
+    p.add_argument("--link-reps", type=int, default=5)
+    p.add_argument("--workdir", help="daemon and rank logs here (default: a temporary dir)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per step of a rank")
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        default=0,
+        help="seconds for the whole command: measure fewer versions rather than overrun",
+    )
+    p.add_argument(
+        "--daemon-flag",
+        action="append",
+        metavar="KEY=VALUE",
+        help="extra weightwired flag for every daemon, e.g. bucket-bytes=536870912",
+    )

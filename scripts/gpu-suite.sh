@@ -1,0 +1,202 @@
+#!/usr/bin/env bash
+# The GPU suite, one command on a GPU machine: the GPU tests, then `weightwire bench gpu`
+# (2x2 on >= 4 GPUs, 1x1 on >= 2, each with its trace; the CPU-replica path; FP8 engines if
+# time is left). Everything it prints and writes lands in $OUT (the device tool's output
+# folder; default bench/results/out), file names carrying the device, e.g.
+# 4xNVIDIA-H200-bench-2x2.json. Bounded: the stages share SUITE_BUDGET_S (default 510 s).
+# Exits non-zero if a test or a benchmark failed, but always runs every stage it can.
+#
+# No network there: pyzmq, msgspec and structlog come from the carried .whl/ (git-ignored,
+# see bench/results/README.md); weightwire itself is imported from this working tree.
+#
+# WW_SUITE_CPU=1 runs the same stages without a GPU (tiny model, --device cpu, GPU tests
+# skipped): a self-test of this script, never a measurement.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+REPO=$PWD
+OUT=${OUT:-$REPO/bench/results/out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+BUDGET=${SUITE_BUDGET_S:-510}
+START=$SECONDS
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+rc=0
+declare -a SUMMARY=()
+
+left() { echo $((BUDGET - (SECONDS - START))); }
+# cap MAX RESERVE: seconds for a stage, at most MAX, leaving RESERVE for the stages after it
+cap() {
+    local c=$(($(left) - $2))
+    ((c > $1)) && c=$1
+    echo "$c"
+}
+note() { SUMMARY+=("$1"); echo "== $1"; }
+
+# --- the machine --------------------------------------------------------------------
+NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr -c 'A-Za-z0-9._\n-' '-' | tr -d '\n')
+TAG="${NGPU}x${NAME:-no-GPU}"
+SELFTEST=${WW_SUITE_CPU:-0}
+declare -a EXTRA=()
+if ((SELFTEST)); then
+    NGPU=4
+    TAG=selftest-cpu
+    EXTRA=(--device cpu --layers 2 --set hidden_size=256 --set num_attention_heads=2
+        --set num_key_value_heads=2 --set head_dim=128 --set num_experts=4
+        --set num_experts_per_tok=2 --set moe_intermediate_size=256 --set vocab_size=1000)
+fi
+LOG="$OUT/$TAG-suite.log"
+exec > >(tee -a "$LOG") 2>&1
+echo "== weightwire GPU suite $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet 2>/dev/null || echo ' (+ uncommitted changes)'), on $TAG"
+{
+    nvidia-smi -L
+    nvidia-smi --query-gpu=index,name,memory.total,driver_version,pcie.link.gen.current --format=csv
+    nvidia-smi topo -m
+} 2>&1 | tee "$OUT/$TAG-env.txt"
+"$PY" - <<'EOF' 2>&1 | tee -a "$OUT/$TAG-env.txt"
+import platform, torch
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda,
+      "nccl", ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
+      "gpus", torch.cuda.device_count())
+EOF
+{ df -h /dev/shm; free -g; echo "cpus $(nproc)"; } 2>&1 | tee -a "$OUT/$TAG-env.txt"
+
+# --- python packages: carried wheels, weightwire from this tree ------------------------
+SITE=/tmp/ww-site
+rm -rf "$SITE" && mkdir -p "$SITE"
+WHEELS_DIR=${WHEELS_DIR:-.whl}
+WHEELS=()
+for w in "$WHEELS_DIR"/*.whl; do
+    [[ -e $w && $(basename "$w") != weightwire-* ]] && WHEELS+=("$w")
+done
+if ((${#WHEELS[@]})); then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "${WHEELS[@]}" ||
+        echo "installing the carried wheels failed (the import check below decides)"
+else
+    echo "no $WHEELS_DIR/*.whl here: carry .whl (pyzmq, msgspec, structlog wheels for this python)"
+fi
+# weightwire's subpackages live in top-level folders (pyproject's package-dir); the tests
+# put the repository first on sys.path, where weightwire/ holds only __init__.py. A
+# meta-path finder, installed at interpreter start (sitecustomize, inherited by the
+# daemons and rank processes), maps every package to its folder, as `pip install -e` does.
+"$PY" - "$REPO" "$SITE" <<'EOF'
+import json, os, sys, tomllib
+repo, site = sys.argv[1:3]
+with open(os.path.join(repo, "pyproject.toml"), "rb") as f:
+    dirs = tomllib.load(f)["tool"]["setuptools"]["package-dir"]
+mapping = {k: os.path.join(repo, v) for k, v in dirs.items()}
+code = f'''"""weightwire from the working tree {repo} (scripts/gpu-suite.sh)."""
+import importlib.util as _u, os as _os, sys as _sys
+_MAP = {json.dumps(mapping)}
+
+class _WeightwireFinder:
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        d = _MAP.get(name)
+        if d is None:
+            return None
+        return _u.spec_from_file_location(
+            name, _os.path.join(d, "__init__.py"), submodule_search_locations=[d])
+
+_sys.meta_path.insert(0, _WeightwireFinder)
+_here = _os.path.dirname(_os.path.abspath(__file__))
+for _p in _sys.path:  # keep any sitecustomize this one shadows
+    _f = _os.path.join(_p or ".", "sitecustomize.py")
+    if _os.path.abspath(_p or ".") != _here and _os.path.isfile(_f):
+        exec(compile(open(_f).read(), _f, "exec"), {{"__name__": "sitecustomize", "__file__": _f}})
+        break
+'''
+with open(os.path.join(site, "sitecustomize.py"), "w") as f:
+    f.write(code)
+EOF
+export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+if ! "$PY" -c "import weightwire.transport.cuda, weightwire.bench.gpu.launcher, zmq, msgspec, structlog, uvloop, weightwire; print('weightwire from', weightwire.__file__)"; then
+    # fallback: a carried weightwire wheel, imported before anything puts the repo first
+    if ls "$WHEELS_DIR"/weightwire-*.whl >/dev/null 2>&1; then
+        echo "working-tree import failed; using the carried weightwire wheel"
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" \
+            "$WHEELS_DIR"/weightwire-*.whl
+        echo 'import weightwire.cli.main  # pinned before the repository comes first on sys.path' >"$SITE/sitecustomize.py"
+    fi
+    "$PY" -c "import weightwire.transport.cuda, zmq, msgspec, structlog; import weightwire; print('weightwire from', weightwire.__file__)" ||
+        { note "FAIL: weightwire does not import; nothing else can run"; exit 1; }
+fi
+
+# --- the GPU tests ---------------------------------------------------------------------
+mapfile -t GPU_TESTS < <(grep -l 'mark.gpu' tests/test_*.py)
+T=$(cap 170 240)
+echo "== pytest -m gpu ${GPU_TESTS[*]} (at most ${T} s)"
+timeout -k 15 "$T" "$PY" -m pytest -m gpu -ra -p no:cacheprovider --timeout 150 \
+    --junitxml="$OUT/$TAG-pytest.xml" "${GPU_TESTS[@]}" 2>&1 | tee "$OUT/$TAG-pytest.log"
+prc=${PIPESTATUS[0]}
+if ((prc == 0)); then note "ok: GPU tests"; else note "FAIL: GPU tests (rc $prc)"; rc=1; fi
+
+# --- the benchmark -----------------------------------------------------------------------
+# bench NAME MAX RESERVE ARGS...: one `weightwire bench gpu` run with its own JSON, log,
+# trace; a --time-budget inside the hard timeout so it always writes its report
+bench() {
+    local name=$1 max=$2 reserve=$3
+    shift 3
+    local t
+    t=$(cap "$max" "$reserve")
+    if ((t < 45)); then
+        note "SKIP: bench $name (only $(left) s left)"
+        return
+    fi
+    local work=/tmp/ww-bench-$name
+    rm -rf "$work"
+    echo "== weightwire bench gpu $* (at most ${t} s)"
+    timeout -k 20 "$t" "$PY" -m weightwire.cli bench gpu "$@" "${EXTRA[@]}" --json \
+        --workdir "$work" --time-budget $((t - 25)) --timeout $((t - 20)) \
+        >"$OUT/$TAG-bench-$name.json" 2>"$OUT/$TAG-bench-$name.log"
+    local brc=$?
+    cat "$OUT/$TAG-bench-$name.log"
+    mkdir -p "$OUT/$TAG-logs-$name"
+    find "$work" -name '*.log' -exec cp {} "$OUT/$TAG-logs-$name/" \; 2>/dev/null
+    if ((brc == 0)); then note "ok: bench $name"; else note "FAIL: bench $name (rc $brc)"; rc=1; fi
+}
+if ((NGPU >= 4)); then
+    bench 2x2 200 150 --pairs 2x2 --trace "$OUT/$TAG-bench-2x2-trace.json"
+fi
+if ((NGPU >= 1)); then
+    bench 1x1 180 50 --pairs 1x1 --trace "$OUT/$TAG-bench-1x1-trace.json"
+    bench replica 90 0 --replica --layers 8 --versions 2 --trace "$OUT/$TAG-bench-replica-trace.json"
+    if ((NGPU >= 4)); then FP8PAIR=2x2; else FP8PAIR=1x1; fi
+    bench fp8 100 0 --pairs $FP8PAIR --dest fp8 --layers 8 --versions 2
+else
+    note "FAIL: no GPU visible, no benchmark"
+    rc=1
+fi
+
+# --- the record ----------------------------------------------------------------------------
+"$PY" - "$OUT" "$TAG" <<'EOF' | tee "$OUT/$TAG-summary.txt"
+import glob, json, os, sys
+out, tag = sys.argv[1:3]
+for path in sorted(glob.glob(os.path.join(out, f"{tag}-bench-*.json"))):
+    if path.endswith("-trace.json"):
+        continue
+    try:
+        r = json.load(open(path))
+    except Exception as exc:
+        print(f"{os.path.basename(path)}: no report ({exc})")
+        continue
+    for run in r.get("runs", []):
+        head = f"{os.path.basename(path)} {run.get('pair')} ({r.get('device_name')}, dest {r.get('dest')}, {run.get('layers')} layers)"
+        if "weightwire_s" not in run:
+            print(f"{head}: {run.get('error', 'no result')}".splitlines()[0])
+            continue
+        line = f"{head}: weightwire {run['weightwire_s']:.3f} s, {run['weightwire_gbps']:.1f} GB/s"
+        if "baseline_s" in run:
+            line += f"; baseline {run['baseline_s']:.3f} s; speedup {run['speedup']:.2f}x"
+        if "link_fraction" in run:
+            line += f"; busiest link {run['busiest']['link']} at {run['link_fraction']:.2f} of its rate"
+        if "replica_stages" in run:
+            line += "; " + ", ".join(f"{k} {v['gbps']:.2f} GB/s" for k, v in run["replica_stages"].items())
+        v = run.get("verified", {})
+        line += f"; verified ww={v.get('weightwire')} base={v.get('baseline')}"
+        print(line)
+EOF
+echo "== suite: $((SECONDS - START)) s, results in $OUT"
+for s in "${SUMMARY[@]}"; do echo "   $s"; done
+exit $rc

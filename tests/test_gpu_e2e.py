@@ -1,0 +1,195 @@
+"""End to end on GPUs: real daemons, trainer and engine clients holding CUDA tensors.
+
+A small Qwen3-MoE: trainers hold FSDP-2 shards on their GPUs, engines hold SGLang TP-2
+tensors on theirs (recipes from the rules, BF16 and FP8), every engine tensor compared
+bitwise with the plain reference of tests/rulesref.py. Placement: with 4 GPUs trainers on
+0,1 and engines on 2,3; with 2 or 3, trainers on 0 and engines on 1; with 1, all on it.
+
+Paths:
+- GPU staging through the `cuda` transport (CUDA IPC, one daemon);
+- the pinned CPU replica copied into the engine GPUs by the `cuda` transport;
+- the CPU replica at a second daemon with cuda off: tcp into the engine daemon, which
+  lands it in GPU memory through its bounce buffers.
+
+Needs a GPU: run by scripts/gpu-suite.sh; skipped elsewhere, saying why.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from weightwire.cli.localcluster import LocalCluster
+from weightwire.cli.status import fetch
+from weightwire.client import Engine, Shard, Trainer
+from weightwire.client.dtypes import TORCH
+from weightwire.plan.rules import engine_tensors
+from weightwire.protocol.local import EngineLayout
+from weightwire.transport.cudadrv import available
+
+from .conftest import FAST
+from .rulesref import CONFIGS, reference
+from .test_rules import random_hf
+
+OK, WHY = available()
+if OK and not torch.cuda.is_available():
+    OK, WHY = False, "torch sees no CUDA device (a CPU build of torch?)"
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not OK, reason=f"no GPU here: {WHY}")]
+
+CFG = CONFIGS["qwen3-moe-fp8"]  # Qwen3-MoE whose FSDP-2 and TP-2 slices are whole FP8 tiles
+
+
+def device(index: int) -> torch.device:
+    return torch.device("cuda", index)
+
+
+def placement() -> tuple[list[int], list[int]]:
+    n = torch.cuda.device_count()
+    if n >= 4:
+        return [0, 1], [2, 3]
+    if n >= 2:
+        return [0, 0], [1, 1]
+    return [0, 0], [0, 0]
+
+
+@pytest.fixture(scope="module")
+def gpu_cluster() -> Iterator[LocalCluster]:
+    """host0: the coordinator, cuda on (engines; trainers staging on the GPU);
+    host1: cuda off (trainers whose CPU replica must cross tcp)."""
+    c = LocalCluster(hosts=2, extra=FAST)
+    for host in range(2):
+        c.keys(f"host{host}")
+    c.start_daemon(0, coordinator=True, flags={"cuda": "on"})
+    c.start_daemon(1, flags={"cuda": "off"})
+    c.wait_joined()
+    yield c
+    codes = c.stop()
+    assert codes == [0, 0], f"daemons exited with {codes}; logs in {c.workdir}"
+
+
+def moved(c: LocalCluster, host: int, transport: str) -> int:
+    return int(fetch(c.daemons[host].socket)["transports"].get(transport, {}).get("bytes_sent", 0))
+
+
+def sync(c: LocalCluster, job: str, dest: str, staging: str, trainer_host: int) -> dict[str, Any]:
+    tg, eg = placement()
+    engines, received = [], []
+    for r in range(2):
+        lay = EngineLayout(tp_size=2, tp_rank=r, model=CFG, dest_dtype=dest)
+        dev = device(eg[r])
+        # one allocation per tensor, as an engine's parameters are: one region each
+        tensors = {
+            t.name: torch.zeros(t.shape, dtype=TORCH[t.dtype], device=dev)
+            for t in engine_tensors(CFG, lay)
+        }
+        eng = Engine(r, 2, socket=c.daemons[0].socket, job=job, timeout_s=120)
+        eng.register(tensors, layout=lay)
+        engines.append(eng)
+        received.append(tensors)
+    trainers: list[tuple[Trainer, dict[str, torch.Tensor]]] = []
+    before = {
+        "cuda": moved(c, 0, "cuda"),
+        "tcp0": moved(c, 0, "tcp"),
+        "tcp1": moved(c, 1, "tcp"),
+    }
+    nbytes = 0
+    try:
+        for version in (1, 2):
+            hf = random_hf(CFG, seed=version)
+            if not trainers:
+                for r in range(2):
+                    dev = device(tg[r])
+                    step = {n: -(-t.shape[0] // 2) for n, t in hf.items()}
+                    mine = {
+                        n: t[r * step[n] : (r + 1) * step[n]].to(dev).contiguous()
+                        for n, t in hf.items()
+                    }
+                    tr = Trainer(
+                        r,
+                        2,
+                        socket=c.daemons[trainer_host].socket,
+                        job=job,
+                        timeout_s=120,
+                        staging=staging,  # type: ignore[arg-type]
+                    )
+                    tr.register(
+                        mine,
+                        layout=Shard(0, r, 2),
+                        global_shapes={n: tuple(t.shape) for n, t in hf.items()},
+                    )
+                    trainers.append((tr, mine))
+                for tr, _ in trainers:  # every rank registered: the plan, the staging
+                    tr.prepare()
+            for r, (_, mine) in enumerate(trainers):
+                for n, t in hf.items():
+                    step = -(-t.shape[0] // 2)
+                    mine[n].copy_(t[r * step : (r + 1) * step])
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            errors: list[BaseException] = []
+            stats: list[Any] = []
+
+            def publish(
+                tr: Trainer,
+                v: int = version,
+                errors: list[BaseException] = errors,
+                stats: list[Any] = stats,
+            ) -> None:
+                try:
+                    stats.append(tr.publish(v))
+                except BaseException as exc:
+                    errors.append(exc)
+
+            threads = [threading.Thread(target=publish, args=(tr,)) for tr, _ in trainers]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(180)
+            assert not errors, errors
+            nbytes += sum(s.nbytes for s in stats)
+            for r, eng in enumerate(engines):
+                eng.wait(version, 120)
+                want = reference(CFG, hf, 2, r, 1, 128 if dest == "fp8" else None)
+                assert set(want) == set(received[r])
+                for n, expected in want.items():
+                    got = received[r][n]
+                    assert got.device == device(eg[r])
+                    assert got.dtype == expected.dtype and got.shape == expected.shape, n
+                    assert torch.equal(
+                        got.cpu().view(torch.uint8), expected.contiguous().view(torch.uint8)
+                    ), f"{job} v{version} engine rank {r}: {n} differs from the reference"
+    finally:
+        for tr, _ in trainers:
+            tr.close()
+        for eng in engines:
+            eng.close()
+    return {
+        "bytes": nbytes,
+        "cuda": moved(c, 0, "cuda") - before["cuda"],
+        "tcp0": moved(c, 0, "tcp") - before["tcp0"],
+        "tcp1": moved(c, 1, "tcp") - before["tcp1"],
+    }
+
+
+@pytest.mark.parametrize("dest", ["", "fp8"])
+def test_gpu_staging_through_cuda_ipc(gpu_cluster: LocalCluster, dest: str) -> None:
+    got = sync(gpu_cluster, f"gpu-staging-{dest or 'bf16'}", dest, "gpu", trainer_host=0)
+    assert got["bytes"] > 0
+    assert got["cuda"] == got["bytes"], got  # every byte GPU to GPU by the copy engines
+    assert got["tcp0"] == 0, got
+
+
+def test_pinned_replica_into_engine_gpus_by_cuda(gpu_cluster: LocalCluster) -> None:
+    got = sync(gpu_cluster, "pinned-replica-cuda", "", "cpu", trainer_host=0)
+    assert got["cuda"] == got["bytes"] > 0, got
+
+
+@pytest.mark.parametrize("dest", ["", "fp8"])
+def test_cpu_replica_over_tcp_into_gpu(gpu_cluster: LocalCluster, dest: str) -> None:
+    got = sync(gpu_cluster, f"replica-tcp-{dest or 'bf16'}", dest, "cpu", trainer_host=1)
+    assert got["tcp1"] == got["bytes"] > 0, got  # the trainers' daemon sent it all over tcp
+    assert got["cuda"] == 0, got
