@@ -3,8 +3,8 @@ as the trainer rank's zero-copy sources (the approach LMSYS published for SGLang
 
 For each engine layout it holds (TP rank k of the engine, on trainer rank k mod N), a
 trainer rank builds SGLang's real model class on CPU as that rank, then moves every
-parameter, in place, into memory from `Trainer.allocate` (one region, registered with the
-daemon once, and pinned for CUDA when a GPU is there). The model's own `load_weights`
+parameter, in place, into memory from `Trainer.allocate` (a region per layout, registered
+with the daemon once, and pinned for CUDA when a GPU is there). The model's own `load_weights`
 therefore writes each version straight into the registered region, and `publish` sends
 from there untouched: no packing, no staging. Each parameter is a source named
 ``{layout key}/{SGLang name}``; engine ranks of that layout (every engine replica's TP
@@ -119,48 +119,63 @@ class SGLangReplica:
                 f"weightwire trainer world the ranks that hold one (at most {tp_size})",
                 code=ErrorCode.INVALID,
             )
-        built: list[tuple[str, int, torch.nn.Module, dict[str, torch.nn.Parameter]]] = []
-        specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-        for r in ranks:
-            model = cpu.build_model(dict(hf_config), tp_size, r, ep_size, dtype, **server_args)
-            if not post_load and hasattr(model, "post_load_weights"):
-                model.post_load_weights = _skip_post_load
-            key = layout_key(tp_size, r, ep_size)
-            params = registered_parameters(model)
-            for name, p in params.items():
-                specs[source_name(key, name)] = (tuple(p.shape), p.dtype)
-            built.append((key, r, model, params))
-        memory = trainer.allocate(specs)
         self.layouts: list[ReplicaLayout] = []
-        with torch.no_grad():
-            for key, r, model, params in built:
-                for name, p in params.items():
-                    view = memory[source_name(key, name)]
-                    if p.is_floating_point():
-                        view.fill_(float("nan"))  # unwritten by load_weights: caught once
-                    else:
-                        view.copy_(p.data)
-                    p.data = view
-                self.layouts.append(
-                    ReplicaLayout(
-                        key=key,
-                        tp_size=tp_size,
-                        tp_rank=r,
-                        ep_size=ep_size,
-                        model=model,
-                        params=params,
-                        sources={source_name(key, n): memory[source_name(key, n)] for n in params},
-                    )
-                )
-        self._pinned = _pin(list(memory.values())) if pin or pin is None else None
+        self._pinned: list[int] = []
         self._checked = False
+        for r in ranks:  # one layout at a time: its build memory is freed before the next
+            self.layouts.append(
+                self._build(r, dict(hf_config), tp_size, ep_size, dtype, post_load, server_args)
+            )
+            if pin or pin is None:
+                base = _pin(list(self.layouts[-1].sources.values()))
+                if base is not None:
+                    self._pinned.append(base)
         trainer.register({n: t for lay in self.layouts for n, t in lay.sources.items()})
         log.info(
             "replica ready: layouts %s, %d tensors, %.1f MiB%s",
             [lay.key for lay in self.layouts],
-            len(specs),
-            sum(t.nbytes for t in memory.values()) / 2**20,
+            sum(len(lay.sources) for lay in self.layouts),
+            self.nbytes / 2**20,
             ", pinned" if self._pinned else "",
+        )
+
+    def _build(
+        self,
+        tp_rank: int,
+        hf_config: dict[str, Any],
+        tp_size: int,
+        ep_size: int,
+        dtype: torch.dtype,
+        post_load: bool,
+        server_args: dict[str, Any],
+    ) -> ReplicaLayout:
+        """SGLang's model class as engine TP rank `tp_rank`, its parameters moved into a
+        region from `Trainer.allocate` (filled with NaN: what load_weights never writes
+        is caught at the first publish)."""
+        model = cpu.build_model(hf_config, tp_size, tp_rank, ep_size, dtype, **server_args)
+        if not post_load and hasattr(model, "post_load_weights"):
+            model.post_load_weights = _skip_post_load
+        key = layout_key(tp_size, tp_rank, ep_size)
+        params = registered_parameters(model)
+        memory = self.trainer.allocate(
+            {source_name(key, n): (tuple(p.shape), p.dtype) for n, p in params.items()}
+        )
+        with torch.no_grad():
+            for name, p in params.items():
+                view = memory[source_name(key, name)]
+                if p.is_floating_point():
+                    view.fill_(float("nan"))
+                else:
+                    view.copy_(p.data)
+                p.data = view
+        return ReplicaLayout(
+            key=key,
+            tp_size=tp_size,
+            tp_rank=tp_rank,
+            ep_size=ep_size,
+            model=model,
+            params=params,
+            sources=memory,
         )
 
     @property
@@ -220,10 +235,10 @@ class SGLangReplica:
         self._checked = True
 
     def close(self) -> None:
-        """Unpin (the region itself is the trainer's, freed by `trainer.close()`)."""
-        if self._pinned is not None:
-            torch.cuda.cudart().cudaHostUnregister(self._pinned)
-            self._pinned = None
+        """Unpin (the regions themselves are the trainer's, freed by `trainer.close()`)."""
+        for base in self._pinned:
+            torch.cuda.cudart().cudaHostUnregister(base)
+        self._pinned.clear()
 
 
 def _skip_post_load(*args: Any, **kwargs: Any) -> None:

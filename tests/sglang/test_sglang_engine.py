@@ -31,6 +31,7 @@ import sys
 import threading
 import types
 from collections.abc import Callable, Iterator
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +170,12 @@ class ModelRunner:
 @pytest.fixture
 def sglang_hooks(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[ModelRunner]]:
     """SGLang's plugin loading, for real, against the stand-in ModelRunner module."""
+    if not any(ep.name == "weightwire" for ep in entry_points(group="sglang.srt.plugins")):
+        pytest.fail(
+            "weightwire's sglang.srt.plugins entry point is not installed in this venv: "
+            "`.venv-sglang/bin/pip install --no-deps -e .` (scripts/sglang-env.sh installs "
+            "weightwire only when the venv is made)"
+        )
     module = types.ModuleType("sglang.srt.model_executor.model_runner")
 
     class Runner(ModelRunner):  # a fresh class: apply_hooks patches it in place
