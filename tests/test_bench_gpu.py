@@ -262,5 +262,9 @@ def test_layers_are_reduced_to_fit_the_gpu() -> None:
     assert 10 < layers < 48 and "reduced" in why
     s = M.sizes({**cfg, "num_hidden_layers": layers}, 1, "bf16")
     assert max(M.peak_bytes(s, 1, 1, False, 1 << 30, True)) <= int(0.92 * 79 * gib)
-    args.layers = "7"
-    assert launcher.fit_layers(cfg, args, 1, 1, 1)[0] == 7
+    args.layers = "7"  # a maximum: kept when it fits, reduced when it does not
+    assert launcher.fit_layers(cfg, args, 1, 1, int(0.92 * 79 * gib))[0] == 7
+    assert launcher.fit_layers(cfg, args, 2, 2, None) == (7, "--layers")
+    args.layers, args.replica = "48", True
+    layers, why = launcher.fit_layers(cfg, args, 1, 1, None, host_budget=10 * gib)
+    assert 1 <= layers < 8 and "reduced from 48 (--layers)" in why

@@ -120,13 +120,13 @@ def fit_layers(
     budget: int | None,
     host_budget: int | None = None,
 ) -> tuple[int, str]:
-    """The layers to run: --layers N as given; `auto`: the config's, or fewer when the
-    estimated peak of a rank (or the CPU replica) would not fit."""
-    layers = int(cfg["num_hidden_layers"])
-    if args.layers != "auto":
-        return int(args.layers), "--layers"
+    """The layers to run: --layers N (`auto`: the config's), or fewer when the estimated
+    peak of a rank on its GPU (or the CPU replica in /dev/shm) would not fit."""
+    given = args.layers != "auto"
+    layers = int(args.layers) if given else int(cfg["num_hidden_layers"])
+    source = "--layers" if given else "the config's"
     if budget is None and host_budget is None:
-        return layers, "the config's"
+        return layers, source
     full = args.trainer_layout == "full"
 
     def fits(n: int) -> bool:
@@ -144,7 +144,7 @@ def fit_layers(
         return host_budget is None or sum(s.engine_bytes) <= host_budget
 
     if fits(layers):
-        return layers, "the config's (fits)"
+        return layers, f"{source}, fits"
     lo, hi = 0, layers  # fits(lo) or lo == 0; not fits(hi)
     while hi - lo > 1:
         mid = (lo + hi) // 2
@@ -153,8 +153,9 @@ def fit_layers(
         else:
             hi = mid
     if lo == 0:
-        raise RunError("not even one layer of this model fits the GPU memory")
-    return lo, f"reduced from {layers}: the estimated peak of {layers} does not fit"
+        where = "the GPU memory" if host_budget is None else "the GPU memory or /dev/shm"
+        raise RunError(f"not even one layer of this model fits {where}")
+    return lo, f"reduced from {layers} ({source}): the estimated peak of {layers} does not fit"
 
 
 # --------------------------------------------------------------------------- ranks
