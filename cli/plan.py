@@ -19,28 +19,25 @@ import math
 import re
 import sys
 import time
-from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from weightwire.protocol.errors import PlanError
-from weightwire.protocol.plan import NodePlan, RankPlan
+from weightwire.protocol.plan import NodePlan
 from weightwire.protocol.regions import RegionDescriptor
-from weightwire.protocol.tensors import Box, DestTensor, SourceTensor
+from weightwire.protocol.tensors import DestTensor, SourceTensor
 
 if TYPE_CHECKING:  # numpy and the planner load only when the command runs
     import numpy as np
 
     from weightwire.plan.bound import Bound
-    from weightwire.plan.planner import EngineRank, PlanOptions, TrainerRank
+    from weightwire.plan.planner import EngineRank, TrainerRank
     from weightwire.plan.simulate import SimResult
 
 DTYPES = {"fp8": "fp8", "bf16": "bfloat16", "bfloat16": "bfloat16"}
 ALIGN = 256  # engine tensors start on 256-byte boundaries in their region
-# pieces x trainers up to which `auto` runs planner.plan itself (about 5 us each)
-REAL_PLANNER_LIMIT = 4_000_000
 
 
 @dataclass(frozen=True)
@@ -148,123 +145,6 @@ def engine_ranks(
             region = RegionDescriptor(id=1, node=node, kind="gpu", length=max(length, 1))
             out.append(EngineRank(node, rep * topo.tp + r, tensors, (region,)))
     return out
-
-
-def plan_gathered(
-    trainers: Sequence[TrainerRank], engines: Sequence[EngineRank], options: PlanOptions
-) -> dict[str, NodePlan]:
-    """`planner.plan` for the case this command builds, at a fraction of its cost: every
-    trainer rank holds every tensor whole.
-
-    The planner then cuts each piece into bucket-sized row chunks and picks, for each chunk
-    in order (engine rank, tensor, piece, chunk), the least-loaded trainer rank (ties to
-    the lowest rank): it scans every holder per chunk,
-    O(pieces x trainers) Box intersections, about half an hour for Kimi-K2 on 256 trainers
-    x 128 engine GPUs. Here the same choice comes from a heap keyed (load, rank), and each
-    trainer's buckets, staging layout and merged writes come from the planner's own
-    `_layout`, so the sends, buckets and writes are the planner's (tests/test_plan_cli.py
-    checks them equal, write for write; the plan hash is left empty and only the data
-    the simulation reads is produced: sends, not expects or regions).
-    """
-    import heapq
-
-    from weightwire.plan import planner as P
-    from weightwire.plan.boxes import place, split_rows
-
-    if not trainers:
-        raise PlanError("no trainer ranks")
-    ts = sorted(trainers, key=lambda t: t.rank)
-    held = {s.name: s for s in ts[0].tensors}
-    for t in ts:
-        if t.tensors is not ts[0].tensors and {s.name: s for s in t.tensors} != held:
-            raise PlanError("plan_gathered needs every trainer rank to hold the same tensors")
-    if any(s.box is not None and s.box != Box.full(s.shape) for s in held.values()):
-        raise PlanError("plan_gathered needs every tensor held whole")
-    es = sorted(engines, key=lambda e: e.rank)
-    work = {(t.node, t.rank): P._RankWork((t.node, t.rank)) for t in ts}
-    by_rank = {t.rank: work[(t.node, t.rank)] for t in ts}
-    heap = [(0, t.rank) for t in ts]
-    heapq.heapify(heap)
-    # the chunks of a tensor list, computed once however many engine ranks share it
-    # (replicas do): (pack key, source, sub-box, transform, bytes, byte offset, expert, order)
-    chunk_cache: dict[int, tuple[tuple[DestTensor, ...], list[tuple[Any, ...]]]] = {}
-    keys: dict[tuple[Any, ...], int] = {}
-
-    def chunks(tensors: tuple[DestTensor, ...]) -> list[tuple[Any, ...]]:
-        hit = chunk_cache.get(id(tensors))
-        if hit is not None and hit[0] is tensors:
-            return hit[1]
-        out: list[tuple[Any, ...]] = []
-        for t_index, dst in enumerate(tensors):
-            if dst.pieces is None:
-                raise PlanError(f"{dst.name} has no recipe")
-            for p_index, piece in enumerate(dst.pieces):
-                if not piece.sent:
-                    continue
-                src = held.get(piece.source)
-                if src is None:
-                    raise PlanError(f"{dst.name} needs {piece.source}, which no trainer holds")
-                expert = P.is_expert(piece.source) or P.is_expert(dst.name)
-                for sub in split_rows(piece.box, piece, src.dtype, options.bucket_bytes):
-                    placed = place(piece, src.dtype, sub)
-                    key = keys.setdefault((piece.source, sub, piece.transform), len(keys))
-                    out.append(
-                        (
-                            key,
-                            piece.source,
-                            sub,
-                            piece.transform,
-                            placed.nbytes,
-                            dst.offset + placed.dst_offset,
-                            dst.region,
-                            expert,
-                            (t_index, p_index),
-                        )
-                    )
-        chunk_cache[id(tensors)] = (tensors, out)
-        return out
-
-    pop, push = heapq.heappop, heapq.heappush
-    for e in es:
-        for key, source, sub, transform, nbytes, offset, region, expert, order in chunks(e.tensors):
-            load, rank = pop(heap)
-            w = by_rank[rank]
-            pack = w.packs.get(key)
-            if pack is None:
-                pack = P._Pack(
-                    source=source,
-                    box=sub,
-                    local=sub,
-                    transform=transform,
-                    nbytes=nbytes,
-                    expert=expert,
-                    order=(e.rank, *order),
-                )
-                w.packs[key] = pack
-            w.load = load + nbytes
-            push(heap, (w.load, rank))
-            w.sends.append(
-                P._Send(
-                    pack=pack,
-                    dst_node=e.node,
-                    dst_rank=e.rank,
-                    dst_region=region,
-                    dst_offset=offset,
-                    nbytes=nbytes,
-                )
-            )
-    slots = P._slots(list(es))
-    counts: dict[int, int] = defaultdict(int)
-    sends: dict[str, list[RankPlan]] = {}
-    dst_lanes = {e.rank: e.lanes for e in es}
-    src_lanes = {t.rank: t.lanes for t in ts}
-    for (node, rank), w in sorted(work.items()):
-        buckets, staging = P._layout(w, options, slots, counts, src_lanes[rank], dst_lanes)
-        rp = RankPlan(plan_hash="", rank=rank, staging_bytes=staging, buckets=tuple(buckets))
-        sends.setdefault(node, []).append(rp)
-    return {
-        node: NodePlan(plan_hash="", job="plan", sends=tuple(rps)) for node, rps in sends.items()
-    }
 
 
 def flows_of(plans: Mapping[str, NodePlan], trainers: int) -> Flows:
@@ -382,7 +262,6 @@ def run_plan(
     pack_Bps: float = 0.0,
     write_overhead_s: float = 0.0,
     rel_tol: float = 1e-4,
-    planner: str = "auto",
     model: str = "",
     progress: Any = None,
 ) -> Report:
@@ -407,16 +286,9 @@ def run_plan(
     engines = engine_ranks(config, topo, dest, range(topo.replicas))
     t0 = timings.run("layout", t0)
     pieces = sum(len(t.pieces or ()) for e in engines for t in e.tensors)
-    if planner == "auto":
-        planner = "real" if pieces * topo.trainers <= REAL_PLANNER_LIMIT else "gathered"
-    say(f"planning ({planner}): {topo.trainers} trainer ranks x {pieces:,} engine pieces")
+    say(f"planning: {topo.trainers} trainer ranks x {pieces:,} engine pieces")
     options = PlanOptions(bucket_bytes=bucket_bytes, max_write_bytes=max_write_bytes)
-    if planner == "real":
-        plans = plan("plan", trainers, engines, options)
-    elif planner == "gathered":
-        plans = plan_gathered(trainers, engines, options)
-    else:
-        raise ValueError(f"planner {planner!r}")
+    plans = plan("plan", trainers, engines, options)
     t0 = timings.run("planner", t0)
     flows = flows_of(plans, topo.trainers)
     del plans
@@ -444,7 +316,6 @@ def run_plan(
         "pack_gbps": pack_Bps / 1e9 if pack_Bps > 0 else None,
         "write_overhead_us": write_overhead_s * 1e6,
         "sim_rel_tol": rel_tol,
-        "planner": planner,
     }
     report = Report(model, topo, dtype, bound, sim, flows, opts, timings)
     report.wall_s = time.perf_counter() - t_start
@@ -571,13 +442,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--pack-gbps", type=float, default=0.0, help="packing rate, GB/s (0: instantaneous)"
     )
-    p.add_argument(
-        "--planner",
-        choices=["auto", "real", "gathered"],
-        default="auto",
-        help="planner.plan, or its equal for whole-tensor trainers (plan_gathered); auto: "
-        "the real one when it takes seconds",
-    )
     p.add_argument("--sim-tol", type=float, default=1e-4, help="simulator event window")
     p.add_argument("--top", type=int, default=5, help="busiest NICs listed")
     p.add_argument("--plot", metavar="FILE.png", help="per-NIC bytes and finish times")
@@ -609,7 +473,6 @@ def run(args: argparse.Namespace) -> int:
             pack_Bps=args.pack_gbps * 1e9,
             write_overhead_s=args.write_overhead_us * 1e-6,
             rel_tol=args.sim_tol,
-            planner=args.planner,
             model=path.stem,
             progress=None if quiet else lambda m: print(f"... {m}", file=sys.stderr, flush=True),
         )

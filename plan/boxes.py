@@ -128,8 +128,11 @@ def split_rows(box: Box, piece: Piece, source_dtype: str, max_bytes: int) -> lis
     """Cut a sub-box along its first dimension into parts of at most ~`max_bytes`, so a
     large tensor spans several buckets and its packing overlaps its transfer. FP8 tiles
     are never cut: 2-D boxes split at whole tiles."""
-    nbytes = place(piece, source_dtype, box).nbytes
     rows = box.sizes[0]
+    if isinstance(piece.transform, Fp8BlockScale):
+        nbytes = place(piece, source_dtype, box).nbytes
+    else:
+        nbytes = box.numel * transformed_itemsize(source_dtype, piece.transform)
     if nbytes <= max_bytes or rows <= 1:
         return [box]
     step = max(1, rows * max_bytes // nbytes)

@@ -39,7 +39,8 @@ from weightwire.protocol.tensors import (
     transformed_itemsize,
 )
 
-from .boxes import cover, place, split_rows
+from .boxes import SubPiece, cover, place, split_rows
+from .sources import SourceIndex
 
 
 class PlanOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -69,13 +70,6 @@ class EngineRank:
 
 
 @dataclass
-class _Holder:
-    node: str
-    rank: int
-    tensor: SourceTensor
-
-
-@dataclass
 class _Pack:
     source: str
     box: Box  # global
@@ -83,7 +77,7 @@ class _Pack:
     transform: object
     nbytes: int
     expert: bool
-    order: tuple[int, int, int]
+    order: tuple[int, ...]
     offset: int = -1  # in staging, or (zero-copy) in `region`
     region: int = -1  # >= 0: the bytes already lie in this region of the rank, as they are
 
@@ -148,7 +142,7 @@ def plan(
     options = options or PlanOptions()
     trainers = sorted(trainers, key=lambda t: t.rank)
     engines = sorted(engines, key=lambda e: e.rank)
-    holders = _index_sources(trainers)
+    index = SourceIndex([(t.node, t.rank, t.tensors) for t in trainers])
     problems: list[str] = []
     used: set[str] = set()
     work: dict[tuple[str, int], _RankWork] = {
@@ -158,11 +152,13 @@ def plan(
     expect_count: dict[int, int] = defaultdict(int)
     expect_bytes: dict[int, int] = defaultdict(int)
     expect_sources: dict[int, set[str]] = defaultdict(set)
+    chunks_of: dict[Piece, list[tuple[Box, SubPiece]] | str] = {}
+    checked: dict[tuple[object, ...], str | None] = {}
 
     for e in engines:
         regions = {r.id: r for r in e.regions}
         for t_index, dst in enumerate(e.tensors):
-            problem = _check_destination(dst, regions, holders)
+            problem = _check_destination(dst, regions, index, checked)
             if problem:
                 problems.append(f"engine rank {e.rank}: {problem}")
                 continue
@@ -171,26 +167,15 @@ def plan(
                 if not piece.sent:
                     continue
                 used.add(piece.source)
-                held = holders[piece.source]
-                dtype = held[0].tensor.dtype
-                subs = [
-                    chunk
-                    for sub in cover(piece.box, [h.tensor.held() for h in held])
-                    for chunk in split_rows(sub, piece, dtype, options.bucket_bytes)
-                ]
-                if not subs:
-                    problems.append(
-                        f"engine rank {e.rank}: {dst.name} needs {piece.source}{_fmt(piece.box)}, "
-                        f"which no trainer rank holds whole"
-                    )
+                chunks = chunks_of.get(piece)
+                if chunks is None:  # engine replicas repeat pieces: cut each one once
+                    chunks = chunks_of[piece] = _chunks(piece, index, options)
+                if isinstance(chunks, str):
+                    problems.append(f"engine rank {e.rank}: {dst.name}{chunks}")
                     continue
-                for sub in subs:
-                    try:
-                        placed = place(piece, dtype, sub)
-                    except PlanError as exc:
-                        problems.append(f"engine rank {e.rank}: {dst.name}: {exc.message}")
-                        continue
-                    chosen = _least_loaded([h for h in held if _inside(sub, h.tensor.held())], work)
+                for sub, placed in chunks:
+                    chosen = index.choose(piece.source, sub)
+                    index.charge(chosen, placed.nbytes)
                     w = work[(chosen.node, chosen.rank)]
                     key = (piece.source, sub, piece.transform)
                     pack = w.packs.get(key)
@@ -202,7 +187,10 @@ def plan(
                             transform=piece.transform,
                             nbytes=placed.nbytes,
                             expert=is_expert(piece.source) or is_expert(dst.name),
-                            order=(e.rank, t_index, p_index),
+                            # engines interleave block by block (so every engine is fed
+                            # from the start while the rank packs), each block in its
+                            # tensor order (so neighbouring tensors merge into one write)
+                            order=(dst.offset // options.bucket_bytes, e.rank, t_index, p_index),
                         )
                         _zero_copy(pack, chosen.tensor)
                         w.packs[key] = pack
@@ -220,7 +208,7 @@ def plan(
                     expect_bytes[e.rank] += placed.nbytes
                     expect_sources[e.rank].add(chosen.node)
 
-    unused = sorted(set(holders) - used)
+    unused = sorted(set(index.boxes) - used)
     if unused and not options.allow_unused_sources:
         problems.append(f"source tensors no destination uses: {_names(unused)}")
     if problems:
@@ -267,33 +255,11 @@ def plan(
     return out
 
 
-def _index_sources(trainers: list[TrainerRank]) -> dict[str, list[_Holder]]:
-    by_name: dict[str, list[_Holder]] = defaultdict(list)
-    problems: list[str] = []
-    for t in trainers:
-        seen: set[str] = set()
-        for s in t.tensors:
-            if s.name in seen:
-                problems.append(f"trainer rank {t.rank} declares {s.name} twice")
-            seen.add(s.name)
-            if not s.held().within(s.shape):
-                problems.append(
-                    f"trainer rank {t.rank}: {s.name} box {_fmt(s.held())} is outside its "
-                    f"shape {list(s.shape)}"
-                )
-            by_name[s.name].append(_Holder(t.node, t.rank, s))
-    for name, hs in by_name.items():
-        kinds = {(h.tensor.dtype, h.tensor.shape) for h in hs}
-        if len(kinds) > 1:
-            desc = ", ".join(f"rank {h.rank}: {h.tensor.dtype}{list(h.tensor.shape)}" for h in hs)
-            problems.append(f"trainer ranks disagree on {name}: {desc}")
-    if problems:
-        raise PlanError("inconsistent sources:\n  " + "\n  ".join(problems))
-    return dict(by_name)
-
-
 def _check_destination(
-    dst: DestTensor, regions: dict[int, RegionDescriptor], holders: dict[str, list[_Holder]]
+    dst: DestTensor,
+    regions: dict[int, RegionDescriptor],
+    index: SourceIndex,
+    memo: dict[tuple[object, ...], str | None],
 ) -> str | None:
     if dst.pieces is None:
         return f"{dst.name} has no recipe (no rule maps it)"
@@ -302,6 +268,15 @@ def _check_destination(
         return f"{dst.name} lies in region {dst.region}, which the rank did not register"
     if dst.offset + dst.nbytes > region.length:
         return f"{dst.name} [{dst.offset}, +{dst.nbytes}) overruns region {dst.region}"
+    key = (dst.name, dst.dtype, dst.shape, dst.pieces)  # engine replicas repeat them
+    if key not in memo:
+        memo[key] = _check_pieces(dst, index)
+    return memo[key]
+
+
+def _check_pieces(dst: DestTensor, index: SourceIndex) -> str | None:
+    """The recipe's pieces: known sources, inside them, right dtypes, covering exactly."""
+    assert dst.pieces is not None
     spans: list[tuple[int, int]] = []
     for piece in dst.pieces:
         if isinstance(piece.transform, Zeros):
@@ -311,23 +286,23 @@ def _check_destination(
                 )
             spans.append((piece.dst_offset, piece.dst_offset + piece_nbytes(dst.dtype, piece)))
             continue
-        hs = holders.get(piece.source)
-        if hs is None:
+        meta = index.meta.get(piece.source)
+        if meta is None:
             return f"{dst.name} needs source tensor {piece.source}, which no trainer declared"
-        src = hs[0].tensor
-        if not piece.box.within(src.shape):
+        src_dtype, src_shape = meta
+        if not piece.box.within(src_shape):
             return (
                 f"{dst.name} reads {piece.source}{_fmt(piece.box)} outside its shape "
-                f"{list(src.shape)}"
+                f"{list(src_shape)}"
             )
-        out_dtype = _out_dtype(src.dtype, piece)
+        out_dtype = _out_dtype(src_dtype, piece)
         if out_dtype != dst.dtype:
             code = ErrorCode.DTYPE_MISMATCH.value
             return (
-                f"{dst.name} is {dst.dtype} but {piece.source} ({src.dtype}) through "
+                f"{dst.name} is {dst.dtype} but {piece.source} ({src_dtype}) through "
                 f"{type(piece.transform).__name__} gives {out_dtype} [{code}]"
             )
-        spans.append((piece.dst_offset, piece.dst_offset + piece_nbytes(src.dtype, piece)))
+        spans.append((piece.dst_offset, piece.dst_offset + piece_nbytes(src_dtype, piece)))
     spans.sort()
     end = 0
     for lo, hi in spans:
@@ -356,6 +331,24 @@ def _out_dtype(source_dtype: str, piece: Piece) -> str:
     raise AssertionError(piece.transform)
 
 
+def _chunks(
+    piece: Piece, index: SourceIndex, options: PlanOptions
+) -> list[tuple[Box, SubPiece]] | str:
+    """A piece cut into parts single ranks hold, each at most a bucket; or the problem."""
+    dtype = index.meta[piece.source][0]
+    subs = cover(piece.box, index.held_boxes(piece.source))
+    if not subs:
+        return f" needs {piece.source}{_fmt(piece.box)}, which no trainer rank holds whole"
+    out = []
+    try:
+        for sub in subs:
+            for chunk in split_rows(sub, piece, dtype, options.bucket_bytes):
+                out.append((chunk, place(piece, dtype, chunk)))
+    except PlanError as exc:
+        return f": {exc.message}"
+    return out
+
+
 def _zero_copy(pack: _Pack, held: SourceTensor) -> None:
     """Mark a pack zero-copy when its bytes already lie, as the engine wants them, in a
     region of the rank: an untransformed, contiguous part of a tensor declared in a region."""
@@ -374,14 +367,6 @@ def _zero_copy(pack: _Pack, held: SourceTensor) -> None:
         linear = linear * n + o
     pack.region = held.region
     pack.offset = held.offset + linear * ITEMSIZE[held.dtype]
-
-
-def _least_loaded(candidates: list[_Holder], work: dict[tuple[str, int], _RankWork]) -> _Holder:
-    return min(candidates, key=lambda h: (work[(h.node, h.rank)].load, h.rank))
-
-
-def _inside(inner: Box, outer: Box) -> bool:
-    return inner.intersect(outer) == inner
 
 
 def _slots(engines: list[EngineRank]) -> dict[int, int]:
@@ -522,8 +507,12 @@ def _hash(
     h = hashlib.sha256()
     enc = msgspec.msgpack.Encoder(order="deterministic")
     h.update(enc.encode([job, options]))
+    encoded: dict[int, bytes] = {}  # ranks often share one declaration: encode it once
     for t in trainers:
-        h.update(enc.encode([t.node, t.rank, t.tensors]))
+        if id(t.tensors) not in encoded:
+            encoded[id(t.tensors)] = hashlib.sha256(enc.encode(t.tensors)).digest()
+        h.update(enc.encode([t.node, t.rank, t.lanes]))
+        h.update(encoded[id(t.tensors)])
     for e in engines:
         h.update(enc.encode([e.node, e.rank, e.tensors, [(r.id, r.length) for r in e.regions]]))
     for key, rp in sorted(rank_plans.items()):
