@@ -30,7 +30,7 @@ DEPS=(
   "msgspec" "pyzmq" "structlog" "uvloop" "pytest" "numpy"
 )
 
-want="$(cat "${BASH_SOURCE[0]}" | sha256sum | cut -c1-16)"
+want="$(cat "${BASH_SOURCE[0]}" "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)"  # entry points live in pyproject
 if [[ "${SGLANG_ENV_FORCE:-0}" != 1 && -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
   exit 0
 fi
