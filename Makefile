@@ -6,7 +6,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 
-.PHONY: demo test test-fast lint typecheck setup sysdeps clean bench-tcp test-sglang
+.PHONY: demo test test-fast lint typecheck setup sysdeps clean bench-tcp test-sglang test-rdma
 
 setup: $(STAMP)
 
@@ -31,7 +31,19 @@ test: setup sysdeps
 	echo "== ruff"; $(VPY) -m ruff check . || rc=1; \
 	echo "== mypy (strict: protocol, transport)"; scripts/typecheck.sh || rc=1; \
 	echo "== pytest"; $(VPY) -m pytest -q -ra || rc=1; \
+	echo "== rdma (Soft-RoCE VM)"; \
+	why=$$(RDMA_VM_TORCH=1 scripts/rdma-vm.sh --setup-only 2>&1); st=$$?; \
+	if [ $$st = 0 ]; then $(MAKE) --no-print-directory test-rdma || rc=1; \
+	elif [ $$st = 77 ]; then echo "RDMA tests not run: $$(echo "$$why" | tail -n1 | sed 's/^rdma-vm: skipped: //')"; \
+	else echo "$$why" | tail -n5; echo "RDMA VM setup failed ($$st)"; rc=1; fi; \
 	exit $$rc
+
+# The verbs transport on real (Soft-RoCE) RDMA devices inside a QEMU VM: the transport
+# conformance suite and an end-to-end update through two daemons (needs root; see
+# scripts/RDMA_NOTES.md). `make test` runs it when it can and says why not otherwise.
+RDMA_TESTS := tests/test_transport_rdma.py tests/rdma
+test-rdma:
+	RDMA_VM_TORCH=1 scripts/rdma-vm.sh -- python -m pytest -q -ra -p no:cacheprovider -m rdma $(RDMA_TESTS)
 
 # weightwire's recipes against SGLang 0.5.23's own model classes and loaders, on CPU.
 test-sglang:
