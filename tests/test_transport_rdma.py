@@ -329,3 +329,20 @@ def test_unregistered_source_and_missing_keys_are_refused() -> None:
         assert p.b.imms == []
 
     run(kit, body)
+
+
+def test_zero_length_write_and_the_largest_immediate() -> None:
+    kit = pair_kit()
+
+    async def body(p: Pair) -> None:
+        src, _ = p.region(p.a, 1, MiB)
+        dst, desc = p.region(p.b, 2, MiB)
+        p.kit.fill(src, 0, rand(MiB, 17))
+        p.kit.fill(dst, 0, bytes(MiB))
+        await p.a.transport.write(src, 5, desc, 7, 0, 0xFFFFFFFF)
+        await p.a.transport.write(src, 0, desc, 0, 0, None)
+        await p.a.transport.write(src, MiB - 1, desc, MiB - 1, 1, 0)
+        assert p.b.imms == [(0xFFFFFFFF, "node-a"), (0, "node-a")]
+        assert p.kit.read(dst, 0, MiB) == bytes(MiB - 1) + rand(MiB, 17)[-1:]
+
+    run(kit, body)

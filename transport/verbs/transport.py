@@ -271,6 +271,8 @@ class VerbsTransport(Transport):
         self._link_ids = itertools.count(secrets.randbits(40) << 16)
         self._lock = threading.Lock()
         self._busy = 0  # verbs calls running on worker threads (close waits for them)
+        self._qp_ops = 0  # of those, the ones that may touch queue pairs (counted on the loop)
+        self._graveyard: list[Any] = []  # QPs to destroy once _qp_ops is 0
         self._closed = False
         self._tasks: set[asyncio.Task[Any]] = set()
         self._poller: threading.Thread | None = None
@@ -366,6 +368,8 @@ class VerbsTransport(Transport):
             self._regions.clear()
         for reg in regions:
             self._release(reg)
+        self._qp_ops = 0  # waited for above (bounded): everything left goes now
+        self._retire([])
         for dev in self._devs.values():
             dev.close()
         self._devs.clear()
@@ -377,11 +381,26 @@ class VerbsTransport(Transport):
         """A blocking verbs call on a worker thread (close() waits for those running)."""
         with self._lock:
             self._busy += 1
+        self._qp_ops += 1
         try:
             return await asyncio.to_thread(fn)
         finally:
             with self._lock:
                 self._busy -= 1
+            self._qp_ops -= 1
+            if not self._qp_ops and self._graveyard:
+                self._retire([])
+
+    def _retire(self, objs: list[Any]) -> None:
+        """Destroy queue pairs (and their WR parts) once no worker thread may be modifying
+        one of them: destroying a QP under a running ibv_modify_qp is undefined."""
+        self._graveyard.extend(objs)
+        if self._qp_ops:
+            return
+        dead, self._graveyard = self._graveyard, []
+        for obj in dead:
+            with contextlib.suppress(Exception):
+                obj.close()
 
     def _spawn(self, coro: Any) -> None:
         assert self._loop is not None
@@ -563,8 +582,7 @@ class VerbsTransport(Transport):
             self._fail_writes(q, lambda w: PeerLostError(reason))
             q.state = DEAD
             self._qps.pop((link.dev.name, q.qpn), None)
-            with contextlib.suppress(Exception):
-                q.qp.close()
+            self._retire([q.qp, *q.sges])
             link.dev.release_cq(q.depth + 1)
         self._stats["links"] = sum(len(p.links) for p in self._peers.values())
         if notify and not self._closed:
@@ -703,8 +721,7 @@ class VerbsTransport(Transport):
 
         inl.qps = await self._thread(build)
         if self._closed:
-            for r in inl.qps:
-                r.qp.close()
+            self._retire([r.qp for r in inl.qps])
             raise PeerLostError("closing")
         self._inlinks[(node, req.link)] = inl
         for r in inl.qps:
@@ -752,10 +769,7 @@ class VerbsTransport(Transport):
         for r in inl.qps:
             r.state = DEAD
             self._qps.pop((r.dev.name, r.qpn), None)
-            with contextlib.suppress(Exception):
-                r.qp.close()
-            with contextlib.suppress(Exception):
-                r.recv.close()
+            self._retire([r.qp, r.recv])
             r.dev.release_cq(r.depth + 1)
         self._stats["incoming_qps"] = sum(len(x.qps) for x in self._inlinks.values())
 
