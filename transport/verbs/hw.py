@@ -10,7 +10,9 @@ long registration still holds the interpreter for its duration (see the README).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
+import mmap
 import os
 import threading
 from typing import Any
@@ -29,6 +31,25 @@ ACK_TIMEOUT = 14
 RETRY_CNT = 7
 RNR_RETRY = 7
 MIN_RNR_TIMER = 12
+
+
+MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+_libc: Any = None
+
+
+def populate(address: int, length: int) -> bool:
+    """Fault the pages of host memory in before ibv_reg_mr pins them. pyverbs holds the GIL
+    for the whole registration, and faulting fresh pages is most of its time (512 MiB of
+    untouched shared memory: 4.2 s, against 28 ms once populated, in the VM); this
+    madvise goes through ctypes, which releases the GIL. Contents are kept."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page = mmap.PAGESIZE
+    start = address & ~(page - 1)
+    end = -(-(address + length) // page) * page
+    return bool(_libc.madvise(start, end - start, MADV_POPULATE_WRITE) == 0)
 
 
 def _event_fds() -> set[int]:
@@ -121,6 +142,7 @@ class OpenDevice:
         return flags
 
     def register(self, address: int, length: int, relaxed: bool) -> Any:
+        populate(address, length)
         return self.api.MR(self.pd, length, self.access(relaxed), address=address)
 
     def register_dmabuf(self, fd: int, offset: int, length: int, relaxed: bool) -> Any:
