@@ -141,7 +141,8 @@ class Driver:
         """The IPC handle of the allocation starting at `base` (not of VMM allocations)."""
         handle = _IpcHandle()
         self._call("cuIpcGetMemHandle", ctypes.byref(handle), ctypes.c_uint64(base))
-        return bytes(handle.reserved)
+        # not `handle.reserved`: ctypes cuts a c_char array at its first NUL byte
+        return ctypes.string_at(ctypes.addressof(handle), IPC_HANDLE_BYTES)
 
     def ipc_open(self, handle: bytes) -> int:
         if len(handle) != IPC_HANDLE_BYTES:
