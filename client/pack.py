@@ -40,6 +40,9 @@ class Packer:
     def __init__(self, max_entries: int = 8) -> None:
         self.max_entries = max_entries
         self._cache: dict[tuple[Any, ...], _Entry] = {}
+        self._buckets: dict[
+            tuple[Any, ...], tuple[list[torch.Tensor], list[torch.Tensor], list[PackOp]]
+        ] = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -48,6 +51,39 @@ class Packer:
     def clear(self) -> None:
         with self._lock:
             self._cache.clear()
+
+    def pack_bucket(
+        self, ops: tuple[PackOp, ...], tensors: dict[str, torch.Tensor], staging: torch.Tensor
+    ) -> None:
+        """A bucket's ops: plain copies and casts in one multi-tensor copy, FP8 one by one.
+
+        The views of the copies are made once per (bucket, tensors, staging) and reused, so
+        a version costs a kernel launch per bucket, not Python work per tensor.
+        """
+        key = (id(ops), staging.data_ptr(), *(id(tensors[op.source]) for op in ops))
+        plan = self._buckets.get(key)
+        if plan is None:
+            outs, srcs, rest = [], [], []
+            for op in ops:
+                if isinstance(op.transform, Copy | Cast):
+                    src = box_of(tensors[op.source], op)
+                    dtype = (
+                        src.dtype if isinstance(op.transform, Copy) else TORCH[op.transform.dtype]
+                    )
+                    out = staging[op.staging_offset : op.staging_offset + op.nbytes]
+                    outs.append(out.view(dtype).view(src.shape))
+                    srcs.append(src)
+                else:
+                    rest.append(op)
+            plan = self._buckets[key] = (outs, srcs, rest)
+            while len(self._buckets) > 4096:
+                del self._buckets[next(iter(self._buckets))]
+        outs, srcs, rest = plan
+        if outs:
+            torch._foreach_copy_(outs, srcs)
+        for op in rest:
+            self.pack(op, tensors[op.source], staging)
+        self.clear()
 
     def pack(self, op: PackOp, local: torch.Tensor, staging: torch.Tensor) -> None:
         """Write op's bytes into `staging` (a flat uint8 tensor on any device)."""

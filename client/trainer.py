@@ -321,10 +321,9 @@ class Trainer:
             for bucket in plan.buckets:
                 p0 = time.perf_counter()
                 started = time.time()
-                for op in bucket.packs:
+                if bucket.packs:
                     assert staging is not None
-                    self._packer.pack(op, current[op.source], staging)
-                self._packer.clear()
+                    self._packer.pack_bucket(bucket.packs, current, staging)
                 device = staging.device if staging is not None else torch.device("cpu")
                 poster.post(bucket.index, device, started)
                 pack_s += time.perf_counter() - p0

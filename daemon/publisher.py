@@ -25,7 +25,7 @@ from weightwire.protocol.errors import (
 from weightwire.protocol.local import PublishResult
 from weightwire.protocol.plan import RankPlan, WriteOp, encode_imm
 from weightwire.protocol.regions import RegionDescriptor
-from weightwire.transport.base import LocalRegion, Transport
+from weightwire.transport.base import LocalRegion, Transport, WriteRequest
 
 log = structlog.get_logger("weightwire.daemon.publisher")
 
@@ -45,7 +45,6 @@ class Run:
     started: float = field(default_factory=time.monotonic)
     first_post: float = 0.0
     bucket_posted: dict[int, float] = field(default_factory=dict)  # wall clock
-    bucket_left: dict[int, int] = field(default_factory=dict)  # writes not landed yet
     bucket_landed: dict[int, float] = field(default_factory=dict)
     bytes_done: int = 0
     writes_done: int = 0
@@ -134,35 +133,37 @@ class Publisher:
         if not run.first_post:
             run.first_post = time.monotonic()
         run.bucket_posted[bucket] = time.time()
-        run.bucket_left[bucket] = len(run.plan.buckets[bucket].writes)
-        if not run.bucket_left[bucket]:
-            run.bucket_landed[bucket] = time.time()
         with structlog.contextvars.bound_contextvars(rank=self.rank, version=version):
-            tasks = [
-                asyncio.get_running_loop().create_task(self._write(run, w, bucket))
-                for w in run.plan.buckets[bucket].writes
-            ]
-        for task in tasks:
-            run.tasks.add(task)
-            task.add_done_callback(lambda t, run=run: self._written(run, t))
+            task = asyncio.get_running_loop().create_task(self._post(run, bucket))
+        run.tasks.add(task)
+        task.add_done_callback(lambda t, run=run: self._written(run, t))
 
-    async def _write(self, run: Run, w: WriteOp, bucket: int) -> None:
-        dst = self._regions.get((w.dst_node, w.dst_region))
-        if dst is None:
-            raise WeightwireError(
-                f"plan names region {w.dst_region} of {w.dst_node}, not advertised"
-            )
-        src = run.staging if w.src_region < 0 else self.source_region(w.src_region)
-        if src is None:
-            raise WeightwireError("the plan writes from staging, and this rank has none")
-        transport = await self.pick(w.dst_node, src, dst)
-        imm = encode_imm(run.version, w.slot)
-        await transport.write(src, w.src_offset, dst, w.dst_offset, w.length, imm, lane=w.lane)
-        run.bytes_done += w.length
-        run.writes_done += 1
-        run.bucket_left[bucket] -= 1
-        if not run.bucket_left[bucket]:
-            run.bucket_landed[bucket] = time.time()
+    async def _post(self, run: Run, bucket: int) -> None:
+        """All writes of a bucket, one batch per transport; the first failure fails the run."""
+        groups: dict[Transport, list[tuple[WriteOp, WriteRequest]]] = {}
+        for w in run.plan.buckets[bucket].writes:
+            dst = self._regions.get((w.dst_node, w.dst_region))
+            if dst is None:
+                raise WeightwireError(
+                    f"plan names region {w.dst_region} of {w.dst_node}, not advertised"
+                )
+            src = run.staging if w.src_region < 0 else self.source_region(w.src_region)
+            if src is None:
+                raise WeightwireError("the plan writes from staging, and this rank has none")
+            transport = await self.pick(w.dst_node, src, dst)
+            imm = encode_imm(run.version, w.slot)
+            req = WriteRequest(src, w.src_offset, dst, w.dst_offset, w.length, imm, w.lane)
+            groups.setdefault(transport, []).append((w, req))
+        outcomes = await asyncio.gather(
+            *(t.write_batch([req for _, req in items]) for t, items in groups.items())
+        )
+        for items, results in zip(groups.values(), outcomes, strict=True):
+            for (w, _), err in zip(items, results, strict=True):
+                if err is not None:
+                    raise err
+                run.bytes_done += w.length
+                run.writes_done += 1
+        run.bucket_landed[bucket] = time.time()
 
     def _written(self, run: Run, task: asyncio.Task[None]) -> None:
         run.tasks.discard(task)

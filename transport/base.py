@@ -16,7 +16,8 @@ hand completions back to the loop.
 from __future__ import annotations
 
 import abc
-from collections.abc import Awaitable, Callable
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
@@ -51,6 +52,19 @@ class LocalRegion:
                 f"of {self.length} bytes",
                 code=ErrorCode.OUT_OF_BOUNDS,
             )
+
+
+@dataclass(frozen=True, slots=True)
+class WriteRequest:
+    """One write of a batch (see `Transport.write_batch`)."""
+
+    src: LocalRegion
+    src_offset: int
+    dst: RegionDescriptor
+    dst_offset: int
+    length: int
+    imm: int | None
+    lane: int = 0
 
 
 class Transport(abc.ABC):
@@ -103,6 +117,20 @@ class Transport(abc.ABC):
     ) -> None:
         """Write `length` bytes; see the module docstring. `lane` picks one of the source's
         paths (a NIC, a stream); transports with a single path ignore it."""
+
+    async def write_batch(self, requests: Sequence[WriteRequest]) -> list[BaseException | None]:
+        """Post several writes at once (a bucket's); resolves once every one has finished,
+        with None or the error of each, in order. Each write keeps `write`'s contract.
+        Transports with per-write costs to save (one event, one wake-up per batch) override it.
+        """
+        outcomes = await asyncio.gather(
+            *(
+                self.write(r.src, r.src_offset, r.dst, r.dst_offset, r.length, r.imm, r.lane)
+                for r in requests
+            ),
+            return_exceptions=True,
+        )
+        return [o if isinstance(o, BaseException) else None for o in outcomes]
 
     @abc.abstractmethod
     async def close(self) -> None:

@@ -27,6 +27,7 @@ HOST_ALLOC_PORTABLE = 0x1
 POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
 RANGE_HANDLE_DMA_BUF_FD = 0x1
 NOT_READY = 600
+PEER_ACCESS_ALREADY_ENABLED = 704
 
 
 class CudaError(WeightwireError):
@@ -116,6 +117,35 @@ class Driver:
                 self._call("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), dev)
                 self._ctx[ordinal] = ctx
         self._call("cuCtxSetCurrent", ctx)
+
+    def enable_peer_access(self) -> list[tuple[int, int]]:
+        """Let every device reach every other directly (NVLink/PCIe P2P) where it can.
+
+        Without it, copies between memory of two devices go through the host at a fraction
+        of the link's rate. Returns the pairs (from, to) enabled.
+        """
+        for d in self.devices:
+            self.use(d.ordinal)
+        enabled = []
+        for a in self.devices:
+            self.use(a.ordinal)
+            for b in self.devices:
+                if a.ordinal == b.ordinal:
+                    continue
+                can = ctypes.c_int(0)
+                self._call(
+                    "cuDeviceCanAccessPeer",
+                    ctypes.byref(can),
+                    ctypes.c_int(a.ordinal),
+                    ctypes.c_int(b.ordinal),
+                )
+                if not can.value:
+                    continue
+                rc = self._lib.cuCtxEnablePeerAccess(self._ctx[b.ordinal], ctypes.c_uint(0))
+                if rc not in (0, PEER_ACCESS_ALREADY_ENABLED):
+                    raise CudaError(f"cuCtxEnablePeerAccess failed: {self.error_name(rc)}")
+                enabled.append((a.ordinal, b.ordinal))
+        return enabled
 
     # --- memory ------------------------------------------------------------------
 

@@ -19,12 +19,13 @@ import socket
 import struct
 import tempfile
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 import structlog
 
-from weightwire.protocol.errors import ErrorCode, PeerLostError, RegionError
+from weightwire.protocol.errors import ErrorCode, PeerLostError, RegionError, WeightwireError
 from weightwire.protocol.regions import (
     CudaEndpoint,
     CudaKey,
@@ -32,7 +33,13 @@ from weightwire.protocol.regions import (
     RegionKeys,
     TransportEndpoints,
 )
-from weightwire.transport.base import ImmHandler, LocalRegion, Transport, check_destination
+from weightwire.transport.base import (
+    ImmHandler,
+    LocalRegion,
+    Transport,
+    WriteRequest,
+    check_destination,
+)
 from weightwire.transport.cudadrv import CudaError, Driver, driver
 
 log = structlog.get_logger("weightwire.transport.cuda")
@@ -52,12 +59,20 @@ def host_id() -> str:
 
 @dataclass(eq=False, slots=True)
 class _Copy:
+    index: int  # in its batch
     dst: int
     src: int
     nbytes: int
-    future: asyncio.Future[None]
     imm: int | None
     dst_node: str
+
+
+@dataclass(eq=False, slots=True)
+class _Batch:
+    """Copies issued together on one stream, completed by one event."""
+
+    copies: list[_Copy]
+    future: asyncio.Future[dict[int, BaseException]]  # failures by index; {} when all landed
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,11 +97,12 @@ class CudaTransport(Transport):
         self._regions: dict[int, _Local] = {}
         self._peers: dict[str, str] = {}  # node -> its channel path
         self._opened: dict[bytes, int] = {}  # peer IPC handles opened here -> base pointer
-        self._queues: dict[int, queue.SimpleQueue[_Copy | None]] = {}
+        self._queues: dict[int, queue.SimpleQueue[_Batch | None]] = {}
         self._threads: list[threading.Thread] = []
         self._channel: socket.socket | None = None
         self._lock = threading.Lock()
-        self._stats = {"bytes_sent": 0, "writes": 0, "bytes_received": 0}
+        self._stats = {"bytes_sent": 0, "writes": 0, "bytes_received": 0, "batches": 0}
+        self.peers_enabled: list[tuple[int, int]] = []
 
     # --- lifecycle -----------------------------------------------------------
 
@@ -96,6 +112,10 @@ class CudaTransport(Transport):
             raise CudaError("the CUDA driver sees no GPU")
         self._loop = asyncio.get_running_loop()
         self._on_imm = on_imm
+        self.peers_enabled = await asyncio.to_thread(self._drv.enable_peer_access)
+        log.info(
+            "cuda transport ready", devices=len(self._drv.devices), p2p=len(self.peers_enabled)
+        )
         ch = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK)
         ch.bind(self._channel_path)
         self._channel = ch
@@ -229,18 +249,37 @@ class CudaTransport(Transport):
         imm: int | None,
         lane: int = 0,
     ) -> None:
-        src.check(src_offset, length, "source")
-        check_destination(dst, dst_offset, length)
-        dst_ptr, dst_dev = self._destination(dst, dst_offset, length)
-        device = src.device if src.kind == "gpu" and src.device is not None else dst_dev
-        assert self._loop is not None
-        fut: asyncio.Future[None] = self._loop.create_future()
-        self._queue(device).put(
-            _Copy(dst_ptr, src.address + src_offset, length, fut, imm, dst.node)
-        )
-        await fut
+        req = WriteRequest(src, src_offset, dst, dst_offset, length, imm, lane)
+        (err,) = await self.write_batch([req])
+        if err is not None:
+            raise err
 
-    def _queue(self, device: int) -> queue.SimpleQueue[_Copy | None]:
+    async def write_batch(self, requests: Sequence[WriteRequest]) -> list[BaseException | None]:
+        results: list[BaseException | None] = [None] * len(requests)
+        by_device: dict[int, list[_Copy]] = {}
+        for i, r in enumerate(requests):
+            try:
+                r.src.check(r.src_offset, r.length, "source")
+                check_destination(r.dst, r.dst_offset, r.length)
+                dst_ptr, dst_dev = self._destination(r.dst, r.dst_offset, r.length)
+            except WeightwireError as exc:
+                results[i] = exc
+                continue
+            device = r.src.device if r.src.kind == "gpu" and r.src.device is not None else dst_dev
+            copy = _Copy(i, dst_ptr, r.src.address + r.src_offset, r.length, r.imm, r.dst.node)
+            by_device.setdefault(device, []).append(copy)
+        assert self._loop is not None
+        pending = []
+        for device, copies in by_device.items():
+            fut: asyncio.Future[dict[int, BaseException]] = self._loop.create_future()
+            self._queue(device).put(_Batch(copies, fut))
+            pending.append(fut)
+        for failures in await asyncio.gather(*pending):
+            for i, failure in failures.items():
+                results[i] = failure
+        return results
+
+    def _queue(self, device: int) -> queue.SimpleQueue[_Batch | None]:
         q = self._queues.get(device)
         if q is None:
             q = self._queues[device] = queue.SimpleQueue()
@@ -251,8 +290,8 @@ class CudaTransport(Transport):
             self._threads.append(t)
         return q
 
-    def _worker(self, device: int, q: queue.SimpleQueue[_Copy | None]) -> None:
-        """Issue every queued copy on one stream, then complete them in order."""
+    def _worker(self, device: int, q: queue.SimpleQueue[_Batch | None]) -> None:
+        """Issue every queued batch on one stream, one event after each; complete them in order."""
         drv = self._drv
         assert drv is not None and self._loop is not None
         drv.use(device)
@@ -261,8 +300,8 @@ class CudaTransport(Transport):
             first = q.get()
             if first is None:
                 return
-            batch = [first]
-            while len(batch) < 64:
+            batches = [first]
+            while True:
                 try:
                     nxt = q.get_nowait()
                 except queue.Empty:
@@ -270,48 +309,60 @@ class CudaTransport(Transport):
                 if nxt is None:
                     q.put(None)
                     break
-                batch.append(nxt)
-            issued: list[tuple[_Copy, int | None, BaseException | None]] = []
-            for c in batch:
+                batches.append(nxt)
+            issued: list[tuple[_Batch, int | None, dict[int, BaseException]]] = []
+            for b in batches:
+                failures: dict[int, BaseException] = {}
+                for c in b.copies:
+                    try:
+                        drv.copy_async(c.dst, c.src, c.nbytes, stream)
+                    except CudaError as exc:
+                        failures[c.index] = exc
                 try:
-                    drv.copy_async(c.dst, c.src, c.nbytes, stream)
                     event = drv.event()
                     drv.record(event, stream)
-                    issued.append((c, event, None))
+                    issued.append((b, event, failures))
                 except CudaError as exc:
-                    issued.append((c, None, exc))
-            for c, ev, err in issued:
+                    issued.append((b, None, {c.index: exc for c in b.copies}))
+            for b, ev, failures in issued:
                 if ev is not None:
                     try:
                         drv.wait_event(ev)
                     except CudaError as exc:
-                        err = exc
+                        failures = {c.index: exc for c in b.copies}
                     finally:
                         drv.destroy_event(ev)
-                if err is None:
-                    with self._lock:
-                        self._stats["bytes_sent"] += c.nbytes
-                        self._stats["writes"] += 1
+                landed = [c for c in b.copies if c.index not in failures]
+                with self._lock:
+                    self._stats["bytes_sent"] += sum(c.nbytes for c in landed)
+                    self._stats["writes"] += len(landed)
+                    self._stats["batches"] += 1
+                imms: dict[str, list[int]] = {}
+                for c in landed:
                     if c.imm is not None:
-                        self._deliver(c.dst_node, c.imm)
-                self._loop.call_soon_threadsafe(_settle, c.future, err)
+                        imms.setdefault(c.dst_node, []).append(c.imm)
+                for node, values in imms.items():
+                    self._deliver(node, values)
+                self._loop.call_soon_threadsafe(_settle, b.future, failures)
 
-    def _deliver(self, node: str, imm: int) -> None:
-        """The immediate of a finished copy, to whichever transport owns the destination."""
+    def _deliver(self, node: str, imms: list[int]) -> None:
+        """Immediates of finished copies, to whichever transport owns the destination."""
         owner = self if node == self.node else _INSTANCES.get(node)
         if owner is not None:
             assert owner._loop is not None
-            owner._loop.call_soon_threadsafe(owner._receive, imm, self.node)
+            owner._loop.call_soon_threadsafe(owner._receive, imms, self.node)
             return
         path = self._peers.get(node)
         if path is None or self._channel is None:
             return
-        with contextlib.suppress(OSError):
-            self._channel.sendto(b"I" + _IMM.pack(imm) + self.node.encode(), path)
+        for imm in imms:
+            with contextlib.suppress(OSError):
+                self._channel.sendto(b"I" + _IMM.pack(imm) + self.node.encode(), path)
 
-    def _receive(self, imm: int, source: str) -> None:
+    def _receive(self, imms: list[int], source: str) -> None:
         if self._on_imm is not None:
-            self._on_imm(imm, source)
+            for imm in imms:
+                self._on_imm(imm, source)
 
     def _on_channel(self) -> None:
         assert self._channel is not None
@@ -323,7 +374,7 @@ class CudaTransport(Transport):
             kind, body = data[:1], data[1:]
             if kind == b"I" and len(body) > _IMM.size:
                 (imm,) = _IMM.unpack_from(body)
-                self._receive(imm, body[_IMM.size :].decode(errors="replace"))
+                self._receive([imm], body[_IMM.size :].decode(errors="replace"))
             elif kind == b"B":
                 self._peers.pop(body.decode(errors="replace"), None)
 
@@ -332,10 +383,8 @@ class CudaTransport(Transport):
             return dict(self._stats)
 
 
-def _settle(fut: asyncio.Future[None], err: BaseException | None) -> None:
-    if fut.done():
-        return
-    if err is None:
-        fut.set_result(None)
-    else:
-        fut.set_exception(err)
+def _settle(
+    fut: asyncio.Future[dict[int, BaseException]], failures: dict[int, BaseException]
+) -> None:
+    if not fut.done():
+        fut.set_result(failures)

@@ -20,8 +20,10 @@ class Bounce:
         self._device: int | None = None
         self._stream = 0
 
-    def buffer(self, nbytes: int) -> memoryview:
+    def buffer(self, nbytes: int, device: int) -> memoryview:
+        """At least `nbytes` of pinned memory (allocated with `device`'s context current)."""
         if nbytes > self._size:
+            self._on(device)
             drv = driver()
             if self._address:
                 if self._view is not None:
@@ -47,7 +49,7 @@ class Bounce:
         drv.synchronize(self._stream)
 
     def from_device(self, device: int, src: int, nbytes: int) -> memoryview:
-        view = self.buffer(nbytes)
+        view = self.buffer(nbytes, device)
         self._on(device)
         drv = driver()
         drv.copy_async(self._address, src, nbytes, self._stream)

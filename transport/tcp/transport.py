@@ -95,7 +95,8 @@ class StreamSink:
             return self.table.target(write)
         self.bounce = self.bounce or Bounce()
         self._gpu = region
-        return self.bounce.buffer(write.length)
+        assert region.device is not None
+        return self.bounce.buffer(write.length, region.device)
 
     def landed(self, write: Write) -> None:
         if self._gpu is not None and self.bounce is not None:

@@ -563,9 +563,7 @@ class VerbsTransport(Transport):
         for link in list(peer.links.values()):
             self._kill_link(link, f"{peer.node}: {reason}", notify=notify)
         peer.links.clear()
-        peer.valid.clear()
-        for task in peer.checking.values():
-            task.cancel()
+        peer.valid.clear()  # checks still running end by their own timeout
 
     def _kill_link(self, link: _Link, reason: str, *, notify: bool) -> None:
         """Fail everything on the link, destroy its QPs, forget it (and tell the peer)."""
@@ -807,6 +805,9 @@ class VerbsTransport(Transport):
                 link.up.exception()  # retrieved: other waiters get it from their own await
             self._kill_link(link, err.message, notify=False)
             raise err from None
+        if self._peers.get(peer.node) is not peer:  # disconnected meanwhile
+            self._kill_link(link, f"{peer.node} was disconnected", notify=True)
+            raise PeerLostError(f"{peer.node} was disconnected")
         link.up.set_result(None)
         self._stats["links"] = sum(len(p.links) for p in self._peers.values())
         return link
@@ -959,6 +960,8 @@ class VerbsTransport(Transport):
         sdev = reg.devices[lane % len(reg.devices)]
         key = dst.keys.verbs[lane % len(dst.keys.verbs)]
         await self._validate(peer, dst, key)
+        if self._peers.get(dst.node) is not peer:
+            raise PeerLostError(f"{dst.node} was disconnected")
         link = await self._link(peer, sdev, key.device)
         if self._peers.get(dst.node) is not peer or link.dead:
             raise PeerLostError(link.dead or f"{dst.node} was disconnected")
