@@ -39,12 +39,14 @@ PAIR = os.environ.get("WEIGHTWIRE_RDMA_PAIR", "").split()
 ADDRESSES = ["10.233.0.1", "10.233.0.2"]  # rxe1 / rxe2 netdevs in the VM (scripts/rdma-vm.sh)
 TORCH = importlib.util.find_spec("torch") is not None
 HERE = Path(__file__).parent
-pytestmark = [
-    pytest.mark.rdma,
-    pytest.mark.skipif(not OK, reason=f"no RDMA device: {WHY} (make test-rdma runs it)"),
-    pytest.mark.skipif(len(PAIR) != 2, reason="needs the VM's rxe1/rxe2 pair (make test-rdma)"),
-    pytest.mark.skipif(not TORCH, reason="the ranks need torch (RDMA_VM_TORCH=1)"),
-]
+pytestmark = pytest.mark.rdma
+if not OK:
+    pytest.skip(f"no RDMA device ({WHY}); make test-rdma runs it", allow_module_level=True)
+if len(PAIR) != 2 or not TORCH:
+    pytest.skip(
+        "needs the Soft-RoCE VM's rxe1/rxe2 pair and torch (make test-rdma)",
+        allow_module_level=True,
+    )
 FAST = {
     "heartbeat-interval-s": "0.3",
     "heartbeat-timeout-s": "6",  # a loaded 2-core TCG VM: no false losses
