@@ -256,6 +256,23 @@ class Driver:
             ctypes.c_void_p(stream),
         )
 
+    def copy_peer_async(
+        self, dst: int, dst_device: int, src: int, src_device: int, nbytes: int, stream: int
+    ) -> None:
+        """Device to device across GPUs, naming both contexts (a direct P2P copy once peer
+        access is enabled)."""
+        self.use(dst_device)
+        self.use(src_device)
+        self._call(
+            "cuMemcpyPeerAsync",
+            ctypes.c_uint64(dst),
+            self._ctx[dst_device],
+            ctypes.c_uint64(src),
+            self._ctx[src_device],
+            ctypes.c_size_t(nbytes),
+            ctypes.c_void_p(stream),
+        )
+
     def event(self) -> int:
         e = ctypes.c_void_p()
         self._call("cuEventCreate", ctypes.byref(e), ctypes.c_uint(EVENT_DISABLE_TIMING))

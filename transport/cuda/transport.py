@@ -45,6 +45,10 @@ from weightwire.transport.cudadrv import CudaError, Driver, driver
 log = structlog.get_logger("weightwire.transport.cuda")
 
 _IMM = struct.Struct("<I")
+# How a copy between two GPUs is issued: "map" opens the destination's IPC handle in the
+# copying device's context (peer mapping), "peer" names both contexts (cuMemcpyPeerAsync),
+# "plain" relies on unified addressing alone.
+P2P = os.environ.get("WEIGHTWIRE_CUDA_P2P", "map")
 _INSTANCES: dict[str, CudaTransport] = {}  # transports of this process, by node
 
 
@@ -65,6 +69,7 @@ class _Copy:
     nbytes: int
     imm: int | None
     dst_node: str
+    dst_device: int = -1  # set when the copy crosses GPUs through cuMemcpyPeerAsync
 
 
 @dataclass(eq=False, slots=True)
@@ -97,6 +102,7 @@ class CudaTransport(Transport):
         self._regions: dict[int, _Local] = {}
         self._peers: dict[str, str] = {}  # node -> its channel path
         self._opened: dict[bytes, int] = {}  # peer IPC handles opened here -> base pointer
+        self._peer_maps: dict[tuple[bytes, int], int] = {}  # (handle, device) -> base there
         self._queues: dict[int, queue.SimpleQueue[_Batch | None]] = {}
         self._threads: list[threading.Thread] = []
         self._channel: socket.socket | None = None
@@ -156,10 +162,12 @@ class CudaTransport(Transport):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._channel_path)
         if self._drv is not None:
-            for base in self._opened.values():
-                with contextlib.suppress(CudaError):
-                    self._drv.ipc_close(base)
+            for base in [*self._opened.values(), *self._peer_maps.values()]:
+                if base:
+                    with contextlib.suppress(CudaError):
+                        self._drv.ipc_close(base)
         self._opened.clear()
+        self._peer_maps.clear()
 
     # --- regions -------------------------------------------------------------
 
@@ -239,6 +247,33 @@ class CudaTransport(Transport):
             )
         return base + key.offset + dst_offset, self._drv.ordinal_of(key.device_uuid)
 
+    def _mapped(self, dst: RegionDescriptor, ptr: int, dst_dev: int, device: int) -> int:
+        """`ptr` (in `dst`, on GPU dst_dev) as the copying device sees it: the destination's
+        IPC handle opened once in `device`'s context, so its copy engine writes peer to peer."""
+        assert self._drv is not None
+        owner = self if dst.node == self.node else _INSTANCES.get(dst.node)
+        local = owner._regions.get(dst.id) if owner is not None else None
+        if local is not None:
+            handle, base = local.handle, local.region.address - local.offset
+        elif dst.keys.cuda is not None:
+            handle = dst.keys.cuda.ipc_handle
+            base = self._opened[handle]
+        else:
+            return ptr
+        key = (handle, device)
+        with self._lock:
+            mapped = self._peer_maps.get(key)
+            if mapped is None:
+                try:
+                    self._drv.use(device)
+                    mapped = self._peer_maps[key] = self._drv.ipc_open(handle)
+                except CudaError as exc:  # e.g. the same process exported it: keep the plain copy
+                    log.info(
+                        "no peer mapping; copying through unified addressing", error=exc.message
+                    )
+                    mapped = self._peer_maps[key] = 0
+        return ptr if not mapped else mapped + (ptr - base)
+
     async def write(
         self,
         src: LocalRegion,
@@ -267,6 +302,11 @@ class CudaTransport(Transport):
                 continue
             device = r.src.device if r.src.kind == "gpu" and r.src.device is not None else dst_dev
             copy = _Copy(i, dst_ptr, r.src.address + r.src_offset, r.length, r.imm, r.dst.node)
+            if device != dst_dev and r.src.kind == "gpu":
+                if P2P == "map":
+                    copy.dst = self._mapped(r.dst, dst_ptr, dst_dev, device)
+                elif P2P == "peer":
+                    copy.dst_device = dst_dev
             by_device.setdefault(device, []).append(copy)
         assert self._loop is not None
         pending = []
@@ -315,7 +355,12 @@ class CudaTransport(Transport):
                 failures: dict[int, BaseException] = {}
                 for c in b.copies:
                     try:
-                        drv.copy_async(c.dst, c.src, c.nbytes, stream)
+                        if c.dst_device >= 0:
+                            drv.copy_peer_async(
+                                c.dst, c.dst_device, c.src, device, c.nbytes, stream
+                            )
+                        else:
+                            drv.copy_async(c.dst, c.src, c.nbytes, stream)
                     except CudaError as exc:
                         failures[c.index] = exc
                 try:
