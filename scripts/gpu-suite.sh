@@ -123,6 +123,13 @@ if ! "$PY" -c "import weightwire.transport.cuda, weightwire.bench.gpu.launcher, 
         { note "FAIL: weightwire does not import; nothing else can run"; exit 1; }
 fi
 
+# --- how a third process copies between two GPUs (the cuda transport's case) ------------
+if ((NGPU >= 2 && !SELFTEST)); then
+    echo "== cuda p2p probe (copy strategies of the cuda transport, beside torch's peer copy)"
+    timeout -k 5 90 "$PY" scripts/cuda_p2p_probe.py 2>&1 | tee "$OUT/$TAG-p2p.json" ||
+        note "FAIL: cuda p2p probe"
+fi
+
 # --- the GPU tests ---------------------------------------------------------------------
 mapfile -t GPU_TESTS < <(grep -l 'mark.gpu' tests/test_*.py)
 T=$(cap 170 240)
