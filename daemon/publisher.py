@@ -46,6 +46,9 @@ class Run:
     first_post: float = 0.0
     bucket_posted: dict[int, float] = field(default_factory=dict)  # wall clock
     bucket_landed: dict[int, float] = field(default_factory=dict)
+    routes: dict[tuple[int, str, int], tuple[Transport, LocalRegion, RegionDescriptor]] = field(
+        default_factory=dict
+    )
     bytes_done: int = 0
     writes_done: int = 0
     error: WeightwireError | None = None
@@ -138,19 +141,26 @@ class Publisher:
         run.tasks.add(task)
         task.add_done_callback(lambda t, run=run: self._written(run, t))
 
+    async def _route(self, run: Run, w: WriteOp) -> tuple[Transport, LocalRegion, RegionDescriptor]:
+        dst = self._regions.get((w.dst_node, w.dst_region))
+        if dst is None:
+            raise WeightwireError(
+                f"plan names region {w.dst_region} of {w.dst_node}, not advertised"
+            )
+        src = run.staging if w.src_region < 0 else self.source_region(w.src_region)
+        if src is None:
+            raise WeightwireError("the plan writes from staging, and this rank has none")
+        return await self.pick(w.dst_node, src, dst), src, dst
+
     async def _post(self, run: Run, bucket: int) -> None:
         """All writes of a bucket, one batch per transport; the first failure fails the run."""
         groups: dict[Transport, list[tuple[WriteOp, WriteRequest]]] = {}
         for w in run.plan.buckets[bucket].writes:
-            dst = self._regions.get((w.dst_node, w.dst_region))
-            if dst is None:
-                raise WeightwireError(
-                    f"plan names region {w.dst_region} of {w.dst_node}, not advertised"
-                )
-            src = run.staging if w.src_region < 0 else self.source_region(w.src_region)
-            if src is None:
-                raise WeightwireError("the plan writes from staging, and this rank has none")
-            transport = await self.pick(w.dst_node, src, dst)
+            route = run.routes.get((w.src_region, w.dst_node, w.dst_region))
+            if route is None:  # once per (source region, destination region) of the run
+                route = await self._route(run, w)
+                run.routes[(w.src_region, w.dst_node, w.dst_region)] = route
+            transport, src, dst = route
             imm = encode_imm(run.version, w.slot)
             req = WriteRequest(src, w.src_offset, dst, w.dst_offset, w.length, imm, w.lane)
             groups.setdefault(transport, []).append((w, req))

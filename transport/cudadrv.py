@@ -64,6 +64,10 @@ class Driver:
             raise CudaError(f"no CUDA driver library ({name}): {exc}") from None
         self._ctx: dict[int, ctypes.c_void_p] = {}
         self._lock = threading.Lock()
+        # the calls made once per write, bound with their argument types (no per-call lookups)
+        self._memcpy = self._lib.cuMemcpyAsync
+        self._memcpy.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+        self._memcpy.restype = ctypes.c_int
         self._call("cuInit", ctypes.c_uint(0))
         count = ctypes.c_int()
         self._call("cuDeviceGetCount", ctypes.byref(count))
@@ -248,13 +252,9 @@ class Driver:
 
     def copy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         """Any direction (unified addressing): device, peer device, or pinned host memory."""
-        self._call(
-            "cuMemcpyAsync",
-            ctypes.c_uint64(dst),
-            ctypes.c_uint64(src),
-            ctypes.c_size_t(nbytes),
-            ctypes.c_void_p(stream),
-        )
+        rc = self._memcpy(dst, src, nbytes, stream)
+        if rc != 0:
+            raise CudaError(f"cuMemcpyAsync failed: {self.error_name(rc)}")
 
     def copy_peer_async(
         self, dst: int, dst_device: int, src: int, src_device: int, nbytes: int, stream: int
