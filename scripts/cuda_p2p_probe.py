@@ -41,7 +41,10 @@ sys.stdin.readline()
 
 def main() -> None:
     exp = subprocess.Popen(
-        [sys.executable, "-c", EXPORTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", f"N = {N}\n{EXPORTER}"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     info = json.loads(exp.stdout.readline())
     from weightwire.transport.cudadrv import driver
