@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -10,7 +9,6 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
-from weightwire.protocol import PROTOCOL_VERSION
 from weightwire.protocol.errors import (
     ErrorCode,
     PeerLostError,
@@ -20,7 +18,6 @@ from weightwire.protocol.errors import (
 from weightwire.protocol.local import (
     DeclareDestinations,
     EngineLayout,
-    Hello,
     LocalMessage,
     RegionRegistered,
     RegisterRegion,
@@ -31,9 +28,9 @@ from weightwire.protocol.local import (
 from weightwire.protocol.tensors import Box, DestTensor, Piece
 from weightwire.transport.hostmem import SharedFile, create_shared
 
-from .connection import DaemonConnection, expect
-from .cuda import gpu_uuid
+from .connection import expect
 from .dtypes import name_of
+from .rank import RankClient
 
 ALIGN = 256
 
@@ -67,7 +64,7 @@ class VersionInfo:
     seconds: float
 
 
-class Engine:
+class Engine(RankClient):
     """One engine rank. `register` moves its tensors into memory the daemon can write."""
 
     def __init__(
@@ -80,24 +77,18 @@ class Engine:
         timeout_s: float = 300.0,
         device: int | None = None,
     ) -> None:
-        self.rank, self.world_size, self.job, self.timeout_s = rank, world_size, job, timeout_s
         self._callbacks: list[Callable[[VersionInfo | Exception], None]] = []
         self._latest: VersionInfo | None = None
         self._cond = threading.Condition()
-        self._hello = Hello(
-            protocol=PROTOCOL_VERSION,
-            role="engine",
-            rank=rank,
-            world_size=world_size,
+        super().__init__(
+            "engine",
+            rank,
+            world_size,
+            socket=socket,
             job=job,
-            pid=os.getpid(),
-            client="weightwire.client.Engine",
-            device_uuid=gpu_uuid(device),
+            timeout_s=timeout_s,
+            device=device,
         )
-        self._conn = DaemonConnection(
-            socket, on_notify=self._on_notify, on_reset=self._replay, on_lost=self._lost
-        )
-        self._conn.request(self._hello)
         self._regions: list[SharedFile] = []
         self._buffers: list[torch.Tensor] = []
         self._declared: list[
@@ -266,28 +257,14 @@ class Engine:
     def _replay(self) -> None:
         """The daemon restarted: register the same memory again, on a fresh session."""
         self._conn.fail_pending(PeerLostError("the daemon restarted; wait again"))
-        self._conn.request(self._hello)
+        super()._replay()
         for i, (request, specs, layout) in enumerate(self._declared):
             region = expect(self._conn.request(request), RegionRegistered).region
             specs = tuple(msgspec.structs.replace(t, region=region) for t in specs)
             self._conn.request(DeclareDestinations(tensors=specs, layout=layout))
             self._declared[i] = (request, specs, layout)
 
-    def _lost(self) -> None:
-        self._conn.fail_pending(
-            PeerLostError(
-                f"the daemon at {self._conn.path} has not answered for "
-                f"{self._conn.lost_after_s:.0f} s"
-            )
-        )
-
     def close(self) -> None:
-        self._conn.close()
+        super().close()
         for shared in self._regions:
             shared.unlink()
-
-    def __enter__(self) -> Engine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

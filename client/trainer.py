@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 import queue
 import threading
 import time
@@ -14,7 +13,6 @@ from typing import Literal
 
 import torch
 
-from weightwire.protocol import PROTOCOL_VERSION
 from weightwire.protocol.errors import (
     ErrorCode,
     PeerLostError,
@@ -28,7 +26,6 @@ from weightwire.protocol.local import (
     BucketReady,
     DeclareSources,
     GetPlan,
-    Hello,
     LocalMessage,
     PlanReply,
     PublishResult,
@@ -40,10 +37,10 @@ from weightwire.protocol.tensors import SourceTensor
 from weightwire.transport.hostmem import SharedFile, create_shared
 
 from .connection import DaemonConnection, expect
-from .cuda import gpu_uuid
 from .dtypes import name_of
 from .layouts import Full, Layout, local_box
 from .pack import Packer
+from .rank import RankClient
 from .staging import Staging
 
 
@@ -122,7 +119,7 @@ class _Registered:
     spec: SourceTensor
 
 
-class Trainer:
+class Trainer(RankClient):
     """One trainer rank. `publish` returns once this rank's writes have all landed."""
 
     def __init__(
@@ -139,24 +136,18 @@ class Trainer:
         """`staging`: where buckets are packed. "gpu" (the default when the tensors are on a
         GPU) keeps everything on the device; "cpu" is the pinned CPU replica in the
         engines' layout (host memory the daemon sends from, e.g. over tcp or RDMA)."""
-        self.rank, self.world_size, self.job, self.timeout_s = rank, world_size, job, timeout_s
         self.placement = staging
         self._results: dict[int, Future[PublishResult]] = {}
         self._lock = threading.Lock()
-        self._hello = Hello(
-            protocol=PROTOCOL_VERSION,
-            role="trainer",
-            rank=rank,
-            world_size=world_size,
+        super().__init__(
+            "trainer",
+            rank,
+            world_size,
+            socket=socket,
             job=job,
-            pid=os.getpid(),
-            client="weightwire.client.Trainer",
-            device_uuid=gpu_uuid(device),
+            timeout_s=timeout_s,
+            device=device,
         )
-        self._conn = DaemonConnection(
-            socket, on_notify=self._on_notify, on_reset=self._replay, on_lost=self._lost
-        )
-        self._conn.request(self._hello)
         self._tensors: dict[str, _Registered] = {}
         self._plan: RankPlan | None = None
         self._staging: Staging | None = None
@@ -395,7 +386,7 @@ class Trainer:
     def _replay(self) -> None:
         """The daemon restarted: register everything again, on a fresh session."""
         self._fail_pending(PeerLostError("the daemon restarted mid-version; publish again"))
-        self._conn.request(self._hello)
+        super()._replay()
         if self._tensors:
             self._conn.request(
                 DeclareSources(tensors=tuple(r.spec for r in self._tensors.values()))
@@ -404,16 +395,8 @@ class Trainer:
             self._conn.request(self._staging.request())
         self._plan = None
 
-    def _lost(self) -> None:
-        self._fail_pending(
-            PeerLostError(
-                f"the daemon at {self._conn.path} has not answered for "
-                f"{self._conn.lost_after_s:.0f} s"
-            )
-        )
-
     def _fail_pending(self, exc: Exception) -> None:
-        self._conn.fail_pending(exc)
+        super()._fail_pending(exc)
         with self._lock:
             pending = list(self._results.values())
         for fut in pending:
@@ -421,16 +404,10 @@ class Trainer:
                 fut.set_exception(exc)
 
     def close(self) -> None:
-        self._conn.close()
+        super().close()
         if self._staging is not None:
             self._staging.close()
             self._staging = None
         for _, shared, _ in self._sources:
             shared.unlink()
         self._sources.clear()
-
-    def __enter__(self) -> Trainer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
