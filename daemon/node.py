@@ -6,7 +6,6 @@ ranks, and (when configured) the coordinator role.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import secrets
@@ -21,14 +20,11 @@ import zmq.asyncio
 import weightwire
 from weightwire.plan.planner import PlanOptions
 from weightwire.protocol import PROTOCOL_VERSION
-from weightwire.protocol.errors import ErrorCode, PeerLostError, PlanError, WeightwireError
+from weightwire.protocol.errors import ErrorCode, PlanError
 from weightwire.protocol.frames import Codec
 from weightwire.protocol.local import (
     LocalMessage,
-    PlanReply,
     PublishResult,
-    VersionComplete,
-    VersionFailed,
 )
 from weightwire.protocol.peer import (
     Advertise,
@@ -39,38 +35,36 @@ from weightwire.protocol.peer import (
     PeerError,
     PeerHello,
     PeerMessage,
-    PeerMsg,
     PeerWelcome,
     PlanProblem,
-    RankAdvert,
     TransportSignal,
     VersionAbort,
     VersionStart,
 )
-from weightwire.protocol.plan import MAX_SLOTS, NodePlan
-from weightwire.protocol.regions import RegionDescriptor, TransportEndpoints
-from weightwire.transport.base import LocalRegion, Transport
+from weightwire.protocol.plan import NodePlan
+from weightwire.protocol.regions import TransportEndpoints
+from weightwire.transport.base import Transport
 from weightwire.transport.hostmem import sweep_stale
 
 from .completion import Completions
 from .config import DaemonConfig
 from .coordinator import Coordinator
+from .dataplane import DataPlane
 from .local import LocalServer
 from .notify import Notifier
-from .peers import PeerMesh
+from .peers import COORDINATOR, PeerMesh
+from .plans import PlanKeeping
 from .publisher import Publisher
-from .regions import Region, RegionRegistry
+from .ranks import RankService
+from .regions import RegionRegistry
 from .security import load as load_security
 from .security import start_authenticator
-from .sessions import Session
 from .transports import make_transports
 
 log = structlog.get_logger("weightwire.daemon")
 
-COORDINATOR = "@coordinator"  # the mesh's name for the coordinator until it says its own
 
-
-class Daemon:
+class Daemon(RankService, PlanKeeping, DataPlane):
     def __init__(self, config: DaemonConfig) -> None:
         self.cfg = config.resolved()
         security = load_security(self.cfg)
@@ -293,22 +287,6 @@ class Daemon:
             for job in {s.job for s in self.local.sessions.values()}:
                 self.advertise(job)
 
-    @staticmethod
-    def _nodes_of(plan: NodePlan) -> set[str]:
-        nodes = {r.node for s in plan.sends for r in s.regions}
-        return nodes | {n for e in plan.expects for n in e.sources}
-
-    def _withdraw(self, job: str, reason: str) -> None:
-        """Stop using a job's plan (it involves a lost node) until the coordinator sends one."""
-        plan = self.plans.pop(job, None)
-        if plan is None:
-            return
-        log.warning("plan withdrawn", job=job, plan=plan.plan_hash, reason=reason)
-        for (j, _), pub in self.publishers.items():
-            if j == job:
-                pub.set_plan(None, reason)
-        self.advertise(job)
-
     # --- peer messages -------------------------------------------------------
 
     async def on_peer(self, sender: str, msg: PeerMessage) -> None:
@@ -385,290 +363,6 @@ class Daemon:
             self.node_lost(node, f"{node} restarted")
         if member is None or member.incarnation == incarnation:
             self.node_back(node)
-
-    # --- advertising and plans -----------------------------------------------
-
-    def advertise(self, job: str) -> None:
-        ranks: list[RankAdvert] = []
-        for s in sorted(self.local.sessions.values(), key=lambda s: (s.role, s.rank)):
-            if s.job != job:
-                continue
-            if s.role == "trainer" and s.sources:
-                ranks.append(
-                    RankAdvert(
-                        role="trainer",
-                        rank=s.rank,
-                        world_size=s.hello.world_size,
-                        sources=tuple(s.sources.values()),
-                        lanes=self._lanes(s),
-                    )
-                )
-            elif s.role == "engine" and s.destinations:
-                ranks.append(
-                    RankAdvert(
-                        role="engine",
-                        rank=s.rank,
-                        world_size=s.hello.world_size,
-                        destinations=tuple(s.destinations.values()),
-                        layout=s.layout,
-                        regions=tuple(r.descriptor for r in self.registry.of_session(s.id)),
-                        slot=self._slot(s.job, s.rank),
-                        lanes=self._lanes(s),
-                    )
-                )
-        self.advert_seq += 1
-        self.mesh.send_soon(
-            self.coordinator_name or COORDINATOR,
-            Advertise(
-                node=self.node,
-                incarnation=self.incarnation,
-                job=job,
-                ranks=tuple(ranks),
-                seq=self.advert_seq,
-                plan_hash=self.plans[job].plan_hash if job in self.plans else "",
-            ),
-        )
-
-    def _lanes(self, session: Session) -> int:
-        """How many paths (NICs) this node's data planes have for the rank's memory."""
-        return max(t.lanes(session.hello.device_uuid) for t in self.transports)
-
-    def _slot(self, job: str, rank: int) -> int:
-        """The immediate counter of an engine rank here: stable while its session lives."""
-        key = (job, rank)
-        if key not in self.slots:
-            used = set(self.slots.values())
-            self.slots[key] = next(i for i in range(MAX_SLOTS) if i not in used)
-        return self.slots[key]
-
-    def install_plan(self, plan: NodePlan) -> None:
-        old = self.plans.get(plan.job)
-        self.plans[plan.job] = plan
-        self.plan_problems.pop(plan.job, None)
-        if old is None or old.plan_hash != plan.plan_hash:
-            log.info(
-                "plan installed",
-                job=plan.job,
-                plan=plan.plan_hash,
-                trainer_ranks=[s.rank for s in plan.sends],
-                engine_ranks=[e.rank for e in plan.expects],
-            )
-        for rp in plan.sends:
-            pub = self.publishers.get((plan.job, rp.rank))
-            if pub is not None:
-                pub.set_plan(rp)
-        self.completions.install(plan.job, plan.plan_hash, plan.expects)
-        related = self._nodes_of(plan)
-        now = time.monotonic()
-        self.related_since = {
-            n: self.related_since.get(n, now) for n in related | set(self._other_related(plan.job))
-        }
-        for node in related - {self.node}:
-            self._spawn(self._connect_quietly(node))
-        for fut in self.plan_waiters.pop(plan.job, []):
-            if not fut.done():
-                fut.set_result(None)
-
-    def _other_related(self, job: str) -> set[str]:
-        nodes: set[str] = set()
-        for name, p in self.plans.items():
-            if name == job:
-                continue
-            nodes |= {r.node for s in p.sends for r in s.regions}
-            nodes |= {n for e in p.expects for n in e.sources}
-        return nodes
-
-    async def _connect_quietly(self, node: str) -> None:
-        with contextlib.suppress(WeightwireError):
-            await self.transport_to(node)
-
-    def _plan_problem(self, job: str, err: PlanError) -> None:
-        self.plans.pop(job, None)
-        self.plan_problems[job] = err
-        self.completions.drop_job(job, err.message)
-        for fut in self.plan_waiters.pop(job, []):
-            if not fut.done():
-                fut.set_exception(err)
-
-    async def transport_to(
-        self, node: str, src: LocalRegion | None = None, dst: RegionDescriptor | None = None
-    ) -> Transport:
-        """The preferred transport that reaches `node` and carries src -> dst, connected."""
-        member = self.members.get(node)
-        if member is None:
-            raise PeerLostError(f"node {node} is not a member of the cluster")
-        for t in self.transports:
-            if not t.can_reach(member.transports):
-                continue
-            if src is not None and dst is not None and not t.accepts(src, dst):
-                continue
-            await t.connect(node, member.transports)
-            return t
-        raise PeerLostError(f"no transport of {self.node} reaches {node} for this write")
-
-    # --- signals between transport instances ---------------------------------
-
-    def _signal_for(self, transport: Transport) -> Any:
-        async def signal(node: str, payload: bytes) -> bytes:
-            msg = TransportSignal(transport=transport.name, node=self.node, payload=payload)
-            reply = await self.mesh.request(node, msg, self.cfg.stall_timeout_s)
-            if not isinstance(reply, TransportSignal):
-                raise PeerLostError(f"{node} answered a {transport.name} signal with {reply}")
-            return reply.payload
-
-        return signal
-
-    async def _answer_signal(self, sender: str, req: int, name: str, payload: bytes) -> None:
-        transport = next((t for t in self.transports if t.name == name), None)
-        if transport is None:
-            self.mesh.send_soon(sender, PeerError(code="invalid", message=f"no transport {name}"))
-            return
-        answer = await transport.on_signal(sender, payload)
-        self.mesh.send_soon(
-            sender,
-            TransportSignal(req=req, transport=name, node=self.node, payload=answer, reply=True),
-        )
-
-    # --- what the local server asks of the daemon ----------------------------
-
-    def publisher(self, session: Session) -> Publisher:
-        if session.role != "trainer":
-            raise WeightwireError(f"a {session.role} session cannot publish")
-        key = (session.job, session.rank)
-        pub = self.publishers.get(key)
-        if pub is None:
-            pub = Publisher(
-                job=session.job,
-                rank=session.rank,
-                pick=self.transport_to,
-                reply=lambda result, s=session: self.local.send(s.identity, result),
-                announce=lambda v, kind, m, nodes, s=session: self._announce(s, v, kind, m, nodes),
-                source_region=lambda rid, s=session: self._own_region(s, rid),
-            )
-            pub.previous = self.detached.pop(key, None)
-            self.publishers[key] = pub
-            plan = self.plans.get(session.job)
-            for rp in plan.sends if plan else ():
-                if rp.rank == session.rank:
-                    pub.set_plan(rp)
-        return pub
-
-    def _announce(
-        self, session: Session, version: int, kind: str, message: str, nodes: set[str]
-    ) -> None:
-        msg: PeerMsg
-        if kind == "start":
-            msg = VersionStart(
-                job=session.job, version=version, source_node=self.node, source_rank=session.rank
-            )
-        else:
-            msg = VersionAbort(
-                job=session.job,
-                version=version,
-                source_node=self.node,
-                source_rank=session.rank,
-                code=ErrorCode.ABORTED.value,
-                message=message,
-            )
-        for node in nodes:
-            self.mesh.send_soon(node, msg)
-
-    def _own_region(self, session: Session, region_id: int) -> LocalRegion:
-        region = self.registry.regions.get(region_id)
-        if region is None or region.session != session.id:
-            raise WeightwireError(
-                f"region {region_id} is not registered by trainer rank {session.rank}",
-                code=ErrorCode.UNKNOWN_REGION,
-            )
-        return region.local
-
-    def region_added(self, session: Session, region: Region) -> None:
-        if session.role == "trainer" and region.purpose == "staging":
-            self.publisher(session).staging = region.local
-        elif session.role == "engine" and session.destinations:
-            self.advertise(session.job)
-
-    async def plan_for(self, session: Session, req: int, timeout_s: float) -> PlanReply:
-        if session.role != "trainer":
-            raise WeightwireError(f"a {session.role} session has no send plan")
-        if not session.sources:
-            raise PlanError("declare this rank's tensors before asking for its plan")
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if session.job in self.plan_problems:
-                raise self.plan_problems[session.job]
-            plan = self.plans.get(session.job)
-            rp = next((s for s in plan.sends if s.rank == session.rank), None) if plan else None
-            if rp is not None:
-                self.publisher(session)
-                return PlanReply(req=req, plan=rp)
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise PlanError(self._waiting_for(session.job), code=ErrorCode.NOT_READY)
-            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self.plan_waiters.setdefault(session.job, []).append(fut)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(fut, left)
-
-    def _waiting_for(self, job: str) -> str:
-        if self.coordinator_name is None:
-            return f"no plan for job {job!r}: not joined to the coordinator yet"
-        if self.coordinator is not None:
-            missing = self.coordinator.status()["jobs"]
-            info = missing.get(job, {}) if isinstance(missing, dict) else {}
-            return f"no plan for job {job!r} yet; waiting for {info.get('missing')}"
-        return f"no plan for job {job!r} yet: the coordinator is waiting for more ranks"
-
-    async def begin_version(self, session: Session, req: int, version: int, plan_hash: str) -> Any:
-        from weightwire.protocol.local import Ok
-
-        pub = self.publisher(session)
-        await pub.drain(self.cfg.stall_timeout_s)
-        pub.begin(version, plan_hash)
-        return Ok(req=req, detail=f"version {version}")
-
-    async def wait_version(
-        self, session: Session, req: int, version: int, timeout_s: float
-    ) -> VersionComplete:
-        if session.role != "engine":
-            raise WeightwireError(f"a {session.role} session does not receive versions")
-        if session.job in self.plan_problems:
-            raise self.plan_problems[session.job]
-        deadline = time.monotonic() + timeout_s
-        while (rc := self.completions.get(session.job, session.rank)) is None:
-            if session.job in self.plan_problems:
-                raise self.plan_problems[session.job]
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise PlanError(self._waiting_for(session.job), code=ErrorCode.TIMEOUT)
-            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self.plan_waiters.setdefault(session.job, []).append(fut)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(fut, left)
-        done = await rc.wait(version, max(0.001, deadline - time.monotonic()))
-        return msgspec.structs.replace(done, req=req)
-
-    def _notify_engine(self, job: str, rank: int, msg: VersionComplete | VersionFailed) -> None:
-        self.local.push(job, "engine", rank, msg)
-
-    def session_gone(self, session: Session) -> None:
-        if session.role == "trainer":
-            pub = self.publishers.pop((session.job, session.rank), None)
-            if pub is not None:
-                pub.abort(f"trainer rank {session.rank} disconnected mid-version")
-                if pub.run is not None and pub.run.tasks:
-                    self.detached[(session.job, session.rank)] = pub.run
-        if session.role == "engine":
-            self.slots.pop((session.job, session.rank), None)
-        for region in self.registry.of_session(session.id):
-            self.registry.remove(region.local.id)
-        if session.sources or session.destinations:
-            self.advertise(session.job)
-
-    def status(self) -> dict[str, Any]:
-        from .status import status
-
-        return status(self)
 
 
 def _key(text: str) -> bytes | None:

@@ -25,6 +25,8 @@ log = structlog.get_logger("weightwire.daemon.peers")
 
 Handler = Callable[[str, PeerMessage], Awaitable[None]]
 
+COORDINATOR = "@coordinator"  # the mesh's name for the coordinator until it says its own
+
 
 @dataclass
 class Security:

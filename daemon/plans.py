@@ -1,0 +1,138 @@
+"""This node's part of the plans: advertising its ranks, installing and withdrawing
+plans, and the per-rank facts (slots, lanes) that go into them."""
+
+from __future__ import annotations
+
+import time
+
+import structlog
+
+from weightwire.protocol.errors import PlanError
+from weightwire.protocol.peer import (
+    Advertise,
+    RankAdvert,
+)
+from weightwire.protocol.plan import MAX_SLOTS, NodePlan
+
+from .peers import COORDINATOR
+from .sessions import Session
+
+log = structlog.get_logger("weightwire.daemon")
+
+
+class PlanKeeping:
+    """Advertisements out, plans in (mixed into Daemon)."""
+
+    def advertise(self, job: str) -> None:
+        ranks: list[RankAdvert] = []
+        for s in sorted(self.local.sessions.values(), key=lambda s: (s.role, s.rank)):
+            if s.job != job:
+                continue
+            if s.role == "trainer" and s.sources:
+                ranks.append(
+                    RankAdvert(
+                        role="trainer",
+                        rank=s.rank,
+                        world_size=s.hello.world_size,
+                        sources=tuple(s.sources.values()),
+                        lanes=self._lanes(s),
+                    )
+                )
+            elif s.role == "engine" and s.destinations:
+                ranks.append(
+                    RankAdvert(
+                        role="engine",
+                        rank=s.rank,
+                        world_size=s.hello.world_size,
+                        destinations=tuple(s.destinations.values()),
+                        layout=s.layout,
+                        regions=tuple(r.descriptor for r in self.registry.of_session(s.id)),
+                        slot=self._slot(s.job, s.rank),
+                        lanes=self._lanes(s),
+                    )
+                )
+        self.advert_seq += 1
+        self.mesh.send_soon(
+            self.coordinator_name or COORDINATOR,
+            Advertise(
+                node=self.node,
+                incarnation=self.incarnation,
+                job=job,
+                ranks=tuple(ranks),
+                seq=self.advert_seq,
+                plan_hash=self.plans[job].plan_hash if job in self.plans else "",
+            ),
+        )
+
+    def _lanes(self, session: Session) -> int:
+        """How many paths (NICs) this node's data planes have for the rank's memory."""
+        return max(t.lanes(session.hello.device_uuid) for t in self.transports)
+
+    def _slot(self, job: str, rank: int) -> int:
+        """The immediate counter of an engine rank here: stable while its session lives."""
+        key = (job, rank)
+        if key not in self.slots:
+            used = set(self.slots.values())
+            self.slots[key] = next(i for i in range(MAX_SLOTS) if i not in used)
+        return self.slots[key]
+
+    def install_plan(self, plan: NodePlan) -> None:
+        old = self.plans.get(plan.job)
+        self.plans[plan.job] = plan
+        self.plan_problems.pop(plan.job, None)
+        if old is None or old.plan_hash != plan.plan_hash:
+            log.info(
+                "plan installed",
+                job=plan.job,
+                plan=plan.plan_hash,
+                trainer_ranks=[s.rank for s in plan.sends],
+                engine_ranks=[e.rank for e in plan.expects],
+            )
+        for rp in plan.sends:
+            pub = self.publishers.get((plan.job, rp.rank))
+            if pub is not None:
+                pub.set_plan(rp)
+        self.completions.install(plan.job, plan.plan_hash, plan.expects)
+        related = self._nodes_of(plan)
+        now = time.monotonic()
+        self.related_since = {
+            n: self.related_since.get(n, now) for n in related | set(self._other_related(plan.job))
+        }
+        for node in related - {self.node}:
+            self._spawn(self._connect_quietly(node))
+        for fut in self.plan_waiters.pop(plan.job, []):
+            if not fut.done():
+                fut.set_result(None)
+
+    def _other_related(self, job: str) -> set[str]:
+        nodes: set[str] = set()
+        for name, p in self.plans.items():
+            if name == job:
+                continue
+            nodes |= {r.node for s in p.sends for r in s.regions}
+            nodes |= {n for e in p.expects for n in e.sources}
+        return nodes
+
+    def _plan_problem(self, job: str, err: PlanError) -> None:
+        self.plans.pop(job, None)
+        self.plan_problems[job] = err
+        self.completions.drop_job(job, err.message)
+        for fut in self.plan_waiters.pop(job, []):
+            if not fut.done():
+                fut.set_exception(err)
+
+    @staticmethod
+    def _nodes_of(plan: NodePlan) -> set[str]:
+        nodes = {r.node for s in plan.sends for r in s.regions}
+        return nodes | {n for e in plan.expects for n in e.sources}
+
+    def _withdraw(self, job: str, reason: str) -> None:
+        """Stop using a job's plan (it involves a lost node) until the coordinator sends one."""
+        plan = self.plans.pop(job, None)
+        if plan is None:
+            return
+        log.warning("plan withdrawn", job=job, plan=plan.plan_hash, reason=reason)
+        for (j, _), pub in self.publishers.items():
+            if j == job:
+                pub.set_plan(None, reason)
+        self.advertise(job)

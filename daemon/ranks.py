@@ -1,0 +1,169 @@
+"""What the ranks of this host ask of the daemon: publishing, plans, waiting for versions,
+and what a rank leaves behind when it goes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+import msgspec
+import structlog
+
+from weightwire.protocol.errors import ErrorCode, PlanError, WeightwireError
+from weightwire.protocol.local import Ok, PlanReply, VersionComplete, VersionFailed
+from weightwire.protocol.peer import (
+    PeerMsg,
+    VersionAbort,
+    VersionStart,
+)
+from weightwire.transport.base import LocalRegion
+
+from .publisher import Publisher
+from .regions import Region
+from .sessions import Session
+
+log = structlog.get_logger("weightwire.daemon")
+
+
+class RankService:
+    """Served to the local socket's sessions (mixed into Daemon)."""
+
+    def publisher(self, session: Session) -> Publisher:
+        if session.role != "trainer":
+            raise WeightwireError(f"a {session.role} session cannot publish")
+        key = (session.job, session.rank)
+        pub = self.publishers.get(key)
+        if pub is None:
+            pub = Publisher(
+                job=session.job,
+                rank=session.rank,
+                pick=self.transport_to,
+                reply=lambda result, s=session: self.local.send(s.identity, result),
+                announce=lambda v, kind, m, nodes, s=session: self._announce(s, v, kind, m, nodes),
+                source_region=lambda rid, s=session: self._own_region(s, rid),
+            )
+            pub.previous = self.detached.pop(key, None)
+            self.publishers[key] = pub
+            plan = self.plans.get(session.job)
+            for rp in plan.sends if plan else ():
+                if rp.rank == session.rank:
+                    pub.set_plan(rp)
+        return pub
+
+    def _announce(
+        self, session: Session, version: int, kind: str, message: str, nodes: set[str]
+    ) -> None:
+        msg: PeerMsg
+        if kind == "start":
+            msg = VersionStart(
+                job=session.job, version=version, source_node=self.node, source_rank=session.rank
+            )
+        else:
+            msg = VersionAbort(
+                job=session.job,
+                version=version,
+                source_node=self.node,
+                source_rank=session.rank,
+                code=ErrorCode.ABORTED.value,
+                message=message,
+            )
+        for node in nodes:
+            self.mesh.send_soon(node, msg)
+
+    def _own_region(self, session: Session, region_id: int) -> LocalRegion:
+        region = self.registry.regions.get(region_id)
+        if region is None or region.session != session.id:
+            raise WeightwireError(
+                f"region {region_id} is not registered by trainer rank {session.rank}",
+                code=ErrorCode.UNKNOWN_REGION,
+            )
+        return region.local
+
+    def region_added(self, session: Session, region: Region) -> None:
+        if session.role == "trainer" and region.purpose == "staging":
+            self.publisher(session).staging = region.local
+        elif session.role == "engine" and session.destinations:
+            self.advertise(session.job)
+
+    async def plan_for(self, session: Session, req: int, timeout_s: float) -> PlanReply:
+        if session.role != "trainer":
+            raise WeightwireError(f"a {session.role} session has no send plan")
+        if not session.sources:
+            raise PlanError("declare this rank's tensors before asking for its plan")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if session.job in self.plan_problems:
+                raise self.plan_problems[session.job]
+            plan = self.plans.get(session.job)
+            rp = next((s for s in plan.sends if s.rank == session.rank), None) if plan else None
+            if rp is not None:
+                self.publisher(session)
+                return PlanReply(req=req, plan=rp)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise PlanError(self._waiting_for(session.job), code=ErrorCode.NOT_READY)
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self.plan_waiters.setdefault(session.job, []).append(fut)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(fut, left)
+
+    def _waiting_for(self, job: str) -> str:
+        if self.coordinator_name is None:
+            return f"no plan for job {job!r}: not joined to the coordinator yet"
+        if self.coordinator is not None:
+            missing = self.coordinator.status()["jobs"]
+            info = missing.get(job, {}) if isinstance(missing, dict) else {}
+            return f"no plan for job {job!r} yet; waiting for {info.get('missing')}"
+        return f"no plan for job {job!r} yet: the coordinator is waiting for more ranks"
+
+    async def begin_version(self, session: Session, req: int, version: int, plan_hash: str) -> Any:
+
+        pub = self.publisher(session)
+        await pub.drain(self.cfg.stall_timeout_s)
+        pub.begin(version, plan_hash)
+        return Ok(req=req, detail=f"version {version}")
+
+    async def wait_version(
+        self, session: Session, req: int, version: int, timeout_s: float
+    ) -> VersionComplete:
+        if session.role != "engine":
+            raise WeightwireError(f"a {session.role} session does not receive versions")
+        if session.job in self.plan_problems:
+            raise self.plan_problems[session.job]
+        deadline = time.monotonic() + timeout_s
+        while (rc := self.completions.get(session.job, session.rank)) is None:
+            if session.job in self.plan_problems:
+                raise self.plan_problems[session.job]
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise PlanError(self._waiting_for(session.job), code=ErrorCode.TIMEOUT)
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self.plan_waiters.setdefault(session.job, []).append(fut)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(fut, left)
+        done = await rc.wait(version, max(0.001, deadline - time.monotonic()))
+        return msgspec.structs.replace(done, req=req)
+
+    def _notify_engine(self, job: str, rank: int, msg: VersionComplete | VersionFailed) -> None:
+        self.local.push(job, "engine", rank, msg)
+
+    def session_gone(self, session: Session) -> None:
+        if session.role == "trainer":
+            pub = self.publishers.pop((session.job, session.rank), None)
+            if pub is not None:
+                pub.abort(f"trainer rank {session.rank} disconnected mid-version")
+                if pub.run is not None and pub.run.tasks:
+                    self.detached[(session.job, session.rank)] = pub.run
+        if session.role == "engine":
+            self.slots.pop((session.job, session.rank), None)
+        for region in self.registry.of_session(session.id):
+            self.registry.remove(region.local.id)
+        if session.sources or session.destinations:
+            self.advertise(session.job)
+
+    def status(self) -> dict[str, Any]:
+        from .status import status
+
+        return status(self)
