@@ -141,3 +141,9 @@ def split_rows(box: Box, piece: Piece, source_dtype: str, max_bytes: int) -> lis
         step = max(block, step // block * block)
     lo = box.offsets[0]
     return [_slab(box, 0, r, min(r + step, lo + rows)) for r in range(lo, lo + rows, step)]
+
+
+def fmt_box(box: Box) -> str:
+    return (
+        "[" + ", ".join(f"{o}:{o + n}" for o, n in zip(box.offsets, box.sizes, strict=True)) + "]"
+    )

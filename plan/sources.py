@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from weightwire.protocol.errors import PlanError
 from weightwire.protocol.tensors import Box, SourceTensor
 
+from .boxes import fmt_box
+
 
 @dataclass(frozen=True)
 class Holder:
@@ -57,7 +59,7 @@ class SourceIndex:
                 held = s.held()
                 if s.box is not None and not held.within(s.shape):
                     problems.append(
-                        f"trainer rank {self.ranks[members[0]]}: {s.name} box {_fmt(held)} is "
+                        f"trainer rank {self.ranks[members[0]]}: {s.name} box {fmt_box(held)} is "
                         f"outside its shape {list(s.shape)}"
                     )
                 boxes[s.name].setdefault(held, []).extend(members)
@@ -135,10 +137,4 @@ def _contains(outer: Box, inner: Box) -> bool:
     return all(
         o <= i and i + n <= o + m
         for o, m, i, n in zip(outer.offsets, outer.sizes, inner.offsets, inner.sizes, strict=True)
-    )
-
-
-def _fmt(box: Box) -> str:
-    return (
-        "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(box.offsets, box.sizes, strict=True)) + "]"
     )
