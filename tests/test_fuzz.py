@@ -130,6 +130,10 @@ def test_atheris_100k_inputs(target: str, tmp_path: Path) -> None:
             "-max_total_time=240",
             "-max_len=2048",
             "-print_final_stats=1",
+            # Linux carries ru_maxrss across execve: the child starts with pytest's peak,
+            # which libFuzzer would take for its own; the timeout bounds the run instead
+            "-rss_limit_mb=0",
+            f"-artifact_prefix={tmp_path}/",
         ],
         capture_output=True,
         text=True,
