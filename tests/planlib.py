@@ -99,21 +99,6 @@ def _source_regions(t: TrainerRank, local: dict[str, torch.Tensor]) -> dict[int,
     return out
 
 
-def _source_regions(t: TrainerRank, local: dict[str, torch.Tensor]) -> dict[int, torch.Tensor]:
-    """The rank's registered regions, holding its zero-copy tensors at their offsets."""
-    sizes: dict[int, int] = {}
-    for s in t.tensors:
-        if s.region >= 0:
-            end = s.offset + local[s.name].numel() * local[s.name].element_size()
-            sizes[s.region] = max(sizes.get(s.region, 0), end)
-    out = {r: torch.zeros(n, dtype=torch.uint8) for r, n in sizes.items()}
-    for s in t.tensors:
-        if s.region >= 0:
-            raw = local[s.name].contiguous().view(torch.uint8).flatten()
-            out[s.region][s.offset : s.offset + raw.numel()] = raw
-    return out
-
-
 def reference(dst: DestTensor, globals_: dict[str, torch.Tensor]) -> torch.Tensor:
     """The destination tensor's bytes, built the plain way (copy and cast only)."""
     from weightwire.protocol.tensors import Cast, Copy
