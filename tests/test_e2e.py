@@ -3,11 +3,6 @@ rank processes, engine ranks; every destination byte checked bitwise."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,38 +13,16 @@ import torch
 from weightwire.cli.localcluster import LocalCluster
 from weightwire.client import Engine, Rows
 
+from .jsonproc import JsonLinesProc
 from .ranks.trainer_proc import tensors
 
 HERE = Path(__file__).parent
 
 
-class Proc:
+class Proc(JsonLinesProc):
     def __init__(self, cluster: LocalCluster, host: int, *args: str) -> None:
-        cmd = [
-            *cluster.prefix(host),
-            sys.executable,
-            str(HERE / "ranks" / "trainer_proc.py"),
-            *args,
-        ]
-        env = {**os.environ, "PYTHONPATH": str(HERE.parent), "PYTHONUNBUFFERED": "1"}
-        self.p = subprocess.Popen(
-            cmd,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        self.events: list[dict] = []
-        self._cv = threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.p.stdout is not None
-        for line in self.p.stdout:
-            with self._cv:
-                self.events.append(json.loads(line))
-                self._cv.notify_all()
+        script = HERE / "ranks" / "trainer_proc.py"
+        super().__init__(script, *args, pythonpath=HERE.parent, prefix=cluster.prefix(host))
 
     def wait_for(self, event: str, timeout: float = 60, **match: object) -> dict:
         deadline = time.monotonic() + timeout
@@ -62,25 +35,12 @@ class Proc:
                         raise AssertionError(f"rank failed: {e}")
                 left = deadline - time.monotonic()
                 if left <= 0 or (self.p.poll() is not None and not self._cv.wait(0.2)):
-                    err = (
-                        self.p.stderr.read() if self.p.poll() is not None and self.p.stderr else ""
-                    )
+                    err = "".join(self.err) if self.p.poll() is not None else ""
                     raise AssertionError(f"no {event} {match} in {timeout} s: {self.events} {err}")
                 self._cv.wait(min(left, 0.2))
 
     def publish(self, version: int) -> None:
-        assert self.p.stdin is not None
-        self.p.stdin.write(f"{version}\n")
-        self.p.stdin.flush()
-
-    def finish(self) -> int:
-        assert self.p.stdin is not None
-        self.p.stdin.close()
-        try:
-            return self.p.wait(60)
-        finally:
-            if self.p.poll() is None:
-                self.p.kill()
+        self.send(str(version))
 
 
 def expected_rows(version: int) -> dict[str, torch.Tensor]:

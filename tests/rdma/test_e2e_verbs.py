@@ -15,12 +15,8 @@ Runs in the Soft-RoCE VM with torch in .venv-rdma (`make test-rdma` sets RDMA_VM
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import shutil
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -33,6 +29,8 @@ from weightwire.cli.localcluster import LocalCluster
 from weightwire.cli.status import fetch
 from weightwire.transport.verbs import available
 from weightwire.transport.verbs.transport import FAULT_ENV
+
+from ..jsonproc import JsonLinesProc
 
 OK, WHY = available()
 PAIR = os.environ.get("WEIGHTWIRE_RDMA_PAIR", "").split()
@@ -77,34 +75,9 @@ class VerbsCluster(LocalCluster):
         return self
 
 
-class Proc:
+class Proc(JsonLinesProc):
     def __init__(self, *args: str) -> None:
-        env = {**os.environ, "PYTHONPATH": str(HERE.parent.parent), "PYTHONUNBUFFERED": "1"}
-        self.p = subprocess.Popen(
-            [sys.executable, str(HERE / "ranks.py"), *args],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        self.events: list[dict[str, Any]] = []
-        self._cv = threading.Condition()
-        self.err: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-        threading.Thread(target=self._read_err, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.p.stdout is not None
-        for line in self.p.stdout:
-            with self._cv:
-                self.events.append(json.loads(line))
-                self._cv.notify_all()
-
-    def _read_err(self) -> None:
-        assert self.p.stderr is not None
-        for line in self.p.stderr:
-            self.err.append(line)
+        super().__init__(HERE / "ranks.py", *args, pythonpath=HERE.parent.parent)
 
     def wait_for(self, timeout: float, count: int = 1, **match: object) -> list[dict[str, Any]]:
         deadline = time.monotonic() + timeout
@@ -119,20 +92,6 @@ class Proc:
                         f"{self.events}\n{''.join(self.err[-30:])}"
                     )
                 self._cv.wait(0.2)
-
-    def send(self, line: str) -> None:
-        assert self.p.stdin is not None
-        self.p.stdin.write(line + "\n")
-        self.p.stdin.flush()
-
-    def finish(self) -> int:
-        assert self.p.stdin is not None
-        self.p.stdin.close()
-        try:
-            return self.p.wait(60)
-        finally:
-            if self.p.poll() is None:
-                self.p.kill()
 
 
 @pytest.fixture
