@@ -165,9 +165,6 @@ class RegionRegistry:
             return
         for t in self.transports:
             t.deregister(region_id)
-            unpin = getattr(t, "unpin", None)
-            if unpin is not None:
-                unpin(region.local)
         if region.file is not None:
             self._closing.append(region.file)
         handle = region.local.extra.get("ipc_handle")

@@ -100,6 +100,7 @@ class CudaTransport(Transport):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_imm: ImmHandler | None = None
         self._regions: dict[int, _Local] = {}
+        self._pinned: dict[int, int] = {}  # host regions pinned here: id -> address
         self._peers: dict[str, str] = {}  # node -> its channel path
         self._opened: dict[bytes, int] = {}  # peer IPC handles opened here -> base pointer
         self._peer_maps: dict[tuple[bytes, int], int] = {}  # (handle, device) -> base there
@@ -175,10 +176,10 @@ class CudaTransport(Transport):
         if region.kind != "gpu":
             # host regions are only read (a CPU replica copied to a GPU): pin them for speed
             assert self._drv is not None
-            if region.address and not region.extra.get("pinned"):
+            if region.address and region.id not in self._pinned:
                 with contextlib.suppress(CudaError):
                     self._drv.host_register(region.address, region.length)
-                    region.extra["pinned"] = True
+                    self._pinned[region.id] = region.address
             return RegionKeys()
         handle = region.extra.get("ipc_handle")
         offset = region.extra.get("ipc_offset", 0)
@@ -198,11 +199,10 @@ class CudaTransport(Transport):
 
     def deregister(self, region_id: int) -> None:
         self._regions.pop(region_id, None)
-
-    def unpin(self, region: LocalRegion) -> None:
-        if region.extra.pop("pinned", False) and self._drv is not None:
+        address = self._pinned.pop(region_id, None)
+        if address is not None and self._drv is not None:
             with contextlib.suppress(CudaError):
-                self._drv.host_unregister(region.address)
+                self._drv.host_unregister(address)
 
     # --- data path -----------------------------------------------------------
 
