@@ -24,9 +24,7 @@ STREAM_NON_BLOCKING = 0x1
 EVENT_DISABLE_TIMING = 0x2
 HOST_REGISTER_PORTABLE = 0x1
 HOST_ALLOC_PORTABLE = 0x1
-POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
 RANGE_HANDLE_DMA_BUF_FD = 0x1
-NOT_READY = 600
 PEER_ACCESS_ALREADY_ENABLED = 704
 
 
@@ -160,16 +158,6 @@ class Driver:
             "cuMemGetAddressRange_v2", ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr)
         )
         return int(base.value), int(size.value)
-
-    def device_of(self, ptr: int) -> int:
-        out = ctypes.c_int()
-        self._call(
-            "cuPointerGetAttribute",
-            ctypes.byref(out),
-            ctypes.c_int(POINTER_ATTRIBUTE_DEVICE_ORDINAL),
-            ctypes.c_uint64(ptr),
-        )
-        return int(out.value)
 
     def ipc_handle(self, base: int) -> bytes:
         """The IPC handle of the allocation starting at `base` (not of VMM allocations)."""

@@ -7,6 +7,7 @@ when the rank registers it. Either side may unlink the name once both have it op
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import os
 import secrets
@@ -16,7 +17,18 @@ from weightwire.protocol.errors import ErrorCode, RegistrationError
 
 SHM_DIR = "/dev/shm"
 PREFIX = "weightwire"
-PAGE = mmap.PAGESIZE
+
+
+def address_of(buffer: memoryview | mmap.mmap) -> int:
+    """The address of a writable buffer (the temporary ctypes export ends at once)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+
+
+def page_span(address: int, length: int) -> tuple[int, int]:
+    """(start, length) of the whole pages that hold `length` bytes at `address`."""
+    page = mmap.PAGESIZE
+    start = address & ~(page - 1)
+    return start, -(-(address + length) // page) * page - start
 
 
 @dataclass(eq=False)
@@ -32,9 +44,7 @@ class SharedFile:
 
     @property
     def address(self) -> int:
-        import ctypes
-
-        return ctypes.addressof(ctypes.c_char.from_buffer(self.map))
+        return address_of(self.map)
 
     def unlink(self) -> None:
         with contextlib.suppress(FileNotFoundError):

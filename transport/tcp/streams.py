@@ -18,11 +18,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import structlog
 
-from weightwire.protocol.data import PREFIX, Ack, Refused, Write
+from weightwire.protocol.data import MAX_HEADER, PREFIX, Ack, Refused, Write
 from weightwire.protocol.errors import (
     PeerLostError,
     TimeoutError_,
@@ -32,6 +31,7 @@ from weightwire.protocol.errors import (
 from weightwire.transport.base import LocalRegion
 
 from . import wire
+from .bounce import Bounce
 
 log = structlog.get_logger("weightwire.transport.tcp")
 
@@ -48,23 +48,6 @@ def tune(sock: socket.socket, send_timeout_s: float) -> None:
         struct.pack("ll", sec, int((send_timeout_s - sec) * 1e6)),
     )
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, int(TICK_S * 1e6)))
-
-
-def recv_exact(sock: socket.socket, view: memoryview, closed: threading.Event) -> None:
-    """Fill `view`, waking every TICK_S to notice shutdown. EOF is a PeerLostError."""
-    while view:
-        try:
-            n = sock.recv_into(view)
-        except (BlockingIOError, TimeoutError):
-            if closed.is_set():
-                raise PeerLostError("connection closed locally") from None
-            continue
-        if n == 0:
-            raise PeerLostError("connection closed by peer")
-        view = view[n:]
-
-
-Settle = Callable[[asyncio.Future[None], BaseException | None], None]
 
 
 @dataclass(eq=False, slots=True)
@@ -95,7 +78,7 @@ class OutgoingStream:
     _closed: threading.Event = field(default_factory=threading.Event)
     _last_progress: float = field(default_factory=time.monotonic)
     _threads: list[threading.Thread] = field(default_factory=list)
-    _bounce: Any = None  # pinned host memory for GPU sources (created on first use)
+    _bounce: Bounce | None = None  # pinned host memory for GPU sources (made on first use)
 
     def start(self) -> None:
         for target, role in ((self._send_loop, "send"), (self._ack_loop, "ack")):
@@ -124,8 +107,6 @@ class OutgoingStream:
                 if p.src.kind == "gpu":
                     assert p.src.device is not None
                     if self._bounce is None:
-                        from .bounce import Bounce
-
                         self._bounce = Bounce()
                     staged = self._bounce.from_device(
                         p.src.device, p.src.address + p.src_offset, p.length
@@ -160,7 +141,7 @@ class OutgoingStream:
 
     def _ack_loop(self) -> None:
         prefix = bytearray(PREFIX.size)
-        header = bytearray(4096)
+        header = bytearray(MAX_HEADER)
         while not self._closed.is_set():
             try:
                 self._recv_ticking(memoryview(prefix))

@@ -71,7 +71,11 @@ class RegionTable:
         return reg.region
 
     def target(self, write: Write) -> memoryview:
-        region = self.lookup(write)
+        return self.host_view(self.lookup(write), write)
+
+    @staticmethod
+    def host_view(region: LocalRegion, write: Write) -> memoryview:
+        """The bytes of `region` (looked up for `write`) that the write lands in."""
         if region.view is None:
             raise RegionError(f"region {write.region} is not host memory")
         return region.view[write.offset : write.offset + write.length]
@@ -92,7 +96,7 @@ class StreamSink:
         region = self.table.lookup(write)
         if region.kind == "cpu":
             self._gpu = None
-            return self.table.target(write)
+            return self.table.host_view(region, write)
         self.bounce = self.bounce or Bounce()
         self._gpu = region
         assert region.device is not None

@@ -12,12 +12,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import fcntl
-import mmap
 import os
 import threading
 from typing import Any
 
 from weightwire.protocol.errors import ErrorCode, TransferError
+from weightwire.transport.hostmem import page_span
 
 from .devices import DeviceInfo
 from .ibv import Api
@@ -46,10 +46,8 @@ def populate(address: int, length: int) -> bool:
     if _libc is None:
         _libc = ctypes.CDLL(None, use_errno=True)
         _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    page = mmap.PAGESIZE
-    start = address & ~(page - 1)
-    end = -(-(address + length) // page) * page
-    return bool(_libc.madvise(start, end - start, MADV_POPULATE_WRITE) == 0)
+    start, span = page_span(address, length)
+    return bool(_libc.madvise(start, span, MADV_POPULATE_WRITE) == 0)
 
 
 def _event_fds() -> set[int]:
@@ -142,7 +140,6 @@ class OpenDevice:
         return flags
 
     def register(self, address: int, length: int, relaxed: bool) -> Any:
-        populate(address, length)
         return self.api.MR(self.pd, length, self.access(relaxed), address=address)
 
     def register_dmabuf(self, fd: int, offset: int, length: int, relaxed: bool) -> Any:
@@ -153,6 +150,16 @@ class OpenDevice:
         return self.api.DmaBufMR(self.pd, length, self.access(relaxed), dmabuf=fd, offset=offset)
 
     # --- queue pairs -----------------------------------------------------------
+
+    def new_qp(self, send_depth: int, recv_depth: int) -> Any:
+        """A queue pair with room for all its completions reserved on the CQ; when it goes,
+        `release_cq(send_depth + recv_depth)` gives that room back."""
+        self.reserve_cq(send_depth + recv_depth)
+        try:
+            return self.create_qp(send_depth, recv_depth)
+        except BaseException:
+            self.release_cq(send_depth + recv_depth)
+            raise
 
     def create_qp(self, send_depth: int, recv_depth: int) -> Any:
         api = self.api
@@ -165,8 +172,16 @@ class OpenDevice:
         return api.QP(self.pd, init)
 
     def path(self) -> Path:
+        """What a peer needs to reach this device (GID, MTU), with its largest message."""
         i = self.info
-        return Path(device=i.name, gid=i.gid, lid=i.lid, mtu=i.active_mtu, ethernet=i.ethernet)
+        return Path(
+            device=i.name,
+            gid=i.gid,
+            lid=i.lid,
+            mtu=i.active_mtu,
+            ethernet=i.ethernet,
+            max_msg=i.max_msg_sz,
+        )
 
     def to_init(self, qp: Any) -> None:
         E = self.api.E
@@ -224,11 +239,6 @@ class OpenDevice:
         a = self.api.QPAttr()
         a.qp_state = E.IBV_QPS_RESET
         qp.modify(a, E.IBV_QP_STATE)
-
-    def qp_state(self, qp: Any) -> int:
-        """The kernel's state (qp.qp_state is only libibverbs' cache: it misses async ERR)."""
-        attr, _ = qp.query(self.api.E.IBV_QP_STATE)
-        return int(attr.qp_state)
 
     # --- teardown ----------------------------------------------------------------
 

@@ -20,7 +20,7 @@ from weightwire.protocol.errors import PeerLostError, TransferError, WeightwireE
 from weightwire.protocol.regions import TransportEndpoints
 
 from . import wire
-from .mesh import Mesh, advertised_path
+from .mesh import Mesh
 from .runtime import Runtime
 from .send import Sender, make_chain
 from .state import DEAD, READY, Link, Peer, Qp, new_psn
@@ -127,12 +127,7 @@ class Links:
             made: list[Qp] = []
             try:
                 for i in range(self.qps_per_peer):
-                    dev.reserve_cq(depth + 1)
-                    try:
-                        qp = dev.create_qp(depth, 1)
-                    except BaseException:
-                        dev.release_cq(depth + 1)
-                        raise
+                    qp = dev.new_qp(depth, 1)
                     wrs, sges = make_chain(rt.api, dev, self.wr_per_post)
                     q = Qp(link, i, qp, int(qp.qp_num), new_psn(), depth, wrs, sges)
                     made.append(q)
@@ -150,7 +145,7 @@ class Links:
             link.peer,
             wire.Connect(
                 link=link.id,
-                src=advertised_path(dev),
+                src=dev.path(),
                 dst_device=link.dst_device,
                 qps=tuple(wire.QpInfo(q.qpn, q.psn) for q in link.qps),
             ),
@@ -177,7 +172,7 @@ class Links:
         if link.dead or rt.closed:
             raise PeerLostError(link.dead or "closing")
         for q in link.qps:
-            q.recv_depth = q.credits = max(1, reply.recv_depth)
+            q.credits = max(1, reply.recv_depth)
             rt.qps[(dev.name, q.qpn)] = q
         log.info(
             "verbs link up",
@@ -223,7 +218,7 @@ class Links:
         if link.dead or q.state == DEAD:
             return
         q.state = READY
-        q.recv_depth = q.credits = max(1, reply.recv_depth)
+        q.credits = max(1, reply.recv_depth)
         q.last_progress = time.monotonic()
         self.rt.stats["qp_rebuilds"] += 1
         log.info("queue pair rebuilt", peer=link.peer, device=q.dev.name, qpn=q.qpn)
@@ -244,9 +239,7 @@ class Links:
         for q in link.qps:
             self.sender.fail_writes(q, lambda w: PeerLostError(reason))
             q.state = DEAD
-            rt.qps.pop((link.dev.name, q.qpn), None)
-            rt.retire([q.qp, *q.sges])
-            link.dev.release_cq(q.depth + 1)
+            rt.forget_qp(link.dev, q.qpn, [q.qp, *q.sges], q.depth + 1)
         self._count()
         if notify and not rt.closed:
             rt.spawn(self._tell_close(link.peer, link.id))

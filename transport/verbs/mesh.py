@@ -1,5 +1,5 @@
 """Bring-up requests to a peer's verbs transport, carried by the daemons' authenticated
-mesh (`Signal`), and the path a device advertises in them."""
+mesh (`Signal`)."""
 
 from __future__ import annotations
 
@@ -17,16 +17,9 @@ from weightwire.protocol.errors import (
 from weightwire.transport.base import Signal
 
 from . import wire
-from .hw import OpenDevice
 
 Local = Callable[[str, bytes], Awaitable[bytes]]
 """This node's own handler of bring-up requests (`on_signal`), for writes to itself."""
-
-
-def advertised_path(dev: OpenDevice) -> wire.Path:
-    """What a peer needs to reach this device (GID, MTU), with its largest message."""
-    p = dev.path()
-    return msgspec.structs.replace(p, max_msg=dev.info.max_msg_sz)
 
 
 class Mesh:

@@ -16,7 +16,6 @@ from weightwire.protocol.errors import ErrorCode, PeerLostError, TransferError
 from weightwire.transport.base import ImmHandler
 
 from . import wire
-from .mesh import advertised_path
 from .runtime import Runtime
 from .state import BROKEN, DEAD, ID_BITS, READY, InLink, InQp, new_psn
 
@@ -46,23 +45,18 @@ class Receiver:
         if mine + len(req.qps) > MAX_INCOMING_QPS_PER_NODE:
             raise TransferError(f"{node} has too many queue pairs here", code=ErrorCode.INVALID)
         self.drop(node, req.link)
-        inl = InLink(node=node, id=req.link, src=req.src)
+        inl = InLink(src=req.src)
         depth = min(self.recv_depth, dev.info.max_qp_wr)
 
         def build() -> list[InQp]:
             made: list[InQp] = []
             try:
-                for i, info in enumerate(req.qps):
-                    dev.reserve_cq(depth + 1)
-                    try:
-                        qp = dev.create_qp(1, depth)
-                    except BaseException:
-                        dev.release_cq(depth + 1)
-                        raise
+                for info in req.qps:
+                    qp = dev.new_qp(1, depth)
                     sge = rt.api.SGE(dev.scratch.buf, 64, dev.scratch.lkey)
                     recv = rt.api.RecvWR(wr_id=0, num_sge=1, sg=[sge])
                     sge.close()  # RecvWR copied it
-                    r = InQp(node, req.link, i, dev, qp, int(qp.qp_num), new_psn(), recv, depth)
+                    r = InQp(node, dev, qp, int(qp.qp_num), new_psn(), recv, depth)
                     made.append(r)
                     self._bring_up(r, inl.src, info)
             except BaseException:
@@ -75,7 +69,8 @@ class Receiver:
 
         inl.qps = await rt.thread(build)
         if rt.closed:
-            rt.retire([r.qp for r in inl.qps])
+            for r in inl.qps:
+                rt.forget_qp(dev, r.qpn, [r.qp, r.recv], depth + 1)
             raise PeerLostError("closing")
         self._inlinks[(node, req.link)] = inl
         for r in inl.qps:
@@ -83,7 +78,7 @@ class Receiver:
         self._count()
         log.debug("incoming link up", peer=node, device=dev.name, qps=len(inl.qps))
         return wire.Accepted(
-            path=advertised_path(dev),
+            path=dev.path(),
             qps=tuple(wire.QpInfo(r.qpn, r.psn) for r in inl.qps),
             recv_depth=depth,
         )
@@ -113,7 +108,7 @@ class Receiver:
         await self.rt.thread(rebuild)
         r.state = READY
         return wire.Accepted(
-            path=advertised_path(r.dev), qps=(wire.QpInfo(r.qpn, r.psn),), recv_depth=r.depth
+            path=r.dev.path(), qps=(wire.QpInfo(r.qpn, r.psn),), recv_depth=r.depth
         )
 
     def drop(self, node: str, link: int) -> None:
@@ -123,9 +118,7 @@ class Receiver:
             return
         for r in inl.qps:
             r.state = DEAD
-            self.rt.qps.pop((r.dev.name, r.qpn), None)
-            self.rt.retire([r.qp, r.recv])
-            r.dev.release_cq(r.depth + 1)
+            self.rt.forget_qp(r.dev, r.qpn, [r.qp, r.recv], r.depth + 1)
         self._count()
 
     def drop_node(self, node: str) -> None:

@@ -6,7 +6,6 @@ dma-buf). The keys (device, address, rkey) go to peers inside the region's descr
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import os
 from dataclasses import dataclass
@@ -17,17 +16,14 @@ import structlog
 from weightwire.protocol.errors import RegistrationError, WeightwireError
 from weightwire.protocol.regions import RegionKeys, VerbsKey
 from weightwire.transport.base import LocalRegion
+from weightwire.transport.hostmem import address_of, page_span
 
 from .devices import affine_nics, pci_path_of_bus_id, pci_path_of_nic
+from .hw import populate
 from .ibv import errno_of
 from .runtime import Runtime
 
 log = structlog.get_logger("weightwire.transport.verbs")
-
-
-def address_of(view: memoryview) -> int:
-    """The address of a writable buffer (the temporary ctypes export ends at once)."""
-    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 @dataclass(eq=False)
@@ -134,6 +130,8 @@ class Regions:
         mrs: dict[str, Any] = {}
         with rt.working():
             try:
+                if region.kind == "cpu":
+                    populate(base, region.length)  # once, before the first MR pins the pages
                 for name in devices:
                     dev = rt.devs[name]
                     if region.kind == "cpu":
@@ -178,10 +176,8 @@ class Regions:
         drv = driver()
         if region.device is not None:
             drv.use(region.device)
-        page = os.sysconf("SC_PAGE_SIZE")
-        start = region.address & ~(page - 1)
-        end = -(-(region.address + region.length) // page) * page
-        fd = drv.dma_buf_fd(start, end - start)
+        start, span = page_span(region.address, region.length)
+        fd = drv.dma_buf_fd(start, span)
         return fd, region.address - start, fd
 
     def deregister(self, region_id: int) -> None:

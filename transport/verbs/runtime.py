@@ -65,17 +65,21 @@ class Runtime:
 
     async def thread(self, fn: Callable[[], T]) -> T:
         """A blocking verbs call on a worker thread (close() waits for those running)."""
-        with self.lock:
-            self.busy += 1
         self.qp_ops += 1
         try:
-            return await asyncio.to_thread(fn)
+            with self.working():
+                return await asyncio.to_thread(fn)
         finally:
-            with self.lock:
-                self.busy -= 1
             self.qp_ops -= 1
             if not self.qp_ops and self.graveyard:
                 self.retire([])
+
+    def forget_qp(self, dev: OpenDevice, qpn: int, objs: list[Any], cq_entries: int) -> None:
+        """A queue pair goes: no more completions routed to it, it (and its WR parts, `objs`)
+        destroyed once safe, its room on the CQ given back."""
+        self.qps.pop((dev.name, qpn), None)
+        self.retire(objs)
+        dev.release_cq(cq_entries)
 
     def retire(self, objs: list[Any]) -> None:
         """Destroy queue pairs (and their WR parts) once no worker thread may be modifying

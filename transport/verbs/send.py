@@ -59,7 +59,6 @@ class Sender:
         self,
         link: Link,
         *,
-        peer: str,
         local_addr: int,
         lkey: int,
         remote_addr: int,
@@ -73,7 +72,6 @@ class Sender:
         w = Write(
             id=next(self._ids) & ID_MASK,
             future=self.rt.loop.create_future(),
-            peer=peer,
             local_addr=local_addr,
             lkey=lkey,
             remote_addr=remote_addr,

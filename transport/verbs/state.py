@@ -34,7 +34,6 @@ def new_psn() -> int:
 class Write:
     id: int
     future: asyncio.Future[None]
-    peer: str
     local_addr: int
     lkey: int
     remote_addr: int
@@ -62,7 +61,6 @@ class Qp:
     used: int = 0  # send-queue slots held (posted, not yet freed by a signaled completion)
     run: int = 0  # WRs posted since the last signaled one
     credits: int = 0  # WRITE_WITH_IMMs the peer has receives for
-    recv_depth: int = 0
     signaled: deque[tuple[int, int, Write | None]] = field(default_factory=deque)
     queue: deque[Write] = field(default_factory=deque)
     inflight: dict[int, Write] = field(default_factory=dict)
@@ -101,8 +99,6 @@ class InQp:
     """One incoming RC queue pair: receives kept posted for WRITE_WITH_IMM."""
 
     node: str
-    link: int
-    index: int
     dev: OpenDevice
     qp: Any
     qpn: int
@@ -115,8 +111,6 @@ class InQp:
 
 @dataclass(eq=False)
 class InLink:
-    node: str
-    id: int
     src: wire.Path
     qps: list[InQp] = field(default_factory=list)
 

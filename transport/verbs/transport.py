@@ -108,20 +108,8 @@ class VerbsTransport(Transport):
             )
         self.node = node
         self.api: Api = load()
-        self.E = self.api.E
         self.infos: list[DeviceInfo] = discover(devices, gid_index, self.api)
-        self.chunk_bytes = chunk_bytes
-        self.wr_per_post = wr_per_post
-        self.qps_per_peer = qps_per_peer
-        self.send_depth = max(send_depth, 2 * wr_per_post, 4)
-        self.recv_depth = recv_depth
-        self.nics_per_gpu = nics_per_gpu
-        self.host_nics = host_nics
-        self.relaxed_ordering = relaxed_ordering
         self.completions = completions
-        self.stall_timeout_s = stall_timeout_s
-        self.signal_timeout_s = signal_timeout_s
-        self.sysfs = sysfs
         rt = self._rt = Runtime(node, self.api, [i.name for i in self.infos])
         self._mesh = Mesh(node, self.on_signal, signal_timeout_s)
         self._regions = Regions(
@@ -140,7 +128,7 @@ class VerbsTransport(Transport):
             chunk_bytes=chunk_bytes,
             wr_per_post=wr_per_post,
             qps_per_peer=qps_per_peer,
-            send_depth=self.send_depth,
+            send_depth=max(send_depth, 2 * wr_per_post, 4),
             stall_timeout_s=stall_timeout_s,
         )
         self._receiver = Receiver(rt, recv_depth)
@@ -301,7 +289,6 @@ class VerbsTransport(Transport):
             raise PeerLostError(link.dead or f"{dst.node} was disconnected")
         await self._sender.submit(
             link,
-            peer=dst.node,
             local_addr=reg.base + src_offset,
             lkey=int(reg.mrs[sdev].lkey),
             remote_addr=key.addr + dst_offset,

@@ -13,9 +13,10 @@ from typing import Annotated
 
 import msgspec
 
+from weightwire.protocol.regions import U64
+
 U24 = Annotated[int, msgspec.Meta(ge=0, lt=1 << 24)]
 U32 = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
-U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgpack carries the full uint64 range
 
 
 class QpInfo(msgspec.Struct, frozen=True, array_like=True):
