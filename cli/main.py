@@ -8,8 +8,9 @@ import os
 import sys
 
 from weightwire.protocol.errors import WeightwireError
+from weightwire.protocol.local import SOCKET_ENV, SOCKET_PATH
 
-DEFAULT_SOCKET = os.environ.get("WEIGHTWIRE_SOCKET", "/run/weightwire/weightwired.sock")
+DEFAULT_SOCKET = os.environ.get(SOCKET_ENV, SOCKET_PATH)
 
 
 def main(argv: list[str] | None = None) -> int:

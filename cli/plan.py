@@ -164,7 +164,7 @@ def flows_of(plans: Mapping[str, NodePlan], trainers: int) -> Flows:
                 for w in b.writes:
                     src.append(rp.rank)
                     dst.append(w.dst_rank)
-                    nbytes.append(w.length)
+                    nbytes.append(w.nbytes)
                     bucket.append(b.index)
     return Flows(
         src=np.asarray(src, dtype=np.int64),

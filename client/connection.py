@@ -31,9 +31,19 @@ from weightwire.protocol.errors import (
     error_from_code,
 )
 from weightwire.protocol.frames import Codec
-from weightwire.protocol.local import Error, Goodbye, Hello, LocalMessage, LocalMsg, Ping, Welcome
+from weightwire.protocol.local import (
+    SOCKET_ENV,
+    SOCKET_PATH,
+    Error,
+    Goodbye,
+    Hello,
+    LocalMessage,
+    LocalMsg,
+    Ping,
+    Welcome,
+)
 
-DEFAULT_SOCKET = os.environ.get("WEIGHTWIRE_SOCKET", "/run/weightwire/weightwired.sock")
+DEFAULT_SOCKET = os.environ.get(SOCKET_ENV, SOCKET_PATH)
 
 Notification = Callable[[LocalMessage], None]
 _RESET = Goodbye()  # marks "the daemon forgot this session" in the notification queue

@@ -40,9 +40,7 @@ class Packer:
     def __init__(self, max_entries: int = 8) -> None:
         self.max_entries = max_entries
         self._cache: dict[tuple[Any, ...], _Entry] = {}
-        self._buckets: dict[
-            tuple[Any, ...], tuple[list[torch.Tensor], list[torch.Tensor], list[PackOp]]
-        ] = {}
+        self._buckets: dict[tuple[Any, ...], _BucketPlan] = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -55,33 +53,26 @@ class Packer:
     def pack_bucket(
         self, ops: tuple[PackOp, ...], tensors: dict[str, torch.Tensor], staging: torch.Tensor
     ) -> None:
-        """A bucket's ops: plain copies and casts in one multi-tensor copy, FP8 one by one.
+        """A bucket's ops: plain copies and casts in a few multi-tensor copies, FP8 boxes of
+        one shape quantized together (stacked).
 
         The views of the copies are made once per (bucket, tensors, staging) and reused, so
-        a version costs a kernel launch per bucket, not Python work per tensor.
+        a version costs a few kernel launches per bucket, not Python work per tensor. The
+        copies are grouped by dtypes and by whether the source is contiguous: torch copies a
+        group of contiguous pairs in one fused kernel, and falls back to one copy per pair
+        for the whole group if any pair is strided.
         """
         key = (id(ops), staging.data_ptr(), *(id(tensors[op.source]) for op in ops))
         plan = self._buckets.get(key)
         if plan is None:
-            outs, srcs, rest = [], [], []
-            for op in ops:
-                if isinstance(op.transform, Copy | Cast):
-                    src = box_of(tensors[op.source], op)
-                    dtype = (
-                        src.dtype if isinstance(op.transform, Copy) else TORCH[op.transform.dtype]
-                    )
-                    out = staging[op.staging_offset : op.staging_offset + op.nbytes]
-                    outs.append(out.view(dtype).view(src.shape))
-                    srcs.append(src)
-                else:
-                    rest.append(op)
-            plan = self._buckets[key] = (outs, srcs, rest)
+            plan = self._buckets[key] = _bucket_plan(ops, tensors, staging)
             while len(self._buckets) > 4096:
                 del self._buckets[next(iter(self._buckets))]
-        outs, srcs, rest = plan
-        if outs:
+        for outs, srcs in plan.copies:
             torch._foreach_copy_(outs, srcs)
-        for op in rest:
+        for group in plan.fp8:
+            group.run()
+        for op in plan.rest:
             self.pack(op, tensors[op.source], staging)
         self.clear()
 
@@ -122,6 +113,74 @@ class Packer:
             while len(self._cache) > self.max_entries:
                 del self._cache[next(iter(self._cache))]
         return codes if want == "codes" else scales
+
+
+class _Fp8Group:
+    """FP8 boxes of one shape, block size and dtype: stacked, quantized in one pass, and
+    their codes and scales copied into staging in two multi-tensor copies."""
+
+    def __init__(self, block: int) -> None:
+        self.block = block
+        self.srcs: list[torch.Tensor] = []
+        self.codes: list[torch.Tensor | None] = []  # staging views (None: not asked for)
+        self.scales: list[torch.Tensor | None] = []
+
+    def run(self) -> None:
+        codes, scales = quantize_blocks(torch.stack(self.srcs), self.block)
+        for wanted, got in ((self.codes, codes), (self.scales, scales)):
+            pairs = [(out, got[i]) for i, out in enumerate(wanted) if out is not None]
+            if pairs:
+                torch._foreach_copy_([o for o, _ in pairs], [g for _, g in pairs])
+
+
+class _BucketPlan:
+    __slots__ = ("copies", "fp8", "rest")
+
+    def __init__(self) -> None:
+        self.copies: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+        self.fp8: list[_Fp8Group] = []
+        self.rest: list[PackOp] = []
+
+
+def _bucket_plan(
+    ops: tuple[PackOp, ...], tensors: dict[str, torch.Tensor], staging: torch.Tensor
+) -> _BucketPlan:
+    plan = _BucketPlan()
+    copies: dict[tuple[Any, ...], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    fp8: dict[tuple[Any, ...], _Fp8Group] = {}
+    fp8_at: dict[tuple[Any, ...], tuple[_Fp8Group, int]] = {}  # (source, box, block) -> slot
+    for op in ops:
+        out = staging[op.staging_offset : op.staging_offset + op.nbytes]
+        match op.transform:
+            case Copy() | Cast():
+                src = box_of(tensors[op.source], op)
+                dtype = src.dtype if isinstance(op.transform, Copy) else TORCH[op.transform.dtype]
+                outs, srcs = copies.setdefault((src.dtype, dtype, src.is_contiguous()), ([], []))
+                outs.append(out.view(dtype).view(src.shape))
+                srcs.append(src)
+            case Fp8BlockQuant(block=block) | Fp8BlockScale(block=block):
+                src = box_of(tensors[op.source], op)
+                if src.dim() != 2 or not src.is_floating_point():
+                    plan.rest.append(op)  # quantize_blocks names what is wrong with it
+                    continue
+                at = fp8_at.get((op.source, op.box, block))
+                if at is None:
+                    group = fp8.setdefault((block, src.dtype, tuple(src.shape)), _Fp8Group(block))
+                    group.srcs.append(src)
+                    group.codes.append(None)
+                    group.scales.append(None)
+                    at = fp8_at[(op.source, op.box, block)] = (group, len(group.srcs) - 1)
+                group, i = at
+                if isinstance(op.transform, Fp8BlockQuant):
+                    group.codes[i] = out.view(torch.float8_e4m3fn).view(src.shape)
+                else:
+                    tiles = (-(-src.shape[0] // block), -(-src.shape[1] // block))
+                    group.scales[i] = out.view(torch.float32).view(tiles)
+            case _:
+                plan.rest.append(op)
+    plan.copies = list(copies.values())
+    plan.fp8 = list(fp8.values())
+    return plan
 
 
 class _Entry:

@@ -18,7 +18,7 @@ import structlog
 
 from weightwire.protocol.errors import ErrorCode, WeightwireError, error_from_code
 from weightwire.protocol.local import VersionComplete, VersionFailed
-from weightwire.protocol.plan import Expect, decode_imm
+from weightwire.protocol.plan import Expect, decode_imm, version_low
 
 log = structlog.get_logger("weightwire.daemon.completion")
 
@@ -78,7 +78,7 @@ class RankCompletion:
             self._complete(st)
 
     def on_start(self, version: int, source: str) -> None:
-        low = version & 0xFFFF
+        low = version_low(version)
         if version <= self.last_complete or version in self.failed:
             log.warning("stale version start ignored", rank=self.rank, version=version, peer=source)
             return
@@ -128,7 +128,7 @@ class RankCompletion:
     def fail(self, version: int, code: ErrorCode, message: str) -> None:
         if version in self.failed or version <= self.last_complete:
             return
-        low = version & 0xFFFF
+        low = version_low(version)
         st = self.current.get(low)
         if st is not None and st.version in (None, version):
             del self.current[low]
@@ -154,13 +154,10 @@ class RankCompletion:
             self.dead_lows[low] = -1
 
     def fail_in_progress(self, code: ErrorCode, message: str, source: str | None = None) -> None:
+        if source is not None and source not in self.expect.sources:
+            return
         for st in list(self.current.values()):
-            if source is not None and source not in self.expect.sources:
-                continue
-            if st.version is not None:
-                self.fail(st.version, code, message)
-            else:
-                self.fail_low(st.low, code, message)
+            self.fail_low(st.low, code, message)
 
     def expire(self, timeout_s: float) -> None:
         now = time.monotonic()
@@ -168,10 +165,7 @@ class RankCompletion:
             if now - st.started > timeout_s:
                 what = f"version {st.version}" if st.version is not None else "a version"
                 msg = f"{what} got {st.count} of {self.expect.count} writes in {timeout_s:.0f} s"
-                if st.version is not None:
-                    self.fail(st.version, ErrorCode.TIMEOUT, msg)
-                else:
-                    self.fail_low(st.low, ErrorCode.TIMEOUT, msg)
+                self.fail_low(st.low, ErrorCode.TIMEOUT, msg)
 
     async def wait(self, version: int, timeout_s: float) -> VersionComplete:
         for done in self.completed:

@@ -11,9 +11,10 @@ from typing import Literal
 import msgspec
 
 from weightwire.protocol.errors import ErrorCode, WeightwireError
+from weightwire.protocol.local import SOCKET_PATH
 
 DEFAULT_CONFIG = "/etc/weightwire/weightwired.toml"
-DEFAULT_SOCKET = "/run/weightwire/weightwired.sock"
+DEFAULT_SOCKET = SOCKET_PATH
 
 
 class ConfigError(WeightwireError):

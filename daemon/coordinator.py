@@ -168,11 +168,11 @@ class Coordinator:
             self._problem(job, exc)
             return
         job.inputs, job.problem = digest, ""
-        changed = plans[next(iter(plans))].plan_hash != job.plan_hash
-        job.plan_hash = plans[next(iter(plans))].plan_hash
-        if changed:
+        new_hash = plans[next(iter(plans))].plan_hash
+        if new_hash != job.plan_hash:
             job.assigned = {}
-        writes = sum(len(b.writes) for p in plans.values() for s in p.sends for b in s.buckets)
+        job.plan_hash = new_hash
+        writes = sum(s.write_count for p in plans.values() for s in p.sends)
         log.info(
             "plan ready",
             job=job.name,
@@ -238,6 +238,11 @@ class Coordinator:
             elif absent:
                 missing.append(f"{role} ranks {absent}")
         return list(trainers.values()), list(engines.values()), missing, problems
+
+    def missing(self, job: str) -> list[str] | None:
+        """What a job still lacks before it can be planned (None: no such job)."""
+        j = self.jobs.get(job)
+        return self._collect(j)[2] if j is not None else None
 
     def status(self) -> dict[str, object]:
         return {

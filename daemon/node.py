@@ -22,10 +22,7 @@ from weightwire.plan.planner import PlanOptions
 from weightwire.protocol import PROTOCOL_VERSION
 from weightwire.protocol.errors import ErrorCode, PlanError
 from weightwire.protocol.frames import Codec
-from weightwire.protocol.local import (
-    LocalMessage,
-    PublishResult,
-)
+from weightwire.protocol.local import LocalMessage
 from weightwire.protocol.peer import (
     Advertise,
     AssignPlan,
@@ -373,4 +370,4 @@ class _Stop(Exception):
     pass
 
 
-__all__ = ["Daemon", "PublishResult"]
+__all__ = ["Daemon"]

@@ -22,10 +22,6 @@ class Notifier:
             self.watchdog_s = 0.0
         self._sock: socket.socket | None = None
 
-    @property
-    def enabled(self) -> bool:
-        return bool(self.address)
-
     def send(self, **fields: str) -> None:
         if not self.address:
             return

@@ -175,14 +175,6 @@ class PeerMesh:
         seen = self.last_seen.get(node)
         return seen is not None and time.monotonic() - seen <= timeout_s
 
-    def forget(self, node: str) -> None:
-        target = self._endpoints.pop(node, None)
-        if target is not None and target not in self._endpoints.values():
-            sock = self._dealers.pop(target, None)
-            if sock is not None:
-                sock.close(linger=0)
-        self.last_seen.pop(node, None)
-
     def close(self) -> None:
         for sock in self._dealers.values():
             sock.close(linger=0)

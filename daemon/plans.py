@@ -95,23 +95,13 @@ class PlanKeeping:
         self.completions.install(plan.job, plan.plan_hash, plan.expects)
         related = self._nodes_of(plan)
         now = time.monotonic()
-        self.related_since = {
-            n: self.related_since.get(n, now) for n in related | set(self._other_related(plan.job))
-        }
+        everyone = set[str]().union(*map(self._nodes_of, self.plans.values()))
+        self.related_since = {n: self.related_since.get(n, now) for n in everyone}
         for node in related - {self.node}:
             self._spawn(self._connect_quietly(node))
         for fut in self.plan_waiters.pop(plan.job, []):
             if not fut.done():
                 fut.set_result(None)
-
-    def _other_related(self, job: str) -> set[str]:
-        nodes: set[str] = set()
-        for name, p in self.plans.items():
-            if name == job:
-                continue
-            nodes |= {r.node for s in p.sends for r in s.regions}
-            nodes |= {n for e in p.expects for n in e.sources}
-        return nodes
 
     def _plan_problem(self, job: str, err: PlanError) -> None:
         self.plans.pop(job, None)

@@ -8,7 +8,6 @@ has landed, or the first cause of failure.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -162,7 +161,18 @@ class Publisher:
                 run.routes[(w.src_region, w.dst_node, w.dst_region)] = route
             transport, src, dst = route
             imm = encode_imm(run.version, w.slot)
-            req = WriteRequest(src, w.src_offset, dst, w.dst_offset, w.length, imm, w.lane)
+            req = WriteRequest(
+                src,
+                w.src_offset,
+                dst,
+                w.dst_offset,
+                w.length,
+                imm,
+                w.lane,
+                w.count,
+                w.src_stride,
+                w.dst_stride,
+            )
             groups.setdefault(transport, []).append((w, req))
         outcomes = await asyncio.gather(
             *(t.write_batch([req for _, req in items]) for t, items in groups.items())
@@ -171,7 +181,7 @@ class Publisher:
             for (w, _), err in zip(items, results, strict=True):
                 if err is not None:
                     raise err
-                run.bytes_done += w.length
+                run.bytes_done += w.nbytes
                 run.writes_done += 1
         run.bucket_landed[bucket] = time.time()
 
@@ -217,8 +227,7 @@ class Publisher:
         )
 
     def abort(self, reason: str, code: ErrorCode = ErrorCode.ABORTED) -> None:
-        if self.run is not None and not self.run.finished:
-            self._fail(WeightwireError(reason, code=code))
+        self._fail(WeightwireError(reason, code=code))
 
     def _fail(self, err: WeightwireError, run: Run | None = None) -> None:
         run = run or self.run
@@ -255,8 +264,7 @@ class Publisher:
             if run is not None:
                 tasks |= run.tasks
         if tasks:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait(tasks, timeout=timeout_s)
+            await asyncio.wait(tasks, timeout=timeout_s)  # returns at the timeout, no raise
         if self.previous is not None and not self.previous.tasks:
             self.previous = None
 

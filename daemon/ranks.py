@@ -18,6 +18,7 @@ from weightwire.protocol.peer import (
     VersionAbort,
     VersionStart,
 )
+from weightwire.protocol.plan import RankPlan
 from weightwire.transport.base import LocalRegion
 
 from .publisher import Publisher
@@ -46,10 +47,9 @@ class RankService:
             )
             pub.previous = self.detached.pop(key, None)
             self.publishers[key] = pub
-            plan = self.plans.get(session.job)
-            for rp in plan.sends if plan else ():
-                if rp.rank == session.rank:
-                    pub.set_plan(rp)
+            rp = self._rank_plan(session.job, session.rank)
+            if rp is not None:
+                pub.set_plan(rp)
         return pub
 
     def _announce(
@@ -96,26 +96,31 @@ class RankService:
         while True:
             if session.job in self.plan_problems:
                 raise self.plan_problems[session.job]
-            plan = self.plans.get(session.job)
-            rp = next((s for s in plan.sends if s.rank == session.rank), None) if plan else None
+            rp = self._rank_plan(session.job, session.rank)
             if rp is not None:
                 self.publisher(session)
                 return PlanReply(req=req, plan=rp)
             left = deadline - time.monotonic()
             if left <= 0:
                 raise PlanError(self._waiting_for(session.job), code=ErrorCode.NOT_READY)
-            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self.plan_waiters.setdefault(session.job, []).append(fut)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(fut, left)
+            await self._plan_changed(session.job, left)
+
+    def _rank_plan(self, job: str, rank: int) -> RankPlan | None:
+        plan = self.plans.get(job)
+        return next((s for s in plan.sends if s.rank == rank), None) if plan else None
+
+    async def _plan_changed(self, job: str, timeout_s: float) -> None:
+        """Wait (at most `timeout_s`) for the job's plan to be installed or withdrawn."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.plan_waiters.setdefault(job, []).append(fut)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(fut, timeout_s)
 
     def _waiting_for(self, job: str) -> str:
         if self.coordinator_name is None:
             return f"no plan for job {job!r}: not joined to the coordinator yet"
         if self.coordinator is not None:
-            missing = self.coordinator.status()["jobs"]
-            info = missing.get(job, {}) if isinstance(missing, dict) else {}
-            return f"no plan for job {job!r} yet; waiting for {info.get('missing')}"
+            return f"no plan for job {job!r} yet; waiting for {self.coordinator.missing(job)}"
         return f"no plan for job {job!r} yet: the coordinator is waiting for more ranks"
 
     async def begin_version(self, session: Session, req: int, version: int, plan_hash: str) -> Any:
@@ -139,10 +144,7 @@ class RankService:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise PlanError(self._waiting_for(session.job), code=ErrorCode.TIMEOUT)
-            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self.plan_waiters.setdefault(session.job, []).append(fut)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(fut, left)
+            await self._plan_changed(session.job, left)
         done = await rc.wait(version, max(0.001, deadline - time.monotonic()))
         return msgspec.structs.replace(done, req=req)
 

@@ -38,10 +38,8 @@ class RegionRegistry:
 
     def add_shared(self, path: str, length: int, purpose: str, session: str, owner: str) -> Region:
         file = open_shared(path, length)
-        with self._lock:
-            region_id = next(self._ids)
         local = LocalRegion(
-            id=region_id,
+            id=self._next_id(),
             kind="cpu",
             length=length,
             view=file.view,
@@ -54,18 +52,7 @@ class RegionRegistry:
         except BaseException:
             file.close()
             raise
-        region = Region(
-            local=local,
-            descriptor=RegionDescriptor(
-                id=region_id, node=self.node, kind="cpu", length=length, keys=keys
-            ),
-            purpose=purpose,
-            session=session,
-            file=file,
-        )
-        self.regions[region_id] = region
-        log.info("region registered", region=region_id, bytes=length, purpose=purpose, owner=owner)
-        return region
+        return self._store(local, keys, purpose, session, file)
 
     def add_cuda(
         self, info: CudaRegion, length: int, purpose: str, session: str, owner: str
@@ -89,10 +76,8 @@ class RegionRegistry:
                     f"{size}-byte allocation",
                     code=ErrorCode.OUT_OF_BOUNDS,
                 )
-            with self._lock:
-                region_id = next(self._ids)
             local = LocalRegion(
-                id=region_id,
+                id=self._next_id(),
                 kind="gpu",
                 length=length,
                 address=base + info.offset,
@@ -108,23 +93,38 @@ class RegionRegistry:
         except BaseException:
             self._release_ipc(info.ipc_handle)
             raise
+        return self._store(local, keys, purpose, session, kind="gpu", device=info.device_uuid)
+
+    def _next_id(self) -> int:
+        with self._lock:
+            return next(self._ids)
+
+    def _store(
+        self,
+        local: LocalRegion,
+        keys: RegionKeys,
+        purpose: str,
+        session: str,
+        file: SharedFile | None = None,
+        **log_fields: str,
+    ) -> Region:
         region = Region(
             local=local,
             descriptor=RegionDescriptor(
-                id=region_id, node=self.node, kind="gpu", length=length, keys=keys
+                id=local.id, node=self.node, kind=local.kind, length=local.length, keys=keys
             ),
             purpose=purpose,
             session=session,
+            file=file,
         )
-        self.regions[region_id] = region
+        self.regions[local.id] = region
         log.info(
             "region registered",
-            region=region_id,
-            bytes=length,
+            region=local.id,
+            bytes=local.length,
             purpose=purpose,
-            owner=owner,
-            kind="gpu",
-            device=info.device_uuid,
+            owner=local.owner,
+            **log_fields,
         )
         return region
 

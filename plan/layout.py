@@ -1,15 +1,16 @@
 """One trainer rank's side of the plan: its packs laid out in staging (dense first, then
 experts, engines interleaved block by block), cut into buckets, and the writes that move
-them: merged where both ends are contiguous, chunked, and striped over lanes."""
+them (`writes`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from weightwire.protocol.plan import Bucket, PackOp, WriteOp
+from weightwire.protocol.plan import Bucket, PackOp
 from weightwire.protocol.tensors import ITEMSIZE, Box, Cast, Copy, Fp8BlockScale, SourceTensor
 
 from .options import PlanOptions
+from .writes import writes_of
 
 
 @dataclass
@@ -100,7 +101,7 @@ def layout(
         sends_by_bucket[bucket_of[id(s.pack)]].append(s)
     buckets: list[Bucket] = []
     for index, (bp, kind) in enumerate(zip(bucket_packs, bucket_kinds, strict=True)):
-        writes = _writes(sends_by_bucket[index], options, slots, src_lanes, dst_lanes or {})
+        writes = writes_of(sends_by_bucket[index], options, slots, src_lanes, dst_lanes or {})
         for wr in writes:
             expect_count[wr.dst_rank] += 1
         buckets.append(
@@ -127,53 +128,3 @@ def layout(
 
 def _alignment(p: Pack) -> int:
     return 4 if isinstance(p.transform, Fp8BlockScale) else 16
-
-
-def _writes(
-    sends: list[Send],
-    options: PlanOptions,
-    slots: dict[int, int],
-    src_lanes: int = 1,
-    dst_lanes: dict[int, int] | None = None,
-) -> list[WriteOp]:
-    """Merge sends contiguous in both staging and destination, cut them into chunks, and
-    stripe each chunk over the lanes both ends have (each stripe is a write of its own,
-    with its own immediate, so the destination counts stripes exactly)."""
-    order = sorted(
-        sends,
-        key=lambda s: (s.dst_node, s.dst_rank, s.dst_region, s.pack.region, s.pack.offset),
-    )
-    merged: list[list[int]] = []  # [src, length, dst_offset] + identity of the target
-    targets: list[tuple[str, int, int, int]] = []  # (node, rank, dst region, src region)
-    for s in order:
-        target = (s.dst_node, s.dst_rank, s.dst_region, s.pack.region)
-        if merged and targets[-1] == target:
-            src, length, dst = merged[-1]
-            if src + length == s.pack.offset and dst + length == s.dst_offset:
-                merged[-1][1] += s.nbytes
-                continue
-        merged.append([s.pack.offset, s.nbytes, s.dst_offset])
-        targets.append(target)
-    out: list[WriteOp] = []
-    src_lanes = max(1, src_lanes)
-    for (src, length, dst), (node, rank, region, src_region) in zip(merged, targets, strict=True):
-        lanes = max(1, min(src_lanes, (dst_lanes or {}).get(rank, 1)))
-        for start in range(0, length, options.max_write_bytes):
-            n = min(options.max_write_bytes, length - start)
-            k = max(1, min(lanes, n // max(1, options.min_stripe_bytes)))
-            step = -(-n // k)
-            for i, part in enumerate(range(0, n, step)):
-                out.append(
-                    WriteOp(
-                        src_offset=src + start + part,
-                        length=min(step, n - part),
-                        dst_node=node,
-                        dst_region=region,
-                        dst_offset=dst + start + part,
-                        slot=slots[rank],
-                        dst_rank=rank,
-                        lane=(len(out) + i) % src_lanes if k == 1 else i % src_lanes,
-                        src_region=src_region,
-                    )
-                )
-    return out

@@ -22,6 +22,18 @@ def tag_of(msg: msgspec.Struct) -> str:
     return str(msg.__struct_config__.tag)
 
 
+def decode_checked(decoder: msgspec.msgpack.Decoder[T], data: Any, what: str) -> T:
+    """`decoder.decode(data)`, with msgspec's failures as ProtocolErrors naming `what`:
+    INVALID when it decodes but breaks the schema, MALFORMED when it does not decode."""
+    try:
+        return decoder.decode(data)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(f"invalid {what}: {exc}", code=ErrorCode.INVALID) from None
+    except (msgspec.DecodeError, ValueError, RecursionError) as exc:
+        # msgspec raises UnicodeDecodeError (a ValueError) for invalid UTF-8 in strings
+        raise ProtocolError(f"undecodable {what}: {exc}") from None
+
+
 def request_id(frames: Sequence[Any]) -> int:
     """The `req` of a message that failed to decode, when it can still be read (else 0),
     so the error reply reaches the caller waiting for it."""
@@ -54,15 +66,7 @@ class Codec(Generic[T]):
                 code=ErrorCode.TOO_LARGE,
             )
         kind = bytes(views[0])
-        try:
-            msg = self._decoder.decode(views[1])
-        except msgspec.ValidationError as exc:
-            raise ProtocolError(
-                f"invalid {kind!r} message: {exc}", code=ErrorCode.INVALID
-            ) from None
-        except (msgspec.DecodeError, ValueError, RecursionError) as exc:
-            # msgspec raises UnicodeDecodeError (a ValueError) for invalid UTF-8 in strings
-            raise ProtocolError(f"undecodable {kind!r} message: {exc}") from None
+        msg = decode_checked(self._decoder, views[1], f"{kind!r} message")
         assert isinstance(msg, msgspec.Struct)
         if tag_of(msg).encode() != kind:
             raise ProtocolError(f"frame kind {kind!r} does not match header type {tag_of(msg)!r}")

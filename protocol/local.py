@@ -13,6 +13,9 @@ import msgspec
 from .plan import RankPlan
 from .tensors import DestTensor, Name, NonNeg, SourceTensor
 
+SOCKET_PATH = "/run/weightwire/weightwired.sock"  # where the daemon listens by default
+SOCKET_ENV = "WEIGHTWIRE_SOCKET"  # the variable that points clients (and the cli) elsewhere
+
 Role = Literal["trainer", "engine", "admin"]
 Req = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 Version = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]

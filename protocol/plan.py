@@ -17,14 +17,19 @@ IMM_SLOT_BITS = 16
 MAX_SLOTS = 1 << IMM_SLOT_BITS
 
 
+def version_low(version: int) -> int:
+    """The low bits of a version, as an immediate carries them."""
+    return version & ((1 << IMM_VERSION_BITS) - 1)
+
+
 def encode_imm(version: int, slot: int) -> int:
     """The 32-bit immediate of a write: the version's low bits and the destination's counter."""
-    return ((version & 0xFFFF) << IMM_SLOT_BITS) | (slot & 0xFFFF)
+    return (version_low(version) << IMM_SLOT_BITS) | (slot & (MAX_SLOTS - 1))
 
 
 def decode_imm(imm: int) -> tuple[int, int]:
     """(version low bits, slot) of an immediate."""
-    return (imm >> IMM_SLOT_BITS) & 0xFFFF, imm & 0xFFFF
+    return version_low(imm >> IMM_SLOT_BITS), imm & (MAX_SLOTS - 1)
 
 
 class PackOp(msgspec.Struct, frozen=True, kw_only=True):
@@ -42,7 +47,12 @@ class PackOp(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class WriteOp(msgspec.Struct, frozen=True, kw_only=True):
-    """One write: staging bytes to a destination region, counted in `slot` on arrival."""
+    """One write: staging bytes to a destination region, counted in `slot` on arrival.
+
+    A strided write (`count` > 1) is `count` blocks of `length` bytes, block i from
+    `src_offset + i * src_stride` to `dst_offset + i * dst_stride`, with one immediate
+    after the last block landed: the same tensor's slice of many experts in one write.
+    """
 
     src_offset: NonNeg
     length: Annotated[int, msgspec.Meta(gt=0)]
@@ -53,6 +63,41 @@ class WriteOp(msgspec.Struct, frozen=True, kw_only=True):
     dst_rank: NonNeg = 0
     lane: NonNeg = 0  # which of the source's paths (NIC) carries it; stripes of one write differ
     src_region: int = -1  # -1: the staging region; else a region the rank registered (zero-copy)
+    count: Annotated[int, msgspec.Meta(ge=1)] = 1
+    src_stride: NonNeg = 0
+    dst_stride: NonNeg = 0
+
+    def __post_init__(self) -> None:
+        check_blocks(self.length, self.count, self.src_stride, self.dst_stride)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes it moves (all blocks)."""
+        return self.length * self.count
+
+    def blocks(self) -> list[tuple[int, int]]:
+        """(source offset, destination offset) of each block."""
+        return [
+            (self.src_offset + i * self.src_stride, self.dst_offset + i * self.dst_stride)
+            for i in range(self.count)
+        ]
+
+
+def check_blocks(length: int, count: int, src_stride: int, dst_stride: int) -> None:
+    """Raises ValueError unless the blocks of a strided write are well formed: at least one,
+    and, when several, strides of at least `length` (blocks never overlap)."""
+    if count < 1:
+        raise ValueError(f"a write has at least one block, got count={count}")
+    if count > 1 and (src_stride < length or dst_stride < length):
+        raise ValueError(
+            f"strided write of {count} blocks of {length} bytes with strides "
+            f"{src_stride}/{dst_stride}: blocks would overlap (strides must be >= length)"
+        )
+
+
+def span(length: int, count: int, stride: int) -> int:
+    """Bytes from a strided write's first byte to its last, on one side."""
+    return (count - 1) * stride + length
 
 
 class Bucket(msgspec.Struct, frozen=True, kw_only=True):
@@ -78,7 +123,7 @@ class RankPlan(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def write_bytes(self) -> int:
-        return sum(w.length for b in self.buckets for w in b.writes)
+        return sum(w.nbytes for b in self.buckets for w in b.writes)
 
 
 class Expect(msgspec.Struct, frozen=True, kw_only=True):

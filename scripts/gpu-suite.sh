@@ -9,6 +9,7 @@
 # No network there: pyzmq, msgspec and structlog come from the carried .whl/ (git-ignored,
 # see bench/results/README.md); weightwire itself is imported from this working tree.
 #
+# SUITE_STAGES picks stages (default: probe,tests,2x2,1x1,replica,fp8; e.g. SUITE_STAGES=2x2).
 # WW_SUITE_CPU=1 runs the same stages without a GPU (tiny model, --device cpu, GPU tests
 # skipped): a self-test of this script, never a measurement.
 set -uo pipefail
@@ -38,6 +39,8 @@ NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr -c 'A-Za-z0-9._\n-' '-' | tr -d '\n')
 TAG="${NGPU}x${NAME:-no-GPU}"
 SELFTEST=${WW_SUITE_CPU:-0}
+STAGES=",${SUITE_STAGES:-probe,tests,2x2,1x1,replica,fp8},"
+wanted() { [[ $STAGES == *",$1,"* ]]; }
 declare -a EXTRA=()
 if ((SELFTEST)); then
     NGPU=4
@@ -124,20 +127,22 @@ if ! "$PY" -c "import weightwire.transport.cuda, weightwire.bench.gpu.launcher, 
 fi
 
 # --- how a third process copies between two GPUs (the cuda transport's case) ------------
-if ((NGPU >= 2 && !SELFTEST)); then
+if ((NGPU >= 2 && !SELFTEST)) && wanted probe; then
     echo "== cuda p2p probe (copy strategies of the cuda transport, beside torch's peer copy)"
     timeout -k 5 90 "$PY" scripts/cuda_p2p_probe.py 2>&1 | tee "$OUT/$TAG-p2p.json" ||
         note "FAIL: cuda p2p probe"
 fi
 
 # --- the GPU tests ---------------------------------------------------------------------
-mapfile -t GPU_TESTS < <(grep -l 'mark.gpu' tests/test_*.py)
-T=$(cap 170 240)
-echo "== pytest -m gpu ${GPU_TESTS[*]} (at most ${T} s)"
-timeout -k 15 "$T" "$PY" -m pytest -m gpu -ra -p no:cacheprovider --timeout 150 \
-    --junitxml="$OUT/$TAG-pytest.xml" "${GPU_TESTS[@]}" 2>&1 | tee "$OUT/$TAG-pytest.log"
-prc=${PIPESTATUS[0]}
-if ((prc == 0)); then note "ok: GPU tests"; else note "FAIL: GPU tests (rc $prc)"; rc=1; fi
+if wanted tests; then
+    mapfile -t GPU_TESTS < <(grep -l 'mark.gpu' tests/test_*.py)
+    T=$(cap 170 240)
+    echo "== pytest -m gpu ${GPU_TESTS[*]} (at most ${T} s)"
+    timeout -k 15 "$T" "$PY" -m pytest -m gpu -ra -p no:cacheprovider --timeout 150 \
+        --junitxml="$OUT/$TAG-pytest.xml" "${GPU_TESTS[@]}" 2>&1 | tee "$OUT/$TAG-pytest.log"
+    prc=${PIPESTATUS[0]}
+    if ((prc == 0)); then note "ok: GPU tests"; else note "FAIL: GPU tests (rc $prc)"; rc=1; fi
+fi
 
 # --- the benchmark -----------------------------------------------------------------------
 # bench NAME MAX RESERVE ARGS...: one `weightwire bench gpu` run with its own JSON, log,
@@ -145,6 +150,7 @@ if ((prc == 0)); then note "ok: GPU tests"; else note "FAIL: GPU tests (rc $prc)
 bench() {
     local name=$1 max=$2 reserve=$3
     shift 3
+    wanted "$name" || return 0
     local t
     t=$(cap "$max" "$reserve")
     if ((t < 45)); then

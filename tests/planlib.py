@@ -72,9 +72,8 @@ def execute(
             for w in bucket.writes:
                 dst = regions[(w.dst_node, w.dst_region)]
                 src = staging if w.src_region < 0 else held[w.src_region]
-                dst[w.dst_offset : w.dst_offset + w.length] = src[
-                    w.src_offset : w.src_offset + w.length
-                ]
+                for so, do in w.blocks():
+                    dst[do : do + w.length] = src[so : so + w.length]
                 counts[owner[(w.dst_node, w.dst_region)]] = (
                     counts.get(owner[(w.dst_node, w.dst_region)], 0) + 1
                 )

@@ -68,7 +68,7 @@ def test_fsdp_to_tp_bitwise(trainers: int, tp: int, replicas: int) -> None:
     plans = plan("job", ts, es, PlanOptions(bucket_bytes=512, max_write_bytes=300))
     check_bitwise(execute(plans, ts, es, g), es, g)
     writes = [w for p in plans.values() for s in p.sends for b in s.buckets for w in b.writes]
-    assert max(w.length for w in writes) <= 300
+    assert max(w.nbytes for w in writes) <= 300
     for p in plans.values():
         for s in p.sends:
             kinds = [b.kind for b in s.buckets]
@@ -119,7 +119,7 @@ def test_least_loaded_balances_replicated_sources() -> None:
         for e in range(2)
     ]
     plans = plan("job", ts, es)
-    loads = [sum(w.length for b in s.buckets for w in b.writes) for s in plans["T"].sends]
+    loads = [sum(w.nbytes for b in s.buckets for w in b.writes) for s in plans["T"].sends]
     mean = sum(loads) / len(loads)
     assert max(loads) <= 1.05 * mean, loads
     check_bitwise(execute(plans, ts, es, g), es, g)
@@ -299,5 +299,61 @@ def test_zero_copy_sources_are_written_from_their_region_without_packing() -> No
     packed = {op.source for b in rp.buckets for op in b.packs}
     assert packed == {"b", "c"}, packed
     zero = [w for b in rp.buckets for w in b.writes if w.src_region == 7]
-    assert sum(w.length for w in zero) == 8 * 16 * 4
+    assert sum(w.nbytes for w in zero) == 8 * 16 * 4
     check_bitwise(execute(plans, ts, es, g), es, g)
+
+
+def test_one_slice_of_many_experts_is_one_strided_write() -> None:
+    """FSDP-2 rows to TP-2 columns of stacked experts: each expert's piece is a block of its
+    own at both ends, evenly spaced, so the planner gathers them into strided writes (one
+    immediate each, counted); the bytes still land bitwise, none twice."""
+    experts, rows, cols = 32, 16, 8
+    g = torch.Generator().manual_seed(3)
+    model = {
+        f"layers.0.mlp.experts.{e}.down": torch.randn(rows, cols, generator=g)
+        for e in range(experts)
+    }
+    ts = [trainer("T", r, model, fsdp(r, 2, model)) for r in range(2)]
+    half = cols // 2
+    es = [
+        engine(
+            "E",
+            r,
+            [
+                (
+                    "layers.0.mlp.experts.w2",
+                    "float32",
+                    (experts, rows, half),
+                    tuple(
+                        Piece(
+                            source=f"layers.0.mlp.experts.{e}.down",
+                            box=Box.rows((rows, cols), r * half, r * half + half, dim=1),
+                            dst_offset=e * rows * half * 4,
+                        )
+                        for e in range(experts)
+                    ),
+                )
+            ],
+        )
+        for r in range(2)
+    ]
+    plans = plan("job", ts, es, PlanOptions(max_write_bytes=4096))
+    writes = [w for s in plans["T"].sends for b in s.buckets for w in b.writes]
+    block = rows // 2 * half * 4  # one trainer's rows of one expert's slice: 128 bytes
+    assert all(w.length == block for w in writes)
+    assert sum(w.nbytes for w in writes) == 2 * experts * rows * half * 4
+    assert max(w.count for w in writes) == 4096 // block  # capped at max_write_bytes
+    assert len(writes) == 2 * 2 * experts * block // 4096  # 2 trainers x 2 engines
+    for w in writes:
+        assert w.dst_stride == rows * half * 4 and w.src_stride >= w.length
+    expects = {x.rank: x.count for x in plans["E"].expects}
+    assert expects == {0: len(writes) // 2, 1: len(writes) // 2}
+    landed = execute(plans, ts, es, model)
+    check_bitwise(landed, es, model)
+    covered = [0] * (experts * rows * half * 4)
+    for s in plans["T"].sends:
+        for w in (w for b in s.buckets for w in b.writes if w.dst_rank == 0):
+            for _, do in w.blocks():
+                for i in range(do, do + w.length):
+                    covered[i] += 1
+    assert set(covered) == {1}, "every destination byte written exactly once"

@@ -236,3 +236,27 @@ def test_error_codes_become_typed_exceptions() -> None:
     assert isinstance(error_from_code("version_backwards", "x"), VersionError)
     unknown = error_from_code("from_the_future", "x")
     assert "from_the_future" in str(unknown)
+
+
+def test_strided_writes_are_checked_on_decode() -> None:
+    base = {
+        "src_offset": 0,
+        "length": 64,
+        "dst_node": "n",
+        "dst_region": 1,
+        "dst_offset": 0,
+        "slot": 0,
+    }
+    enc = msgspec.msgpack.encode
+    older = msgspec.msgpack.decode(enc(base), type=WriteOp)  # a peer without strided writes
+    assert (older.count, older.nbytes, older.blocks()) == (1, 64, [(0, 0)])
+    ok = msgspec.msgpack.decode(
+        enc({**base, "count": 3, "src_stride": 64, "dst_stride": 100}), type=WriteOp
+    )
+    assert ok.nbytes == 192 and ok.blocks() == [(0, 0), (64, 100), (128, 200)]
+    for bad, why in [
+        ({"count": 3, "src_stride": 64, "dst_stride": 63}, "overlap"),
+        ({"count": 0}, "count"),
+    ]:
+        with pytest.raises(msgspec.ValidationError, match=why):
+            msgspec.msgpack.decode(enc({**base, **bad}), type=WriteOp)

@@ -4,7 +4,9 @@
 
 resolves when the bytes are in the destination's memory (which implies the source
 buffer may be reused), and delivers `imm` at the destination, through the handler
-given to `start`, only after those bytes are visible there. A write that cannot be
+given to `start`, only after those bytes are visible there. A strided write
+(`count` blocks of `length` bytes, `src_stride`/`dst_stride` apart) is one write:
+one immediate, after every block is visible. A write that cannot be
 done raises a `TransferError` subclass naming the cause; the destination never
 sees the immediate of a refused or failed write.
 
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from weightwire.protocol.errors import ErrorCode, RegionError
+from weightwire.protocol.plan import check_blocks, span
 from weightwire.protocol.regions import RegionDescriptor, RegionKeys, TransportEndpoints
 
 ImmHandler = Callable[[int, str], None]
@@ -65,6 +68,9 @@ class WriteRequest:
     length: int
     imm: int | None
     lane: int = 0
+    count: int = 1
+    src_stride: int = 0
+    dst_stride: int = 0
 
 
 class Transport(abc.ABC):
@@ -114,9 +120,14 @@ class Transport(abc.ABC):
         length: int,
         imm: int | None,
         lane: int = 0,
+        *,
+        count: int = 1,
+        src_stride: int = 0,
+        dst_stride: int = 0,
     ) -> None:
-        """Write `length` bytes; see the module docstring. `lane` picks one of the source's
-        paths (a NIC, a stream); transports with a single path ignore it."""
+        """Write `length` bytes (`count` blocks of them when strided); see the module
+        docstring. `lane` picks one of the source's paths (a NIC, a stream); transports with
+        a single path ignore it. Check the request with `check_write` first."""
 
     async def write_batch(self, requests: Sequence[WriteRequest]) -> list[BaseException | None]:
         """Post several writes at once (a bucket's); resolves once every one has finished,
@@ -125,7 +136,18 @@ class Transport(abc.ABC):
         """
         outcomes = await asyncio.gather(
             *(
-                self.write(r.src, r.src_offset, r.dst, r.dst_offset, r.length, r.imm, r.lane)
+                self.write(
+                    r.src,
+                    r.src_offset,
+                    r.dst,
+                    r.dst_offset,
+                    r.length,
+                    r.imm,
+                    r.lane,
+                    count=r.count,
+                    src_stride=r.src_stride,
+                    dst_stride=r.dst_stride,
+                )
                 for r in requests
             ),
             return_exceptions=True,
@@ -159,3 +181,23 @@ def check_destination(dst: RegionDescriptor, dst_offset: int, length: int) -> No
             f"{dst.node} ({dst.length} bytes)",
             code=ErrorCode.OUT_OF_BOUNDS,
         )
+
+
+def check_write(
+    src: LocalRegion,
+    src_offset: int,
+    dst: RegionDescriptor,
+    dst_offset: int,
+    length: int,
+    count: int = 1,
+    src_stride: int = 0,
+    dst_stride: int = 0,
+) -> None:
+    """The writer-side checks of a (strided) write: well-formed blocks, every source byte
+    inside `src` and every destination byte inside what `dst` advertised."""
+    try:
+        check_blocks(length, count, src_stride, dst_stride)
+    except ValueError as exc:
+        raise RegionError(str(exc), code=ErrorCode.INVALID) from None
+    src.check(src_offset, span(length, count, src_stride), "source")
+    check_destination(dst, dst_offset, span(length, count, dst_stride))

@@ -26,6 +26,8 @@ HOST_REGISTER_PORTABLE = 0x1
 HOST_ALLOC_PORTABLE = 0x1
 RANGE_HANDLE_DMA_BUF_FD = 0x1
 PEER_ACCESS_ALREADY_ENABLED = 704
+MEMORYTYPE_UNIFIED = 4
+MAX_PITCH = (1 << 31) - 1  # cuMemcpy2D's limit on a row pitch (CU_DEVICE_ATTRIBUTE_MAX_PITCH)
 
 
 class CudaError(WeightwireError):
@@ -38,6 +40,29 @@ class _IpcHandle(ctypes.Structure):
 
 class _Uuid(ctypes.Structure):
     _fields_ = [("bytes", ctypes.c_ubyte * 16)]
+
+
+class _Memcpy2D(ctypes.Structure):
+    """CUDA_MEMCPY2D (v2)."""
+
+    _fields_ = [
+        ("srcXInBytes", ctypes.c_size_t),
+        ("srcY", ctypes.c_size_t),
+        ("srcMemoryType", ctypes.c_int),
+        ("srcHost", ctypes.c_void_p),
+        ("srcDevice", ctypes.c_uint64),
+        ("srcArray", ctypes.c_void_p),
+        ("srcPitch", ctypes.c_size_t),
+        ("dstXInBytes", ctypes.c_size_t),
+        ("dstY", ctypes.c_size_t),
+        ("dstMemoryType", ctypes.c_int),
+        ("dstHost", ctypes.c_void_p),
+        ("dstDevice", ctypes.c_uint64),
+        ("dstArray", ctypes.c_void_p),
+        ("dstPitch", ctypes.c_size_t),
+        ("WidthInBytes", ctypes.c_size_t),
+        ("Height", ctypes.c_size_t),
+    ]
 
 
 def _uuid_text(raw: bytes) -> str:
@@ -66,6 +91,9 @@ class Driver:
         self._memcpy = self._lib.cuMemcpyAsync
         self._memcpy.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
         self._memcpy.restype = ctypes.c_int
+        self._memcpy2d = self._lib.cuMemcpy2DAsync_v2
+        self._memcpy2d.argtypes = [ctypes.POINTER(_Memcpy2D), ctypes.c_void_p]
+        self._memcpy2d.restype = ctypes.c_int
         self._call("cuInit", ctypes.c_uint(0))
         count = ctypes.c_int()
         self._call("cuDeviceGetCount", ctypes.byref(count))
@@ -243,6 +271,26 @@ class Driver:
         rc = self._memcpy(dst, src, nbytes, stream)
         if rc != 0:
             raise CudaError(f"cuMemcpyAsync failed: {self.error_name(rc)}")
+
+    def copy_2d_async(
+        self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, rows: int, stream: int
+    ) -> None:
+        """`rows` blocks of `width` bytes, `src_pitch` apart at the source and `dst_pitch`
+        at the destination, as one copy (unified addressing, any direction). Pitches above
+        MAX_PITCH are the caller's to split."""
+        p = _Memcpy2D(
+            srcMemoryType=MEMORYTYPE_UNIFIED,
+            srcDevice=src,
+            srcPitch=src_pitch,
+            dstMemoryType=MEMORYTYPE_UNIFIED,
+            dstDevice=dst,
+            dstPitch=dst_pitch,
+            WidthInBytes=width,
+            Height=rows,
+        )
+        rc = self._memcpy2d(ctypes.byref(p), stream)
+        if rc != 0:
+            raise CudaError(f"cuMemcpy2DAsync failed: {self.error_name(rc)}")
 
     def copy_peer_async(
         self, dst: int, dst_device: int, src: int, src_device: int, nbytes: int, stream: int

@@ -158,7 +158,7 @@ class TrainerRank(Rank):
         by_engine: dict[int, int] = defaultdict(int)
         for b in plan.buckets:
             for w in b.writes:
-                by_engine[w.dst_rank] += w.length
+                by_engine[w.dst_rank] += w.nbytes
         self.summary = {
             "plan_s": time.perf_counter() - t0,
             "staging_bytes": plan.staging_bytes,

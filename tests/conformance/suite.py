@@ -114,6 +114,68 @@ def test_both_directions(kit: TransportKit) -> None:
     run(kit, body)
 
 
+def test_strided_write_lands_blocks_leaves_gaps_and_signals_once(kit: TransportKit) -> None:
+    """count blocks, src_stride/dst_stride apart: each lands bitwise, the bytes between
+    blocks keep what they held, and the one immediate comes after the last block."""
+
+    async def body(p: Pair) -> None:
+        n, count, ss, ds = 3 * 1024 + 5, 40, 4 * 1024, 7 * 1024 + 3
+        src, _ = p.region(p.a, 1, 2 * MiB)
+        dst, desc = p.region(p.b, 2, 2 * MiB)
+        data, before = rand(2 * MiB, 21), rand(2 * MiB, 22)
+        p.kit.fill(src, 0, data)
+        p.kit.fill(dst, 0, before)
+        want = bytearray(before)
+        so, do = 13, 1001
+        for i in range(count):
+            want[do + i * ds : do + i * ds + n] = data[so + i * ss : so + i * ss + n]
+        early: list[int] = []
+
+        def check(imm: int, source: str) -> None:
+            if p.kit.read(dst, 0, MiB) != bytes(want[:MiB]):
+                early.append(imm)
+
+        p.b.on_imm_check = check
+        await asyncio.gather(
+            p.a.transport.write(
+                src, so, desc, do, n, 77, count=count, src_stride=ss, dst_stride=ds
+            ),
+            p.a.transport.write(src, MiB, desc, MiB + 8, 4096, None, count=1),
+        )
+        want[MiB + 8 : MiB + 8 + 4096] = data[MiB : MiB + 4096]
+        assert p.kit.read(dst, 0, 2 * MiB) == bytes(want)
+        assert p.b.imms == [(77, "node-a")]
+        assert not early, "the immediate came before every block had landed"
+
+    run(kit, body)
+
+
+def test_strided_write_checks(kit: TransportKit) -> None:
+    """Overlapping blocks are refused as invalid; the last block counts for the bounds."""
+
+    async def body(p: Pair) -> None:
+        src, _ = p.region(p.a, 1, MiB)
+        _, desc = p.region(p.b, 2, MiB)
+        with pytest.raises(RegionError) as e1:
+            await p.a.transport.write(
+                src, 0, desc, 0, 4096, 1, count=4, src_stride=4096, dst_stride=100
+            )
+        assert e1.value.code is ErrorCode.INVALID
+        with pytest.raises(RegionError) as e2:  # the last block ends one byte past the end
+            await p.a.transport.write(
+                src, 0, desc, 1, 4096, 1, count=4, src_stride=4096, dst_stride=(MiB - 4096) // 3
+            )
+        assert e2.value.code is ErrorCode.OUT_OF_BOUNDS
+        with pytest.raises(RegionError) as e3:
+            await p.a.transport.write(
+                src, 1, desc, 0, 4096, 1, count=2, src_stride=MiB - 4096, dst_stride=4096
+            )
+        assert e3.value.code is ErrorCode.OUT_OF_BOUNDS
+        assert p.b.imms == []
+
+    run(kit, body)
+
+
 def test_writer_side_bounds_checks(kit: TransportKit) -> None:
     async def body(p: Pair) -> None:
         src, _ = p.region(p.a, 1, MiB)

@@ -38,9 +38,9 @@ from weightwire.transport.base import (
     LocalRegion,
     Transport,
     WriteRequest,
-    check_destination,
+    check_write,
 )
-from weightwire.transport.cudadrv import CudaError, Driver, driver
+from weightwire.transport.cudadrv import MAX_PITCH, CudaError, Driver, driver
 
 log = structlog.get_logger("weightwire.transport.cuda")
 
@@ -70,6 +70,9 @@ class _Copy:
     imm: int | None
     dst_node: str
     dst_device: int = -1  # set when the copy crosses GPUs through cuMemcpyPeerAsync
+    count: int = 1  # blocks of `nbytes` (a strided write), one 2-D copy
+    src_stride: int = 0
+    dst_stride: int = 0
 
 
 @dataclass(eq=False, slots=True)
@@ -102,7 +105,7 @@ class CudaTransport(Transport):
         self._regions: dict[int, _Local] = {}
         self._pinned: dict[int, int] = {}  # host regions pinned here: id -> address
         self._peers: dict[str, str] = {}  # node -> its channel path
-        self._opened: dict[bytes, int] = {}  # peer IPC handles opened here -> base pointer
+        self._opened: dict[bytes, tuple[int, int]] = {}  # peer IPC handle -> (base, size) here
         self._peer_maps: dict[tuple[bytes, int], int] = {}  # (handle, device) -> base there
         self._queues: dict[int, queue.SimpleQueue[_Batch | None]] = {}
         self._threads: list[threading.Thread] = []
@@ -163,7 +166,7 @@ class CudaTransport(Transport):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._channel_path)
         if self._drv is not None:
-            for base in [*self._opened.values(), *self._peer_maps.values()]:
+            for base in [*(b for b, _ in self._opened.values()), *self._peer_maps.values()]:
                 if base:
                     with contextlib.suppress(CudaError):
                         self._drv.ipc_close(base)
@@ -234,11 +237,12 @@ class CudaTransport(Transport):
         if key is None or key.host_id != self.host:
             raise RegionError(f"region {dst.id} of {dst.node} is not reachable by cuda")
         with self._lock:
-            base = self._opened.get(key.ipc_handle)
-            if base is None:
+            opened = self._opened.get(key.ipc_handle)
+            if opened is None:
                 self._drv.use(self._drv.ordinal_of(key.device_uuid))
-                base = self._opened[key.ipc_handle] = self._drv.ipc_open(key.ipc_handle)
-        _, size = self._drv.address_range(base)
+                base = self._drv.ipc_open(key.ipc_handle)
+                opened = self._opened[key.ipc_handle] = (base, self._drv.address_range(base)[1])
+        base, size = opened
         if key.offset + dst.length > size:
             raise RegionError(
                 f"region {dst.id} of {dst.node} claims {dst.length} bytes at offset {key.offset} "
@@ -257,7 +261,7 @@ class CudaTransport(Transport):
             handle, base = local.handle, local.region.address - local.offset
         elif dst.keys.cuda is not None:
             handle = dst.keys.cuda.ipc_handle
-            base = self._opened[handle]
+            base = self._opened[handle][0]
         else:
             return ptr
         key = (handle, device)
@@ -283,8 +287,14 @@ class CudaTransport(Transport):
         length: int,
         imm: int | None,
         lane: int = 0,
+        *,
+        count: int = 1,
+        src_stride: int = 0,
+        dst_stride: int = 0,
     ) -> None:
-        req = WriteRequest(src, src_offset, dst, dst_offset, length, imm, lane)
+        req = WriteRequest(
+            src, src_offset, dst, dst_offset, length, imm, lane, count, src_stride, dst_stride
+        )
         (err,) = await self.write_batch([req])
         if err is not None:
             raise err
@@ -294,14 +304,28 @@ class CudaTransport(Transport):
         by_device: dict[int, list[_Copy]] = {}
         for i, r in enumerate(requests):
             try:
-                r.src.check(r.src_offset, r.length, "source")
-                check_destination(r.dst, r.dst_offset, r.length)
-                dst_ptr, dst_dev = self._destination(r.dst, r.dst_offset, r.length)
+                check_write(
+                    r.src, r.src_offset, r.dst, r.dst_offset, r.length,
+                    r.count, r.src_stride, r.dst_stride,
+                )  # fmt: skip
+                dst_ptr, dst_dev = self._destination(
+                    r.dst, r.dst_offset, (r.count - 1) * r.dst_stride + r.length
+                )
             except WeightwireError as exc:
                 results[i] = exc
                 continue
             device = r.src.device if r.src.kind == "gpu" and r.src.device is not None else dst_dev
-            copy = _Copy(i, dst_ptr, r.src.address + r.src_offset, r.length, r.imm, r.dst.node)
+            copy = _Copy(
+                i,
+                dst_ptr,
+                r.src.address + r.src_offset,
+                r.length,
+                r.imm,
+                r.dst.node,
+                count=r.count,
+                src_stride=r.src_stride,
+                dst_stride=r.dst_stride,
+            )
             if device != dst_dev and r.src.kind == "gpu":
                 if P2P == "map":
                     copy.dst = self._mapped(r.dst, dst_ptr, dst_dev, device)
@@ -355,12 +379,7 @@ class CudaTransport(Transport):
                 failures: dict[int, BaseException] = {}
                 for c in b.copies:
                     try:
-                        if c.dst_device >= 0:
-                            drv.copy_peer_async(
-                                c.dst, c.dst_device, c.src, device, c.nbytes, stream
-                            )
-                        else:
-                            drv.copy_async(c.dst, c.src, c.nbytes, stream)
+                        _issue(drv, c, device, stream)
                     except CudaError as exc:
                         failures[c.index] = exc
                 try:
@@ -379,7 +398,7 @@ class CudaTransport(Transport):
                         drv.destroy_event(ev)
                 landed = [c for c in b.copies if c.index not in failures]
                 with self._lock:
-                    self._stats["bytes_sent"] += sum(c.nbytes for c in landed)
+                    self._stats["bytes_sent"] += sum(c.nbytes * c.count for c in landed)
                     self._stats["writes"] += len(landed)
                     self._stats["batches"] += 1
                 imms: dict[str, list[int]] = {}
@@ -433,3 +452,16 @@ def _settle(
 ) -> None:
     if not fut.done():
         fut.set_result(failures)
+
+
+def _issue(drv: Driver, c: _Copy, device: int, stream: int) -> None:
+    """Queue one write's copies on `stream`: a strided write as one 2-D copy."""
+    if c.count > 1 and c.dst_device < 0 and max(c.src_stride, c.dst_stride) <= MAX_PITCH:
+        drv.copy_2d_async(c.dst, c.dst_stride, c.src, c.src_stride, c.nbytes, c.count, stream)
+        return
+    for i in range(c.count):
+        dst, src = c.dst + i * c.dst_stride, c.src + i * c.src_stride
+        if c.dst_device >= 0:
+            drv.copy_peer_async(dst, c.dst_device, src, device, c.nbytes, stream)
+        else:
+            drv.copy_async(dst, src, c.nbytes, stream)

@@ -33,7 +33,7 @@ from weightwire.protocol.regions import (
     TcpKey,
     TransportEndpoints,
 )
-from weightwire.transport.base import ImmHandler, LocalRegion, Transport, check_destination
+from weightwire.transport.base import ImmHandler, LocalRegion, Transport, check_write
 
 from . import wire
 from .bounce import Bounce
@@ -313,9 +313,14 @@ class TcpTransport(Transport):
         length: int,
         imm: int | None,
         lane: int = 0,
+        *,
+        count: int = 1,
+        src_stride: int = 0,
+        dst_stride: int = 0,
     ) -> None:
-        src.check(src_offset, length, "source")
-        check_destination(dst, dst_offset, length)
+        """A strided write goes as one frame per block on one connection, the immediate on
+        the last: the receiver handles a connection's frames in order."""
+        check_write(src, src_offset, dst, dst_offset, length, count, src_stride, dst_stride)
         if src.view is None and src.fd is None and src.kind != "gpu":
             raise RegionError(f"tcp cannot read region {src.id} ({src.kind} memory)")
         if dst.keys.tcp is None:
@@ -328,20 +333,24 @@ class TcpTransport(Transport):
             raise PeerLostError(f"every connection to {dst.node} is down: {streams[0].dead}")
         stream = min(live, key=lambda s: s.outstanding_bytes)
         assert self._loop is not None
-        seq = next(self._seq)
-        fut: asyncio.Future[None] = self._loop.create_future()
-        header = wire.encode(
-            Write(
-                seq=seq,
-                region=dst.id,
-                rkey=dst.keys.tcp.rkey,
-                offset=dst_offset,
-                length=length,
-                imm=-1 if imm is None else imm,
+        futures: list[asyncio.Future[None]] = []
+        for i in range(count):
+            seq = next(self._seq)
+            fut: asyncio.Future[None] = self._loop.create_future()
+            last = i == count - 1
+            header = wire.encode(
+                Write(
+                    seq=seq,
+                    region=dst.id,
+                    rkey=dst.keys.tcp.rkey,
+                    offset=dst_offset + i * dst_stride,
+                    length=length,
+                    imm=-1 if imm is None or not last else imm,
+                )
             )
-        )
-        stream.submit(Pending(seq, fut, header, src, src_offset, length))
-        await fut
+            stream.submit(Pending(seq, fut, header, src, src_offset + i * src_stride, length))
+            futures.append(fut)
+        await (futures[0] if count == 1 else asyncio.gather(*futures))
 
     def stats(self) -> dict[str, int]:
         with self._counter_lock:

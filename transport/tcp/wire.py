@@ -27,6 +27,7 @@ from weightwire.protocol.data import (
     Write,
 )
 from weightwire.protocol.errors import ErrorCode, ProtocolError, WeightwireError
+from weightwire.protocol.frames import decode_checked
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder: msgspec.msgpack.Decoder[DataMessage] = msgspec.msgpack.Decoder(DataMessage)
@@ -47,12 +48,7 @@ def decode_prefix(prefix: bytes | bytearray | memoryview) -> tuple[int, int]:
 
 
 def decode_header(kind: int, header: bytes | memoryview) -> DataMessage:
-    try:
-        msg = _decoder.decode(header)
-    except msgspec.ValidationError as exc:
-        raise ProtocolError(f"invalid frame header: {exc}", code=ErrorCode.INVALID) from None
-    except (msgspec.DecodeError, ValueError, RecursionError) as exc:
-        raise ProtocolError(f"undecodable frame header: {exc}") from None
+    msg = decode_checked(_decoder, header, "frame header")
     if KIND[type(msg)] != kind:
         raise ProtocolError(f"frame kind {kind} does not match header {type(msg).__name__}")
     return msg

@@ -6,10 +6,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
-import msgspec
-
 from weightwire.protocol.errors import (
     PeerLostError,
+    ProtocolError,
     TransferError,
     WeightwireError,
     error_from_code,
@@ -53,8 +52,10 @@ class Mesh:
             raise PeerLostError(f"{node}: {exc}") from None
         try:
             reply = wire.decode_reply(data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise TransferError(f"{node} answered a verbs request with garbage: {exc}") from None
+        except ProtocolError as exc:
+            raise TransferError(
+                f"{node} answered a verbs request with garbage: {exc.message}"
+            ) from None
         if isinstance(reply, wire.Refused):
             err = error_from_code(reply.code, f"{node}: {reply.message}")
             if not isinstance(err, TransferError):

@@ -1,5 +1,6 @@
-"""The send path: a write cut into work requests of at most the link's chunk size, posted
-on one queue pair in chains of `wr_per_post`, with the send queue's slots counted here.
+"""The send path: a write (each block of a strided one) cut into work requests of at most
+the link's chunk size, posted on one queue pair in chains of `wr_per_post`, with the send
+queue's slots counted here.
 
 Only the last WR of a write, and one every half send queue, is signaled. Real NICs free
 the slots of unsignaled WRs only when a later signaled WR completes (Soft-RoCE does not
@@ -65,9 +66,12 @@ class Sender:
         rkey: int,
         length: int,
         imm: int | None,
+        count: int = 1,
+        src_stride: int = 0,
+        dst_stride: int = 0,
     ) -> asyncio.Future[None]:
-        """Queue a write on the least busy queue pair of the link; the future resolves on
-        its last WR's send completion."""
+        """Queue a write (every block of it) on the least busy queue pair of the link; the
+        future resolves on its last WR's send completion."""
         assert self.rt.loop is not None
         w = Write(
             id=next(self._ids) & ID_MASK,
@@ -78,7 +82,10 @@ class Sender:
             rkey=rkey,
             length=length,
             imm=None if imm is None else imm & 0xFFFFFFFF,
-            wrs_left=max(1, -(-length // link.chunk)),
+            wrs_left=count * max(1, -(-length // link.chunk)),
+            count=count,
+            src_stride=src_stride,
+            dst_stride=dst_stride,
         )
         q = link.pick()
         q.queue.append(w)
@@ -113,11 +120,12 @@ class Sender:
             offset = w.offset
             for j in range(k):
                 wr, sge = q.wrs[first + j], q.sges[first + j]
-                n = min(chunk, w.length - offset)
-                sge.addr = w.local_addr + offset
+                block, within = divmod(offset, w.length) if w.count > 1 else (0, offset)
+                n = min(chunk, w.length - within)
+                sge.addr = w.local_addr + block * w.src_stride + within
                 sge.length = n
                 sge.lkey = w.lkey
-                wr.set_wr_rdma(w.rkey, w.remote_addr + offset)
+                wr.set_wr_rdma(w.rkey, w.remote_addr + block * w.dst_stride + within)
                 final = ends and j == k - 1
                 wr_id = (q.gen << ID_BITS) | w.id
                 wr.wr_id = wr_id
@@ -178,7 +186,7 @@ class Sender:
             q.inflight.pop(w.id, None)
             if w.imm is not None:
                 q.credits += 1
-            self.rt.stats["bytes_sent"] += w.length
+            self.rt.stats["bytes_sent"] += w.length * w.count
             self.rt.stats["writes"] += 1
             if not w.future.done():
                 w.future.set_result(None)

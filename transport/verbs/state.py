@@ -38,10 +38,13 @@ class Write:
     lkey: int
     remote_addr: int
     rkey: int
-    length: int
+    length: int  # of one block
     imm: int | None
     wrs_left: int
-    offset: int = 0  # bytes posted so far
+    offset: int = 0  # bytes posted so far, over all blocks
+    count: int = 1  # blocks of `length` bytes (a strided write)
+    src_stride: int = 0
+    dst_stride: int = 0
 
 
 @dataclass(eq=False)

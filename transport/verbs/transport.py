@@ -36,12 +36,12 @@ import time
 from collections.abc import Iterable
 from typing import ClassVar
 
-import msgspec
 import structlog
 
 from weightwire.protocol.errors import (
     ErrorCode,
     PeerLostError,
+    ProtocolError,
     RegionError,
     TransferError,
     WeightwireError,
@@ -57,7 +57,7 @@ from weightwire.transport.base import (
     LocalRegion,
     Signal,
     Transport,
-    check_destination,
+    check_write,
 )
 
 from . import wire
@@ -224,8 +224,8 @@ class VerbsTransport(Transport):
         """Requests from writers on other nodes. Always answers (refusals carry a code)."""
         try:
             req = wire.decode_request(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            return wire.encode(wire.Refused(code=ErrorCode.MALFORMED.value, message=str(exc)))
+        except ProtocolError as exc:
+            return wire.encode(wire.Refused(code=ErrorCode.MALFORMED.value, message=exc.message))
         if self._rt.closed or not self._rt.devs:
             return wire.encode(
                 wire.Refused(
@@ -265,9 +265,12 @@ class VerbsTransport(Transport):
         length: int,
         imm: int | None,
         lane: int = 0,
+        *,
+        count: int = 1,
+        src_stride: int = 0,
+        dst_stride: int = 0,
     ) -> None:
-        src.check(src_offset, length, "source")
-        check_destination(dst, dst_offset, length)
+        check_write(src, src_offset, dst, dst_offset, length, count, src_stride, dst_stride)
         if not dst.keys.verbs:
             raise RegionError(f"region {dst.id} of node {dst.node} has no verbs key")
         reg = self._regions.get(src.id)
@@ -295,6 +298,9 @@ class VerbsTransport(Transport):
             rkey=self._checks.fault(key.rkey),
             length=length,
             imm=imm,
+            count=count,
+            src_stride=src_stride,
+            dst_stride=dst_stride,
         )
 
     def stats(self) -> dict[str, int]:

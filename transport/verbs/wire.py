@@ -13,6 +13,7 @@ from typing import Annotated
 
 import msgspec
 
+from weightwire.protocol.frames import decode_checked
 from weightwire.protocol.regions import U64
 
 U24 = Annotated[int, msgspec.Meta(ge=0, lt=1 << 24)]
@@ -90,8 +91,8 @@ def encode(msg: Request | Reply) -> bytes:
 
 
 def decode_request(data: bytes) -> Request:
-    return _req.decode(data)
+    return decode_checked(_req, data, "verbs request")
 
 
 def decode_reply(data: bytes) -> Reply:
-    return _rep.decode(data)
+    return decode_checked(_rep, data, "verbs reply")
