@@ -291,19 +291,32 @@ def _bucket(device: str) -> tuple[tuple[PackOp, ...], dict[str, torch.Tensor], i
     ],
 )
 def test_pack_bucket_matches_op_by_op(device: str) -> None:
-    """The batched bucket path (grouped copies, stacked FP8 quantization) writes exactly the
-    bytes that packing op by op does, twice in a row (its cached views stay right)."""
+    """The batched bucket path (grouped copies, stacked FP8 quantization, on a GPU a CUDA
+    graph from the second run) writes exactly the bytes that packing op by op does, and
+    reads the tensors as they are at each run (in-place updates included)."""
     ops, tensors, nbytes = _bucket(device)
-    want = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-    one = packmod.Packer()
-    for op in ops:
-        one.pack(op, tensors[op.source], want)
     p = packmod.Packer()
-    for _ in range(2):
-        got = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    got = torch.zeros(nbytes, dtype=torch.uint8, device=device)  # one staging, as a rank has
+    for run in range(4):
+        if run == 2:
+            for t in tensors.values():
+                t.mul_(-3)
+        want = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        one = packmod.Packer()
+        for op in ops:
+            one.pack(op, tensors[op.source], want)
+        got.zero_()
         p.pack_bucket(ops, tensors, got)
-        assert torch.equal(got.cpu(), want.cpu())
+        assert torch.equal(got.cpu(), want.cpu()), f"run {run}"
+    (entry,) = p._buckets.values()
+    assert (entry.graph is not None) == (device == "cuda")
     assert len(p) == 0
+    # other tensor objects: made afresh, never a stale view or graph
+    fresh = {k: v.clone() for k, v in tensors.items()}
+    got.zero_()
+    p.pack_bucket(ops, fresh, got)
+    assert torch.equal(got.cpu(), want.cpu())
+    assert next(iter(p._buckets.values())) is not entry
 
 
 @pytest.mark.gpu

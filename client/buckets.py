@@ -1,0 +1,169 @@
+"""A bucket's pack ops made once into batched work and run every version.
+
+Plain copies and casts are grouped by dtypes and by whether the source is contiguous:
+torch copies a group of contiguous pairs in one fused kernel, and falls back to one copy
+per pair for the whole group if any pair is strided. FP8 boxes of one shape, block size
+and dtype are stacked and quantized in one pass. On the GPU the copies (thousands of
+small strided ones for a layer of experts) are captured once as a CUDA graph, so a
+version replays them with one launch per bucket instead of one per copy.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import structlog
+import torch
+
+from weightwire.protocol.plan import PackOp
+from weightwire.protocol.tensors import Box, Cast, Copy, Fp8BlockQuant, Fp8BlockScale
+
+from .dtypes import TORCH
+from .fp8 import quantize_blocks
+
+log = structlog.get_logger("weightwire.client.pack")
+
+GRAPHS = os.environ.get("WEIGHTWIRE_PACK_GRAPHS", "1") != "0"
+_graph_failure_logged = False
+
+
+def box_of(t: torch.Tensor, op: PackOp) -> torch.Tensor:
+    return slice_box(t, op.box)
+
+
+def slice_box(t: torch.Tensor, box: Box) -> torch.Tensor:
+    return t[tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes, strict=True))]
+
+
+class Fp8Group:
+    """FP8 boxes of one shape, block size and dtype: stacked, quantized in one pass, and
+    their codes and scales copied into staging in two multi-tensor copies."""
+
+    def __init__(self, block: int) -> None:
+        self.block = block
+        self.srcs: list[torch.Tensor] = []
+        self.codes: list[torch.Tensor | None] = []  # staging views (None: not asked for)
+        self.scales: list[torch.Tensor | None] = []
+
+    def run(self) -> None:
+        codes, scales = quantize_blocks(torch.stack(self.srcs), self.block)
+        for wanted, got in ((self.codes, codes), (self.scales, scales)):
+            pairs = [(out, got[i]) for i, out in enumerate(wanted) if out is not None]
+            if pairs:
+                torch._foreach_copy_([o for o, _ in pairs], [g for _, g in pairs])
+
+
+class BucketPack:
+    """One bucket's ops over given tensors and staging, batched. `rest` are the ops it
+    leaves to the caller (transforms it does not batch)."""
+
+    def __init__(
+        self,
+        ops: tuple[PackOp, ...],
+        tensors: dict[str, torch.Tensor],
+        staging: torch.Tensor,
+        graphs: bool = True,
+    ) -> None:
+        self.ops = ops  # held: its id keys the cache and must not be reused meanwhile
+        self.names = tuple(dict.fromkeys(op.source for op in ops))
+        self.staging_ptr = staging.data_ptr()
+        self.sources = self._identity(tensors)
+        self.copies: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+        self.fp8: list[Fp8Group] = []
+        self.rest: list[PackOp] = []
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self._graphs = graphs and GRAPHS and staging.is_cuda
+        self._device = staging.device
+        self._build(tensors, staging)
+
+    def _identity(self, tensors: dict[str, torch.Tensor]) -> tuple[tuple[int, int], ...]:
+        return tuple((id(t), t.data_ptr()) for t in (tensors[n] for n in self.names))
+
+    def fits(
+        self, ops: tuple[PackOp, ...], tensors: dict[str, torch.Tensor], staging: torch.Tensor
+    ) -> bool:
+        """Whether this was made for these ops, tensors (same objects, same storage) and
+        staging: its views, and the graph's pointers, are valid for them."""
+        return (
+            ops is self.ops
+            and staging.data_ptr() == self.staging_ptr
+            and self._identity(tensors) == self.sources
+        )
+
+    def run(self) -> None:
+        """Queue the batched ops on the current stream (the graph from the second run on)."""
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            for outs, srcs in self.copies:
+                torch._foreach_copy_(outs, srcs)
+            if self._graphs and self.copies:
+                self.graph = self._capture()
+                self._graphs = False
+        for group in self.fp8:
+            group.run()
+
+    def _capture(self) -> torch.cuda.CUDAGraph | None:
+        global _graph_failure_logged
+        graph = torch.cuda.CUDAGraph()
+        current = torch.cuda.current_stream(self._device)
+        side = torch.cuda.Stream(self._device)
+        side.wait_stream(current)
+        try:
+            with torch.cuda.stream(side):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    for outs, srcs in self.copies:
+                        torch._foreach_copy_(outs, srcs)
+                finally:
+                    graph.capture_end()
+        except RuntimeError as exc:
+            if not _graph_failure_logged:
+                _graph_failure_logged = True
+                log.warning("pack copies run eagerly: CUDA graph capture failed", error=str(exc))
+            return None
+        finally:
+            current.wait_stream(side)
+        return graph
+
+    def _build(self, tensors: dict[str, torch.Tensor], staging: torch.Tensor) -> None:
+        copies: dict[tuple[Any, ...], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        fp8: dict[tuple[Any, ...], Fp8Group] = {}
+        fp8_at: dict[tuple[Any, ...], tuple[Fp8Group, int]] = {}  # (source, box, block) -> slot
+        for op in self.ops:
+            out = staging[op.staging_offset : op.staging_offset + op.nbytes]
+            match op.transform:
+                case Copy() | Cast():
+                    src = box_of(tensors[op.source], op)
+                    dtype = (
+                        src.dtype if isinstance(op.transform, Copy) else TORCH[op.transform.dtype]
+                    )
+                    key = (src.dtype, dtype, src.is_contiguous())
+                    outs, srcs = copies.setdefault(key, ([], []))
+                    outs.append(out.view(dtype).view(src.shape))
+                    srcs.append(src)
+                case Fp8BlockQuant(block=block) | Fp8BlockScale(block=block):
+                    src = box_of(tensors[op.source], op)
+                    if src.dim() != 2 or not src.is_floating_point():
+                        self.rest.append(op)  # quantize_blocks names what is wrong with it
+                        continue
+                    at = fp8_at.get((op.source, op.box, block))
+                    if at is None:
+                        group = fp8.setdefault(
+                            (block, src.dtype, tuple(src.shape)), Fp8Group(block)
+                        )
+                        group.srcs.append(src)
+                        group.codes.append(None)
+                        group.scales.append(None)
+                        at = fp8_at[(op.source, op.box, block)] = (group, len(group.srcs) - 1)
+                    group, i = at
+                    if isinstance(op.transform, Fp8BlockQuant):
+                        group.codes[i] = out.view(torch.float8_e4m3fn).view(src.shape)
+                    else:
+                        tiles = (-(-src.shape[0] // block), -(-src.shape[1] // block))
+                        group.scales[i] = out.view(torch.float32).view(tiles)
+                case _:
+                    self.rest.append(op)
+        self.copies = list(copies.values())
+        self.fp8 = list(fp8.values())
