@@ -44,6 +44,12 @@ class DaemonProc:
         return out
 
 
+def daemon_argv(args: dict[str, str]) -> list[str]:
+    """weightwired flags: `--key=value` (a Z85 CURVE key may start with '-', which argparse
+    would take for a flag if it came as a word of its own), or `--key` for "" (a switch)."""
+    return [f"--{k}" if v == "" else f"--{k}={v}" for k, v in args.items()]
+
+
 @dataclass
 class LocalCluster:
     """Start with `start()`, stop with `stop()` (or use as a context manager)."""
@@ -128,9 +134,7 @@ class LocalCluster:
             args["coordinator"] = coordinator_endpoint or self.daemons[0].endpoint
             if not self.insecure and "insecure" not in args:
                 args["coordinator-public-key"] = self.coordinator_key()
-        cmd = [*self.prefix(host), sys.executable, "-m", "weightwire.daemon"]
-        for k, v in args.items():
-            cmd += [f"--{k}"] if v == "" else [f"--{k}", v]
+        cmd = [*self.prefix(host), sys.executable, "-m", "weightwire.daemon", *daemon_argv(args)]
         log_path = self.workdir / f"{node}.log"
         log: IO[bytes] = open(log_path, "ab")  # noqa: SIM115 - the daemon owns it
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)

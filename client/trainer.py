@@ -36,6 +36,7 @@ from weightwire.protocol.plan import RankPlan
 from weightwire.protocol.tensors import SourceTensor
 from weightwire.transport.hostmem import SharedFile, create_shared
 
+from . import cuda
 from .connection import DaemonConnection, expect
 from .dtypes import name_of
 from .layouts import Full, Layout, local_box
@@ -152,6 +153,7 @@ class Trainer(RankClient):
         self._plan: RankPlan | None = None
         self._staging: Staging | None = None
         self._sources: list[tuple[int, SharedFile, torch.Tensor]] = []  # (region, file, bytes)
+        self._gpu_sources: dict[int, tuple[int, int]] = {}  # allocation base -> (region, size)
         self._packer = Packer()
 
     # --- registration --------------------------------------------------------
@@ -192,9 +194,14 @@ class Trainer(RankClient):
             out[name] = raw[off : off + n].view(dtype).view(shape)
         return out
 
-    def _region_of(self, t: torch.Tensor) -> tuple[int, int]:
-        """(region, byte offset) of a tensor allocated by `allocate`, or (-1, 0)."""
-        if t.device.type != "cpu" or not t.is_contiguous():
+    def _region_of(self, t: torch.Tensor, zero_copy: bool = False) -> tuple[int, int]:
+        """(region, byte offset) of a tensor allocated by `allocate`, or, with `zero_copy`,
+        of a GPU tensor in its allocation (registered on first use); else (-1, 0)."""
+        if not t.is_contiguous():
+            return -1, 0
+        if t.is_cuda:
+            return self._gpu_region_of(t) if zero_copy else (-1, 0)
+        if t.device.type != "cpu":
             return -1, 0
         for region, _, raw in self._sources:
             base = raw.data_ptr()
@@ -202,23 +209,42 @@ class Trainer(RankClient):
                 return region, t.data_ptr() - base
         return -1, 0
 
+    def _gpu_region_of(self, t: torch.Tensor) -> tuple[int, int]:
+        base, size = cuda.allocation_of(t)
+        known = self._gpu_sources.get(base)
+        if known is None:
+            request = RegisterRegion(
+                length=size, purpose="sources", kind="gpu", cuda=cuda.region_of(t, base=base)
+            )
+            region = expect(self._conn.request(request), RegionRegistered).region
+            known = self._gpu_sources[base] = (region, size)
+        return known[0], t.data_ptr() - base
+
     def register(
         self,
         tensors: Mapping[str, torch.Tensor],
         layout: Layout | Mapping[str, Layout] | None = None,
         global_shapes: Mapping[str, tuple[int, ...]] | None = None,
+        *,
+        zero_copy: bool = False,
     ) -> None:
         """Declare named tensors this rank holds, and which part of each global tensor.
 
         `layout` is one Layout for all, or one per name (default Full). For a sharded
         tensor give its global shape in `global_shapes` (default: the local shape).
+
+        `zero_copy=True`: the daemon reads the GPU tensors' own memory (their allocations,
+        registered once here through CUDA IPC) for every part the engines take unchanged
+        and contiguous, with no packing. Keep such tensors where they are (no re-allocation)
+        and unchanged while a publish runs; publish them as registered (no replacements).
+        Tensors from `Trainer.allocate` are always zero-copy.
         """
         specs = []
         for name, t in tensors.items():
             lay = layout.get(name, Full()) if isinstance(layout, Mapping) else (layout or Full())
             shape = tuple((global_shapes or {}).get(name, tuple(t.shape)))
             box = local_box(lay, shape, tuple(t.shape))
-            region, offset = self._region_of(t)
+            region, offset = self._region_of(t, zero_copy)
             spec = SourceTensor(
                 name=name,
                 dtype=name_of(t.dtype),
@@ -315,7 +341,7 @@ class Trainer(RankClient):
                 if bucket.packs:
                     assert staging is not None
                     self._packer.pack_bucket(bucket.packs, current, staging)
-                device = staging.device if staging is not None else torch.device("cpu")
+                device = staging.device if staging is not None else self._device()
                 poster.post(bucket.index, device, started)
                 pack_s += time.perf_counter() - p0
             poster.finish()
@@ -361,6 +387,12 @@ class Trainer(RankClient):
                 raise RegistrationError(
                     f"publish got tensor {name!r}, which this rank never registered",
                     code=ErrorCode.UNKNOWN_TENSOR,
+                )
+            if reg.spec.region >= 0 and t is not reg.tensor:
+                raise RegistrationError(
+                    f"tensor {name} is zero-copy (the daemon reads its registered memory): "
+                    "update it in place instead of passing another tensor to publish",
+                    code=ErrorCode.INVALID,
                 )
             if t.dtype != reg.tensor.dtype:
                 raise RegistrationError(

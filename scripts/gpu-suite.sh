@@ -9,7 +9,7 @@
 # No network there: pyzmq, msgspec and structlog come from the carried .whl/ (git-ignored,
 # see bench/results/README.md); weightwire itself is imported from this working tree.
 #
-# SUITE_STAGES picks stages (default: probe,tests,2x2,1x1,replica,fp8; e.g. SUITE_STAGES=2x2).
+# SUITE_STAGES picks stages (default: probe,tests,2x2,2x2-zero-copy,1x1,replica,fp8; e.g. SUITE_STAGES=2x2).
 # WW_SUITE_CPU=1 runs the same stages without a GPU (tiny model, --device cpu, GPU tests
 # skipped): a self-test of this script, never a measurement.
 set -uo pipefail
@@ -39,7 +39,7 @@ NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr -c 'A-Za-z0-9._\n-' '-' | tr -d '\n')
 TAG="${NGPU}x${NAME:-no-GPU}"
 SELFTEST=${WW_SUITE_CPU:-0}
-STAGES=",${SUITE_STAGES:-probe,tests,2x2,1x1,replica,fp8},"
+STAGES=",${SUITE_STAGES:-probe,tests,2x2,2x2-zero-copy,1x1,replica,fp8},"
 wanted() { [[ $STAGES == *",$1,"* ]]; }
 declare -a EXTRA=()
 if ((SELFTEST)); then
@@ -171,6 +171,7 @@ bench() {
 }
 if ((NGPU >= 4)); then
     bench 2x2 200 150 --pairs 2x2 --trace "$OUT/$TAG-bench-2x2-trace.json"
+    bench 2x2-zero-copy 150 150 --pairs 2x2 --zero-copy --trace "$OUT/$TAG-bench-2x2-zero-copy-trace.json"
 fi
 if ((NGPU >= 1)); then
     bench 1x1 180 50 --pairs 1x1 --trace "$OUT/$TAG-bench-1x1-trace.json"

@@ -75,7 +75,14 @@ def moved(c: LocalCluster, host: int, transport: str) -> int:
     return int(fetch(c.daemons[host].socket)["transports"].get(transport, {}).get("bytes_sent", 0))
 
 
-def sync(c: LocalCluster, job: str, dest: str, staging: str, trainer_host: int) -> dict[str, Any]:
+def sync(
+    c: LocalCluster,
+    job: str,
+    dest: str,
+    staging: str,
+    trainer_host: int,
+    zero_copy: bool = False,
+) -> dict[str, Any]:
     tg, eg = placement()
     engines, received = [], []
     for r in range(2):
@@ -96,7 +103,7 @@ def sync(c: LocalCluster, job: str, dest: str, staging: str, trainer_host: int) 
         "tcp0": moved(c, 0, "tcp"),
         "tcp1": moved(c, 1, "tcp"),
     }
-    nbytes = 0
+    nbytes, staged = 0, 0
     try:
         for version in (1, 2):
             hf = random_hf(CFG, seed=version)
@@ -120,10 +127,11 @@ def sync(c: LocalCluster, job: str, dest: str, staging: str, trainer_host: int) 
                         mine,
                         layout=Shard(0, r, 2),
                         global_shapes={n: tuple(t.shape) for n, t in hf.items()},
+                        zero_copy=zero_copy,
                     )
                     trainers.append((tr, mine))
                 for tr, _ in trainers:  # every rank registered: the plan, the staging
-                    tr.prepare()
+                    staged += tr.prepare().staging_bytes
             for r, (_, mine) in enumerate(trainers):
                 for n, t in hf.items():
                     step = -(-t.shape[0] // 2)
@@ -169,6 +177,7 @@ def sync(c: LocalCluster, job: str, dest: str, staging: str, trainer_host: int) 
             eng.close()
     return {
         "bytes": nbytes,
+        "staged": staged,
         "cuda": moved(c, 0, "cuda") - before["cuda"],
         "tcp0": moved(c, 0, "tcp") - before["tcp0"],
         "tcp1": moved(c, 1, "tcp") - before["tcp1"],
@@ -181,6 +190,15 @@ def test_gpu_staging_through_cuda_ipc(gpu_cluster: LocalCluster, dest: str) -> N
     assert got["bytes"] > 0
     assert got["cuda"] == got["bytes"], got  # every byte GPU to GPU by the copy engines
     assert got["tcp0"] == 0, got
+
+
+def test_gpu_zero_copy_sources(gpu_cluster: LocalCluster) -> None:
+    """Trainers' own GPU tensors registered zero-copy: their contiguous parts go straight
+    from the tensors' memory (less staging than bytes), the rest is packed, all bitwise."""
+    got = sync(gpu_cluster, "gpu-zero-copy", "", "gpu", trainer_host=0, zero_copy=True)
+    plain = sync(gpu_cluster, "gpu-zero-copy-off", "", "gpu", trainer_host=0)
+    assert got["cuda"] == got["bytes"] > 0, got
+    assert got["staged"] < plain["staged"], (got, plain)
 
 
 def test_pinned_replica_into_engine_gpus_by_cuda(gpu_cluster: LocalCluster) -> None:

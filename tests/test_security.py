@@ -95,3 +95,18 @@ def test_no_keys_and_not_insecure_is_a_clear_startup_error(tmp_path) -> None:  #
     )
     assert out.returncode == 1
     assert "weightwire keygen" in out.stdout and "insecure = true" in out.stdout
+
+
+def test_keys_starting_with_a_dash_reach_the_daemon_intact() -> None:
+    """Z85 keys may begin with '-': the local cluster passes flags as --key=value, which
+    argparse never mistakes for a flag (a CI run once failed on such a key)."""
+    import argparse
+
+    from weightwire.cli.localcluster import daemon_argv
+    from weightwire.daemon.config import add_flags
+
+    parser = argparse.ArgumentParser()
+    add_flags(parser)
+    key = "-" + "a" * 39
+    ns = parser.parse_args(daemon_argv({"coordinator-public-key": key, "is-coordinator": ""}))
+    assert ns.coordinator_public_key == key and ns.is_coordinator is True

@@ -50,6 +50,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="trainer staging (auto: on the GPU with GPU tensors)",
     )
     p.add_argument(
+        "--zero-copy",
+        action="store_true",
+        help="trainers register their GPU tensors zero-copy (the daemon reads their memory "
+        "for every part the engines take unchanged and contiguous, without packing)",
+    )
+    p.add_argument(
         "--trainer-layout",
         choices=["fsdp", "full"],
         default="fsdp",

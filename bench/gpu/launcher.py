@@ -240,6 +240,7 @@ def _rank_flags(args: Any, cfg_path: Path, trainers: int, engines: int, port: in
         args.device,
         "--trainer-layout",
         args.trainer_layout,
+        *(["--zero-copy"] if args.zero_copy else []),
         "--bucket-mb",
         str(args.bucket_mb),
         "--dist-port",

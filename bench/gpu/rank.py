@@ -151,7 +151,10 @@ class TrainerRank(Rank):
         )
         layout = Full() if self.full else Shard(0, self.index, self.T)
         self.tr.register(
-            self.views, layout=layout, global_shapes={t.name: t.shape for t in self.hf}
+            self.views,
+            layout=layout,
+            global_shapes={t.name: t.shape for t in self.hf},
+            zero_copy=args.zero_copy and self.device.type == "cuda",
         )
         t0 = time.perf_counter()
         plan = self.tr.prepare(args.timeout)
@@ -444,6 +447,7 @@ def main() -> None:
     p.add_argument("--socket", required=True)
     p.add_argument("--job", default="bench-gpu")
     p.add_argument("--staging", choices=["auto", "gpu", "cpu"], default="auto")
+    p.add_argument("--zero-copy", action="store_true")
     p.add_argument("--trainer-layout", choices=["fsdp", "full"], default="fsdp")
     p.add_argument("--bucket-mb", type=int, default=1024)
     p.add_argument("--dist-port", type=int, required=True)
