@@ -26,6 +26,7 @@ from typing import ClassVar
 import structlog
 
 from weightwire.protocol.errors import ErrorCode, PeerLostError, RegionError, WeightwireError
+from weightwire.protocol.plan import span
 from weightwire.protocol.regions import (
     CudaEndpoint,
     CudaKey,
@@ -309,7 +310,7 @@ class CudaTransport(Transport):
                     r.count, r.src_stride, r.dst_stride,
                 )  # fmt: skip
                 dst_ptr, dst_dev = self._destination(
-                    r.dst, r.dst_offset, (r.count - 1) * r.dst_stride + r.length
+                    r.dst, r.dst_offset, span(r.length, r.count, r.dst_stride)
                 )
             except WeightwireError as exc:
                 results[i] = exc
