@@ -76,3 +76,12 @@ class CudaKit(TransportKit):
 @pytest.fixture
 def kit() -> TransportKit:
     return CudaKit()
+
+
+def test_lane_bounds_batches_in_flight(kit: TransportKit, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With room for 2 batches in flight per device, 96 concurrent writes wait their turn
+    on the loop and all land, bitwise, each immediate once."""
+    from weightwire.transport.cuda import lanes
+
+    monkeypatch.setattr(lanes, "MAX_BATCHES_IN_FLIGHT", 2)
+    test_many_concurrent_writes_and_no_immediate_when_none_asked(kit)  # noqa: F405

@@ -28,6 +28,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="2x2,1x1",
         help="TxE runs: T trainer ranks (FSDP-T) -> E engine ranks (TP-E), T+E GPUs each",
     )
+    p.add_argument(
+        "--place",
+        metavar="T0,T1:E0,E1",
+        help="GPU of each trainer and engine rank (default: one GPU each, in order, "
+        "wrapping around when there are fewer GPUs)",
+    )
     p.add_argument("--versions", type=int, default=3, help="measured versions (after a warm-up)")
     p.add_argument(
         "--replica",

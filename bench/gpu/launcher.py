@@ -259,6 +259,24 @@ def _daemon_flags(args: Any) -> dict[str, str]:
 
 
 # --------------------------------------------------------------------------- one run
+def placement(text: str, trainers: int, engines: int, n: int) -> tuple[list[int], list[int]]:
+    """--place "0,0:1,1": the trainer ranks' GPUs, a colon, the engine ranks' GPUs."""
+    try:
+        t_text, e_text = text.split(":")
+        tg = [int(x) for x in t_text.split(",")]
+        eg = [int(x) for x in e_text.split(",")]
+    except ValueError:
+        raise SystemExit(
+            f"--place {text!r}: expected trainer GPUs:engine GPUs, e.g. 0,0:1,1"
+        ) from None
+    if len(tg) != trainers or len(eg) != engines or not all(0 <= g < n for g in tg + eg):
+        raise SystemExit(
+            f"--place {text!r}: needs {trainers} trainer and {engines} engine GPU ordinals "
+            f"below {n}"
+        )
+    return tg, eg
+
+
 def run_pair(
     args: Any,
     base_cfg: dict[str, Any],
@@ -276,6 +294,8 @@ def run_pair(
         return rec
     tg = [i % n for i in range(trainers)]
     eg = [(trainers + e) % n for e in range(engines)]
+    if args.place:
+        tg, eg = placement(args.place, trainers, engines, n)
     shared = len(set(tg + eg)) < trainers + engines
     baseline = not args.no_baseline
     if cuda and shared and baseline:

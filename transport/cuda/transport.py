@@ -1,10 +1,10 @@
 """The cuda transport: one-sided writes between regions of one host, by the GPU's copy
 engines, over NVLink or PCIe.
 
-The writer opens the destination's CUDA IPC handle (once) and copies into it on a stream
-of the source device; a worker thread per device waits for each copy's event off the
-event loop. Only then is the immediate delivered: to this daemon's own handler when the
-destination is local, to another transport in this process directly, or over a Unix
+The writer opens the destination's CUDA IPC handle (once) and copies into it on the
+source device's lane (`lanes.py`: issued on the loop, completed by a thread per device).
+Only once a copy has landed is its immediate delivered: to this daemon's own handler when
+the destination is local, to another transport in this process directly, or over a Unix
 datagram channel to another daemon of the same host.
 """
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import queue
 import secrets
 import socket
 import struct
@@ -41,7 +40,10 @@ from weightwire.transport.base import (
     WriteRequest,
     check_write,
 )
-from weightwire.transport.cudadrv import MAX_PITCH, CudaError, Driver, driver
+from weightwire.transport.cudadrv import CudaError, Driver, driver
+
+from . import lanes
+from .lanes import Batch, Copy, Lane
 
 log = structlog.get_logger("weightwire.transport.cuda")
 
@@ -60,28 +62,6 @@ def host_id() -> str:
         with contextlib.suppress(OSError), open(path) as f:
             parts.append(f.read().strip())
     return "-".join(parts) or socket.gethostname()
-
-
-@dataclass(eq=False, slots=True)
-class _Copy:
-    index: int  # in its batch
-    dst: int
-    src: int
-    nbytes: int
-    imm: int | None
-    dst_node: str
-    dst_device: int = -1  # set when the copy crosses GPUs through cuMemcpyPeerAsync
-    count: int = 1  # blocks of `nbytes` (a strided write), one 2-D copy
-    src_stride: int = 0
-    dst_stride: int = 0
-
-
-@dataclass(eq=False, slots=True)
-class _Batch:
-    """Copies issued together on one stream, completed by one event."""
-
-    copies: list[_Copy]
-    future: asyncio.Future[dict[int, BaseException]]  # failures by index; {} when all landed
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,8 +88,7 @@ class CudaTransport(Transport):
         self._peers: dict[str, str] = {}  # node -> its channel path
         self._opened: dict[bytes, tuple[int, int]] = {}  # peer IPC handle -> (base, size) here
         self._peer_maps: dict[tuple[bytes, int], int] = {}  # (handle, device) -> base there
-        self._queues: dict[int, queue.SimpleQueue[_Batch | None]] = {}
-        self._threads: list[threading.Thread] = []
+        self._lanes: dict[int, Lane] = {}
         self._channel: socket.socket | None = None
         self._lock = threading.Lock()
         self._stats = {"bytes_sent": 0, "writes": 0, "bytes_received": 0, "batches": 0}
@@ -152,12 +131,12 @@ class CudaTransport(Transport):
             elif self._channel is not None:
                 with contextlib.suppress(OSError):
                     self._channel.sendto(b"B" + self.node.encode(), path)
-        for q in self._queues.values():
-            q.put(None)
+        for lane in self._lanes.values():
+            lane.stop()
 
         def join() -> None:
-            for t in self._threads:
-                t.join(10)
+            for lane in self._lanes.values():
+                lane.join(10)
 
         await asyncio.to_thread(join)
         if self._loop is not None and self._channel is not None:
@@ -302,7 +281,7 @@ class CudaTransport(Transport):
 
     async def write_batch(self, requests: Sequence[WriteRequest]) -> list[BaseException | None]:
         results: list[BaseException | None] = [None] * len(requests)
-        by_device: dict[int, list[_Copy]] = {}
+        by_device: dict[int, list[Copy]] = {}
         for i, r in enumerate(requests):
             try:
                 check_write(
@@ -316,7 +295,7 @@ class CudaTransport(Transport):
                 results[i] = exc
                 continue
             device = r.src.device if r.src.kind == "gpu" and r.src.device is not None else dst_dev
-            copy = _Copy(
+            copy = Copy(
                 i,
                 dst_ptr,
                 r.src.address + r.src_offset,
@@ -333,89 +312,46 @@ class CudaTransport(Transport):
                 elif P2P == "peer":
                     copy.dst_device = dst_dev
             by_device.setdefault(device, []).append(copy)
-        assert self._loop is not None
-        pending = []
-        for device, copies in by_device.items():
-            fut: asyncio.Future[dict[int, BaseException]] = self._loop.create_future()
-            self._queue(device).put(_Batch(copies, fut))
-            pending.append(fut)
-        for failures in await asyncio.gather(*pending):
+        outcomes = await asyncio.gather(
+            *(self._lane(device).submit(copies) for device, copies in by_device.items())
+        )
+        for failures in outcomes:
             for i, failure in failures.items():
                 results[i] = failure
         return results
 
-    def _queue(self, device: int) -> queue.SimpleQueue[_Batch | None]:
-        q = self._queues.get(device)
-        if q is None:
-            q = self._queues[device] = queue.SimpleQueue()
-            t = threading.Thread(
-                target=self._worker, args=(device, q), name=f"ww-cuda-{device}", daemon=True
+    def _lane(self, device: int) -> Lane:
+        lane = self._lanes.get(device)
+        if lane is None:
+            assert self._drv is not None and self._loop is not None
+            lane = self._lanes[device] = Lane(
+                self._drv, device, self._loop, self._landed, lanes.MAX_BATCHES_IN_FLIGHT
             )
-            t.start()
-            self._threads.append(t)
-        return q
+        return lane
 
-    def _worker(self, device: int, q: queue.SimpleQueue[_Batch | None]) -> None:
-        """Issue every queued batch on one stream, one event after each; complete them in order."""
-        drv = self._drv
-        assert drv is not None and self._loop is not None
-        drv.use(device)
-        stream = drv.stream()
-        while True:
-            first = q.get()
-            if first is None:
-                return
-            batches = [first]
-            while True:
-                try:
-                    nxt = q.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    q.put(None)
-                    break
-                batches.append(nxt)
-            issued: list[tuple[_Batch, int | None, dict[int, BaseException]]] = []
-            for b in batches:
-                failures: dict[int, BaseException] = {}
-                for c in b.copies:
-                    try:
-                        _issue(drv, c, device, stream)
-                    except CudaError as exc:
-                        failures[c.index] = exc
-                try:
-                    event = drv.event()
-                    drv.record(event, stream)
-                    issued.append((b, event, failures))
-                except CudaError as exc:
-                    issued.append((b, None, {c.index: exc for c in b.copies}))
-            for b, ev, failures in issued:
-                if ev is not None:
-                    try:
-                        drv.wait_event(ev)
-                    except CudaError as exc:
-                        failures = {c.index: exc for c in b.copies}
-                    finally:
-                        drv.destroy_event(ev)
-                landed = [c for c in b.copies if c.index not in failures]
-                with self._lock:
-                    self._stats["bytes_sent"] += sum(c.nbytes * c.count for c in landed)
-                    self._stats["writes"] += len(landed)
-                    self._stats["batches"] += 1
-                imms: dict[str, list[int]] = {}
-                for c in landed:
-                    if c.imm is not None:
-                        imms.setdefault(c.dst_node, []).append(c.imm)
-                for node, values in imms.items():
-                    self._deliver(node, values)
-                self._loop.call_soon_threadsafe(_settle, b.future, failures)
+    def _landed(self, batch: Batch) -> None:
+        """On the loop: a batch's copies are done; deliver the immediates of those that landed."""
+        landed = batch.landed()
+        with self._lock:
+            self._stats["bytes_sent"] += sum(c.nbytes * c.count for c in landed)
+            self._stats["writes"] += len(landed)
+            self._stats["batches"] += 1
+        imms: dict[str, list[int]] = {}
+        for c in landed:
+            if c.imm is not None:
+                imms.setdefault(c.dst_node, []).append(c.imm)
+        for node, values in imms.items():
+            self._deliver(node, values)
 
     def _deliver(self, node: str, imms: list[int]) -> None:
         """Immediates of finished copies, to whichever transport owns the destination."""
         owner = self if node == self.node else _INSTANCES.get(node)
         if owner is not None:
-            assert owner._loop is not None
-            owner._loop.call_soon_threadsafe(owner._receive, imms, self.node)
+            if owner._loop is self._loop:
+                owner._receive(imms, self.node)
+            else:
+                assert owner._loop is not None
+                owner._loop.call_soon_threadsafe(owner._receive, imms, self.node)
             return
         path = self._peers.get(node)
         if path is None or self._channel is None:
@@ -446,23 +382,3 @@ class CudaTransport(Transport):
     def stats(self) -> dict[str, int]:
         with self._lock:
             return dict(self._stats)
-
-
-def _settle(
-    fut: asyncio.Future[dict[int, BaseException]], failures: dict[int, BaseException]
-) -> None:
-    if not fut.done():
-        fut.set_result(failures)
-
-
-def _issue(drv: Driver, c: _Copy, device: int, stream: int) -> None:
-    """Queue one write's copies on `stream`: a strided write as one 2-D copy."""
-    if c.count > 1 and c.dst_device < 0 and max(c.src_stride, c.dst_stride) <= MAX_PITCH:
-        drv.copy_2d_async(c.dst, c.dst_stride, c.src, c.src_stride, c.nbytes, c.count, stream)
-        return
-    for i in range(c.count):
-        dst, src = c.dst + i * c.dst_stride, c.src + i * c.src_stride
-        if c.dst_device >= 0:
-            drv.copy_peer_async(dst, c.dst_device, src, device, c.nbytes, stream)
-        else:
-            drv.copy_async(dst, src, c.nbytes, stream)
