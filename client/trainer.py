@@ -11,6 +11,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Literal
 
+import msgspec
 import torch
 
 from weightwire.protocol.errors import (
@@ -153,7 +154,8 @@ class Trainer(RankClient):
         self._plan: RankPlan | None = None
         self._staging: Staging | None = None
         self._sources: list[tuple[int, SharedFile, torch.Tensor]] = []  # (region, file, bytes)
-        self._gpu_sources: dict[int, tuple[int, int]] = {}  # allocation base -> (region, size)
+        # allocation base -> (region, size, its registration)
+        self._gpu_sources: dict[int, tuple[int, int, RegisterRegion]] = {}
         self._packer = Packer()
 
     # --- registration --------------------------------------------------------
@@ -217,7 +219,7 @@ class Trainer(RankClient):
                 length=size, purpose="sources", kind="gpu", cuda=cuda.region_of(t, base=base)
             )
             region = expect(self._conn.request(request), RegionRegistered).region
-            known = self._gpu_sources[base] = (region, size)
+            known = self._gpu_sources[base] = (region, size, request)
         return known[0], t.data_ptr() - base
 
     def register(
@@ -419,6 +421,7 @@ class Trainer(RankClient):
         """The daemon restarted: register everything again, on a fresh session."""
         self._fail_pending(PeerLostError("the daemon restarted mid-version; publish again"))
         super()._replay()
+        self._reregister_sources()
         if self._tensors:
             self._conn.request(
                 DeclareSources(tensors=tuple(r.spec for r in self._tensors.values()))
@@ -426,6 +429,21 @@ class Trainer(RankClient):
         if self._staging is not None:
             self._conn.request(self._staging.request())
         self._plan = None
+
+    def _reregister_sources(self) -> None:
+        """Zero-copy source regions again (the new daemon numbers them anew), and the
+        tensor specs pointed at their new ids."""
+        renamed: dict[int, int] = {}
+        for i, (old, shared, raw) in enumerate(self._sources):
+            request = RegisterRegion(path=shared.path, length=shared.length, purpose="sources")
+            renamed[old] = expect(self._conn.request(request), RegionRegistered).region
+            self._sources[i] = (renamed[old], shared, raw)
+        for base, (old, size, request) in list(self._gpu_sources.items()):
+            renamed[old] = expect(self._conn.request(request), RegionRegistered).region
+            self._gpu_sources[base] = (renamed[old], size, request)
+        for reg in self._tensors.values():
+            if reg.spec.region in renamed:
+                reg.spec = msgspec.structs.replace(reg.spec, region=renamed[reg.spec.region])
 
     def _fail_pending(self, exc: Exception) -> None:
         super()._fail_pending(exc)

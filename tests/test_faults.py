@@ -129,6 +129,38 @@ def test_trainer_daemon_killed_mid_transfer_then_back(faults: LocalCluster) -> N
     eng.close()
 
 
+def test_zero_copy_sources_registered_again_after_a_daemon_restart(faults: LocalCluster) -> None:
+    """Memory from Trainer.allocate is a region of the daemon's: a restarted daemon numbers
+    it anew, and the trainer's sources follow, so publishing goes on from that memory."""
+    job = "zero-copy-restart"
+    dst = torch.zeros(ROWS, COLS)
+    eng = Engine(0, 1, socket=faults.daemons[2].socket, job=job, timeout_s=30)
+    eng.register({"w": dst})
+    tr = Trainer(0, 1, socket=faults.daemons[1].socket, job=job, timeout_s=30)
+    w = tr.allocate({"w": ((ROWS, COLS), torch.float32)})["w"]
+    w.copy_(weights(1))
+    tr.register({"w": w})
+    tr.publish(1)
+    eng.wait(1)
+    assert torch.equal(dst, weights(1))
+    faults.daemons[1].proc.send_signal(signal.SIGKILL)
+    faults.daemons[1].proc.wait(10)
+    restart(faults, 1)
+    w.copy_(weights(2))
+    deadline = time.time() + 20
+    while True:  # the trainer re-registers once it notices the new daemon
+        try:
+            tr.publish(2)
+            break
+        except PeerLostError:
+            assert time.time() < deadline, "the trainer never re-registered"
+            time.sleep(0.2)
+    eng.wait(2, timeout_s=30)
+    assert torch.equal(dst, weights(2))
+    tr.close()
+    eng.close()
+
+
 def test_coordinator_restarted_plan_restored(faults: LocalCluster) -> None:
     tr, eng, dst = pair(faults, "coordinator-restart")
     tr.publish(1, {"w": weights(1)})
