@@ -85,3 +85,28 @@ def test_lane_bounds_batches_in_flight(kit: TransportKit, monkeypatch: pytest.Mo
 
     monkeypatch.setattr(lanes, "MAX_BATCHES_IN_FLIGHT", 2)
     test_many_concurrent_writes_and_no_immediate_when_none_asked(kit)  # noqa: F405
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+def test_host_source_pinned_or_pageable_lands(kit: TransportKit, pinned: bool) -> None:
+    """A CPU-replica write: host memory to a GPU region. Pinned memory (registered) is
+    issued on the loop; pageable memory (not registered) on a thread, since the driver may
+    wait for such a copy. Both land bitwise, with their immediates."""
+
+    async def body(p: Pair) -> None:  # noqa: F405
+        n = 3 * MiB + 17  # noqa: F405
+        data = rand(n, 11)  # noqa: F405
+        host = ctypes.create_string_buffer(data, n)
+        src = LocalRegion(
+            id=90, kind="cpu", length=n, view=memoryview(host), address=ctypes.addressof(host)
+        )
+        if pinned:
+            p.a.transport.register(src)
+        dst, desc = p.region(p.b, 91, n)
+        await p.a.transport.write(src, 0, desc, 0, n, 5)
+        assert p.kit.read(dst, 0, n) == data
+        assert p.b.imms == [(5, "node-a")]
+        if pinned:
+            p.a.transport.deregister(src.id)
+
+    run(kit, body)  # noqa: F405

@@ -6,7 +6,8 @@ from a worker thread, every driver call re-takes the GIL from a busy loop, which
 trainer's copies up to a switch interval apart and left the copy engines idle.) One event
 follows each batch; the lane's completion thread blocks on the events, in order, off the
 loop, and hands each finished batch back to it. A bounded number of batches is in flight
-per lane, so the stream's queue never fills and issuing never blocks the loop.
+per lane, so the stream's queue never fills and issuing never blocks the loop. (A copy
+from pageable host memory can wait for itself: such a batch is issued on a thread.)
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ class Lane:
         self._loop = loop
         self._on_landed = on_landed
         self._room = asyncio.Semaphore(max_in_flight)
+        self._issuing = asyncio.Lock()
         drv.use(device)
         self._stream = drv.stream()
         self._queue: queue.SimpleQueue[Batch | None] = queue.SimpleQueue()
@@ -76,13 +78,33 @@ class Lane:
         )
         self._thread.start()
 
-    async def submit(self, copies: list[Copy]) -> dict[int, BaseException]:
-        """Issue `copies`; resolves with the failures by index once they have all landed."""
+    async def submit(
+        self, copies: list[Copy], *, blocking: bool = False
+    ) -> dict[int, BaseException]:
+        """Issue `copies`; resolves with the failures by index once they have all landed.
+        `blocking`: issuing may wait for the copy itself (a source in pageable host
+        memory), so it is done on a thread rather than on the loop."""
         await self._room.acquire()
         batch = Batch(copies, self._loop.create_future())
         try:
+            async with self._issuing:  # events reach the queue in the stream's order
+                if blocking:
+                    await asyncio.to_thread(self._issue, batch)
+                else:
+                    self._issue(batch)
+                if batch.event:
+                    self._queue.put(batch)
+        except BaseException:
+            self._room.release()
+            raise
+        if not batch.event:
+            self._finish(batch)
+        return await batch.future
+
+    def _issue(self, batch: Batch) -> None:
+        try:
             self._drv.use(self.device)
-            for c in copies:
+            for c in batch.copies:
                 try:
                     _issue(self._drv, c, self.device, self._stream)
                 except CudaError as exc:
@@ -90,19 +112,11 @@ class Lane:
             batch.event = self._drv.event()
             self._drv.record(batch.event, self._stream)
         except CudaError as exc:
-            batch.failures = {c.index: exc for c in copies}
+            batch.failures = {c.index: exc for c in batch.copies}
             if batch.event:
                 with contextlib.suppress(CudaError):
                     self._drv.destroy_event(batch.event)
                 batch.event = 0
-        except BaseException:
-            self._room.release()
-            raise
-        if batch.event:
-            self._queue.put(batch)
-        else:
-            self._finish(batch)
-        return await batch.future
 
     def _complete(self) -> None:
         """The lane's thread: wait for each batch's event, in issue order."""

@@ -282,6 +282,7 @@ class CudaTransport(Transport):
     async def write_batch(self, requests: Sequence[WriteRequest]) -> list[BaseException | None]:
         results: list[BaseException | None] = [None] * len(requests)
         by_device: dict[int, list[Copy]] = {}
+        pageable: set[int] = set()  # devices with a copy from unpinned host memory
         for i, r in enumerate(requests):
             try:
                 check_write(
@@ -312,8 +313,13 @@ class CudaTransport(Transport):
                 elif P2P == "peer":
                     copy.dst_device = dst_dev
             by_device.setdefault(device, []).append(copy)
+            if r.src.kind != "gpu" and r.src.id not in self._pinned:
+                pageable.add(device)
         outcomes = await asyncio.gather(
-            *(self._lane(device).submit(copies) for device, copies in by_device.items())
+            *(
+                self._lane(device).submit(copies, blocking=device in pageable)
+                for device, copies in by_device.items()
+            )
         )
         for failures in outcomes:
             for i, failure in failures.items():
