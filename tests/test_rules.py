@@ -19,6 +19,7 @@ from weightwire.protocol.errors import ErrorCode, PlanError
 from weightwire.protocol.local import EngineLayout
 from weightwire.protocol.tensors import Box, DestTensor
 
+from .hfweights import random_hf
 from .planlib import engine, execute, trainer
 from .rulesref import CONFIGS, reference
 
@@ -56,15 +57,6 @@ CASES = [
     ("deepseek-v3-fp8", 2, 1, ""),
     ("deepseek-v3-fp8", 2, 2, ""),
 ]
-
-
-def random_hf(cfg: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for t in hf_tensors(cfg):
-        x = torch.randn(t.shape, generator=g) * (1 + torch.rand(t.shape, generator=g) * 4)
-        out[t.name] = x.to(TORCH[t.dtype])
-    return out
 
 
 def fsdp_boxes(

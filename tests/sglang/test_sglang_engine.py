@@ -65,10 +65,10 @@ from weightwire.adapters.sglang.lifecycle import SGLangClient, update_weights
 from weightwire.adapters.sglang.replica import SGLangReplica
 from weightwire.cli.localcluster import LocalCluster
 from weightwire.client import Shard, Trainer
-from weightwire.client.dtypes import TORCH
 from weightwire.plan.rules import hf_tensors
 from weightwire.protocol.errors import RegistrationError
 
+from ..hfweights import random_weights
 from ..rulesref import BASE, CONFIGS
 from ..test_sglang_lifecycle import RecordingSGLang
 
@@ -120,15 +120,6 @@ def checkpoint_shapes(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...], s
         ]
     out += [("model.norm.weight", (H,)), ("lm_head.weight", (V, H))]
     return [(n, s, "bfloat16") for n, s in out]
-
-
-def random_hf(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, shape, dtype in checkpoint_shapes(cfg):
-        x = torch.randn(shape, generator=g) * (1 + 4 * torch.rand(shape, generator=g))
-        out[name] = x.to(TORCH[dtype])
-    return out
 
 
 # --------------------------------------------------------------------------- SGLang worker
@@ -218,7 +209,7 @@ def start_workers(
     model_dir = tmp_path / "model"
     model_dir.mkdir(exist_ok=True)
     (model_dir / "config.json").write_text(json.dumps(cfg))
-    initial = random_hf(cfg, seed=0)
+    initial = random_weights(checkpoint_shapes(cfg), 0)
     monkeypatch.setenv("WEIGHTWIRE_SGLANG", mode)
     monkeypatch.setenv("WEIGHTWIRE_JOB", job)
     monkeypatch.setenv("WEIGHTWIRE_ENGINE_REPLICAS", str(replicas))
@@ -326,7 +317,7 @@ def test_rules_mode_workers(
     )  # fmt: skip
     trainers: list[tuple[Trainer, dict[str, torch.Tensor]]] = []
     for version in (1, 2):
-        hf = random_hf(cfg, seed=version)
+        hf = random_weights(checkpoint_shapes(cfg), version)
         if not trainers:
             for r in range(2):
                 tr = Trainer(r, 2, socket=cluster.daemons[0].socket, job=job, timeout_s=60)
@@ -405,7 +396,7 @@ def test_replica_mode_workers(
         want_ranks = {e * tp + lay.tp_rank for lay in rep.layouts for e in range(replicas)}
         assert {w.dst_rank for w in writes} == want_ranks
     for version in (1, 2):
-        hf = random_hf(cfg, seed=version)
+        hf = random_weights(checkpoint_shapes(cfg), version)
         sync(
             runners,
             version,
@@ -431,7 +422,7 @@ def test_replica_refuses_weights_it_never_got(cluster: LocalCluster) -> None:
     cfg = MODELS["qwen3"]
     tr = Trainer(0, 1, socket=cluster.daemons[0].socket, job="sglang-replica-missing")
     rep = SGLangReplica(tr, cfg, tp_size=2, tp_ranks=[1])
-    hf = random_hf(cfg, seed=3)
+    hf = random_weights(checkpoint_shapes(cfg), 3)
     del hf["model.layers.1.mlp.down_proj.weight"], hf["model.norm.weight"]
     with pytest.raises(RegistrationError, match=r"never .* written") as err:
         rep.publish(1, hf)
@@ -522,7 +513,8 @@ def test_rl_loop_with_the_lifecycle_client(
         in_session, landed = threading.Barrier(2), threading.Barrier(2)
         engines = [SGLangClient(s.url) for s in servers]
         for step in (1, 2):
-            hf = random_hf(cfg, seed=step)  # the RL framework's gathered HF state dict
+            # the RL framework's gathered HF state dict
+            hf = random_weights(checkpoint_shapes(cfg), step)
 
             def rank_publishes(rank: int, step: int = step, hf: Any = hf) -> None:
                 in_session.wait(30)  # dist.barrier(): the engines' sessions are open

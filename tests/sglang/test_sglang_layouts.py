@@ -33,7 +33,7 @@ warnings.filterwarnings("ignore")
 import sglang_cpu  # noqa: E402  (first: SGLANG_USE_CPU_ENGINE and the stand-in modules)
 import torch  # noqa: E402
 
-from weightwire.client.dtypes import TORCH, name_of  # noqa: E402
+from weightwire.client.dtypes import name_of  # noqa: E402
 from weightwire.client.fp8 import quantize_blocks  # noqa: E402
 from weightwire.client.pack import pack  # noqa: E402
 from weightwire.plan.rules import hf_tensors, resolve  # noqa: E402
@@ -42,6 +42,7 @@ from weightwire.protocol.local import EngineLayout  # noqa: E402
 from weightwire.protocol.plan import PackOp  # noqa: E402
 from weightwire.protocol.tensors import DestTensor, Piece, nbytes, piece_nbytes  # noqa: E402
 
+from ..hfweights import random_hf  # noqa: E402
 from ..rulesref import CONFIGS, FP8Q, reference  # noqa: E402
 
 BLOCK = 128
@@ -92,15 +93,6 @@ def config(name: str, fp8: bool) -> dict[str, Any]:
     if fp8:
         cfg["quantization_config"] = FP8Q  # what makes SGLang build FP8 block layers
     return cfg
-
-
-def random_hf(cfg: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for t in hf_tensors(cfg):
-        x = torch.randn(t.shape, generator=g) * (1 + 4 * torch.rand(t.shape, generator=g))
-        out[t.name] = x.to(TORCH[t.dtype])
-    return out
 
 
 def fp8_checkpoint(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
