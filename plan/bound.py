@@ -53,10 +53,6 @@ class Bound:
     def limited_by(self) -> str:
         return "engine NIC" if self.engine_s >= self.trainer_s else "trainer NICs"
 
-    @property
-    def busiest_engine(self) -> int:
-        return max(range(len(self.engine_bytes)), key=lambda i: (self.engine_bytes[i], -i))
-
 
 def received_bytes(tensors: Iterable[Any]) -> int:
     """Bytes an engine rank must receive for these tensors (each with `dtype`, `shape`,

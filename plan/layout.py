@@ -38,10 +38,8 @@ class Send:
 
 @dataclass
 class RankWork:
-    holder_key: tuple[str, int]
     packs: dict[tuple[object, ...], Pack] = field(default_factory=dict)
     sends: list[Send] = field(default_factory=list)
-    load: int = 0
 
 
 def zero_copy(pack: Pack, held: SourceTensor) -> None:

@@ -101,9 +101,7 @@ def plan(
     index = SourceIndex([(t.node, t.rank, t.tensors) for t in trainers])
     problems: list[str] = []
     used: set[str] = set()
-    work: dict[tuple[str, int], RankWork] = {
-        (t.node, t.rank): RankWork((t.node, t.rank)) for t in trainers
-    }
+    work: dict[tuple[str, int], RankWork] = {(t.node, t.rank): RankWork() for t in trainers}
     slots = slots if slots is not None else _slots(engines)
     expect_count: dict[int, int] = defaultdict(int)
     expect_bytes: dict[int, int] = defaultdict(int)
@@ -150,7 +148,6 @@ def plan(
                         )
                         zero_copy(pack, chosen.tensor)
                         w.packs[key] = pack
-                    w.load += placed.nbytes
                     w.sends.append(
                         Send(
                             pack=pack,

@@ -110,21 +110,3 @@ def test_bad_arguments(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> No
     three = ["--trainers", "2", "--engines", "1x3", "--nic-gbps", "100", "--dtype", "bf16"]
     assert main(["plan", "--model", str(MODELS / "qwen3-8b.json"), *three]) == 1
     assert "divisible" in capsys.readouterr().err
-
-
-def small(name: str, **changes: Any) -> dict[str, Any]:
-    cfg = json.loads((MODELS / f"{name}.json").read_text())
-    cfg.update(changes)
-    return cfg
-
-
-GATHERED_CASES = [
-    # (config, trainers, replicas, tp, ep, dtype, bucket MiB): small buckets make the
-    # planner cut large pieces into row chunks
-    (small("qwen3-8b", num_hidden_layers=3), 5, 2, 2, 1, "fp8", 64),
-    (small("qwen3-8b", num_hidden_layers=2), 3, 1, 4, 1, "bf16", 16),
-    (small("qwen3-30b-a3b", num_hidden_layers=2), 7, 2, 4, 4, "fp8", 32),
-    (small("qwen3-30b-a3b", num_hidden_layers=2, num_experts=16), 4, 1, 4, 2, "bf16", 8),
-    (small("kimi-k2", num_hidden_layers=3, n_routed_experts=32), 24, 2, 8, 8, "fp8", 64),
-    (small("kimi-k2", num_hidden_layers=2, n_routed_experts=16), 9, 1, 4, 2, "bf16", 256),
-]
