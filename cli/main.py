@@ -73,13 +73,15 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(s, indent=2) if args.json else render(s))
                 return 0
             case "keygen":
+                import zmq.auth
+
                 from weightwire.daemon.security import keygen
 
                 public, secret = keygen(args.dir, args.name)
-                key = public.read_text().split('public-key = "')[1].split('"')[0]
+                key, _ = zmq.auth.load_certificate(str(public))
                 print(f"public key  {public}  (give it to every peer's curve_allowed_keys_dir)")
                 print(f"secret key  {secret}  (curve_secret_key_file; keep it, mode 0600)")
-                print(f"z85 public  {key}")
+                print(f"z85 public  {key.decode()}")
                 return 0
             case "plan":
                 from .plan import run as run_plan
