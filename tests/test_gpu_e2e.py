@@ -32,8 +32,8 @@ from weightwire.protocol.local import EngineLayout
 from weightwire.transport.cudadrv import available
 
 from .conftest import FAST
+from .hfweights import random_hf
 from .rulesref import CONFIGS, reference
-from .test_rules import random_hf
 
 OK, WHY = available()
 if OK and not torch.cuda.is_available():

@@ -15,8 +15,9 @@ from weightwire.client import Engine, Shard, Trainer
 from weightwire.client.dtypes import TORCH
 from weightwire.plan.rules import engine_tensors
 
+from .hfweights import random_hf
 from .rulesref import CONFIGS, reference
-from .test_rules import fp8_block, layout, random_hf
+from .test_rules import fp8_block, layout
 
 
 @pytest.mark.parametrize(
