@@ -23,8 +23,9 @@ from typing import Any
 from weightwire.cli.demo import Rank
 from weightwire.cli.localcluster import LocalCluster
 
+from . import chrome_trace, report
 from . import model as M
-from . import report
+from .text import render, version_line
 
 # NVLink multicast stays off in everything this starts (see the device notes)
 NO_MULTICAST = {
@@ -482,7 +483,7 @@ def _version(args: Any, group: Group, v: int, baseline: bool, pair: str) -> dict
         out["base"] = {"trainers": b[: len(group.trainers)], "engines": b[len(group.trainers) :]}
         out["base_verify"] = group.step(group.engines, "verify", v, args.timeout)
     report.version_summary(out)
-    log(f"[{pair}] {report.version_line(out)}")
+    log(f"[{pair}] {version_line(out)}")
     return out
 
 
@@ -560,9 +561,9 @@ def main(args: Any) -> int:
             result["runs"].append({**head, "error": str(exc)})
     report.finish(result)
     if args.trace:
-        Path(args.trace).write_text(json.dumps(report.trace(result)))
+        Path(args.trace).write_text(json.dumps(chrome_trace.trace(result)))
         log(f"trace: {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)")
-    text = report.render(result)
+    text = render(result)
     if args.json:
         print(text, file=sys.stderr)
         print(json.dumps(result))
