@@ -1,0 +1,235 @@
+"""`weightwire plan`'s report: the job planned with the real planner, its flows simulated,
+the busiest-NIC bound, and the figures as a JSON object."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from weightwire.protocol.plan import NodePlan
+
+from .plan_ranks import Topology, engine_ranks, trainer_ranks
+
+if TYPE_CHECKING:  # numpy and the planner load only when the command runs
+    import numpy as np
+
+    from weightwire.plan.bound import Bound
+    from weightwire.plan.simulate import SimResult
+
+DTYPES = {"fp8": "fp8", "bf16": "bfloat16", "bfloat16": "bfloat16"}
+
+
+@dataclass
+class Timings:
+    """Wall and CPU seconds per phase (CPU too: a shared machine's wall time says little)."""
+
+    phases: dict[str, float] = field(default_factory=dict)
+    cpu: dict[str, float] = field(default_factory=dict)
+    _cpu0: float = field(default_factory=time.process_time)
+
+    def run(self, name: str, t0: float) -> float:
+        now, cpu = time.perf_counter(), time.process_time()
+        self.phases[name] = self.phases.get(name, 0.0) + now - t0
+        self.cpu[name] = self.cpu.get(name, 0.0) + cpu - self._cpu0
+        self._cpu0 = cpu
+        return now
+
+
+@dataclass
+class Flows:
+    """Every write of a plan, as arrays (source = trainer index, destination = engine index)."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    nbytes: np.ndarray
+    bucket: np.ndarray
+    packed: dict[tuple[int, int], float]
+    staging: list[int]  # staging bytes per trainer
+
+    @property
+    def writes(self) -> int:
+        return int(self.src.shape[0])
+
+
+def flows_of(plans: Mapping[str, NodePlan], trainers: int) -> Flows:
+    import numpy as np
+
+    src: list[int] = []
+    dst: list[int] = []
+    nbytes: list[int] = []
+    bucket: list[int] = []
+    packed: dict[tuple[int, int], float] = {}
+    staging = [0] * trainers
+    for node_plan in plans.values():
+        for rp in node_plan.sends:
+            staging[rp.rank] = rp.staging_bytes
+            for b in rp.buckets:
+                packed[(rp.rank, b.index)] = float(b.nbytes)
+                for w in b.writes:
+                    src.append(rp.rank)
+                    dst.append(w.dst_rank)
+                    nbytes.append(w.nbytes)
+                    bucket.append(b.index)
+    return Flows(
+        src=np.asarray(src, dtype=np.int64),
+        dst=np.asarray(dst, dtype=np.int64),
+        nbytes=np.asarray(nbytes, dtype=np.float64),
+        bucket=np.asarray(bucket, dtype=np.int64),
+        packed=packed,
+        staging=staging,
+    )
+
+
+@dataclass
+class Report:
+    model: str
+    topo: Topology
+    dtype: str
+    bound: Bound
+    sim: SimResult
+    flows: Flows
+    options: dict[str, Any]
+    timings: Timings
+    wall_s: float = 0.0
+
+    def as_json(self, top: int) -> dict[str, Any]:
+
+        b, s = self.bound, self.sim
+        tb, eb = s.src_bytes, s.dst_bytes
+        return {
+            "model": self.model,
+            "trainers": self.topo.trainers,
+            "engines": f"{self.topo.replicas}x{self.topo.tp}",
+            "engine_replicas": self.topo.replicas,
+            "engine_tp": self.topo.tp,
+            "engine_ep": self.topo.ep,
+            "dtype": self.dtype,
+            "nic_gbps": self.topo.nic_gbps,
+            "bytes_total": int(self.flows.nbytes.sum()),
+            "bytes_needed": b.total_bytes,
+            "bound_s": b.seconds,
+            "bound_engine_s": b.engine_s,
+            "bound_trainer_s": b.trainer_s,
+            "bound_limited_by": b.limited_by,
+            "simulated_s": s.seconds,
+            "efficiency": b.seconds / s.seconds if s.seconds > 0 else 1.0,
+            "trainer_bytes": _stats(tb),
+            "engine_bytes": _stats(eb),
+            "busiest_trainers": _top(tb, s.src_finish, top, "trainer"),
+            "busiest_engines": _top(eb, s.dst_finish, top, "engine", self.topo.tp),
+            "writes": self.flows.writes,
+            "flows": s.flows,
+            "pairs": s.pairs,
+            "buckets_max": max((k[1] + 1 for k in self.flows.packed), default=0),
+            "staging_bytes_max": max(self.flows.staging, default=0),
+            "simulation_steps": s.steps,
+            "options": self.options,
+            "timings_s": {k: round(v, 3) for k, v in self.timings.phases.items()},
+            "cpu_s": {k: round(v, 3) for k, v in self.timings.cpu.items()},
+            "wall_s": round(self.wall_s, 3),
+        }
+
+
+def _stats(x: np.ndarray) -> dict[str, float]:
+    import numpy as np
+
+    if x.size == 0:
+        return {}
+    return {
+        "min": float(x.min()),
+        "median": float(np.median(x)),
+        "mean": float(x.mean()),
+        "max": float(x.max()),
+        "max_over_mean": float(x.max() / x.mean()) if x.mean() > 0 else 0.0,
+    }
+
+
+def _top(
+    nbytes: np.ndarray, finish: np.ndarray, k: int, kind: str, tp: int = 0
+) -> list[dict[str, Any]]:
+    order = sorted(range(nbytes.shape[0]), key=lambda i: (-nbytes[i], i))[:k]
+    out = []
+    for i in order:
+        name = f"{kind}-{i}" if kind == "trainer" else f"engine-{i // tp}-{i % tp}"
+        out.append({"nic": name, "bytes": int(nbytes[i]), "finish_s": float(finish[i])})
+    return out
+
+
+def run_plan(
+    config: Mapping[str, Any],
+    topo: Topology,
+    dtype: str,
+    *,
+    bucket_bytes: int = 256 << 20,
+    max_write_bytes: int = 32 << 20,
+    bucket_overhead_s: float = 100e-6,
+    pack_Bps: float = 0.0,
+    write_overhead_s: float = 0.0,
+    rel_tol: float = 1e-4,
+    model: str = "",
+    progress: Any = None,
+) -> Report:
+    """Plan and simulate; raises PlanError when the layout cannot be planned."""
+    import numpy as np
+
+    from weightwire.plan.bound import bound_of, layout_of, received_bytes
+    from weightwire.plan.planner import PlanOptions, plan
+    from weightwire.plan.simulate import simulate
+
+    dest = DTYPES[dtype]
+    timings = Timings()
+    t_start = t0 = time.perf_counter()
+    say = progress or (lambda _msg: None)
+    per_rank = [
+        received_bytes(_engine_tensors(config, layout_of(config, topo.tp, r, topo.ep, dest)))
+        for r in range(topo.tp)
+    ]
+    bound = bound_of(per_rank * topo.replicas, topo.trainers, topo.nic_Bps)
+    t0 = timings.run("bound", t0)
+    trainers = trainer_ranks(config, topo.trainers)
+    engines = engine_ranks(config, topo, dest, range(topo.replicas))
+    t0 = timings.run("layout", t0)
+    pieces = sum(len(t.pieces or ()) for e in engines for t in e.tensors)
+    say(f"planning: {topo.trainers} trainer ranks x {pieces:,} engine pieces")
+    options = PlanOptions(bucket_bytes=bucket_bytes, max_write_bytes=max_write_bytes)
+    plans = plan("plan", trainers, engines, options)
+    t0 = timings.run("planner", t0)
+    flows = flows_of(plans, topo.trainers)
+    del plans
+    t0 = timings.run("flows", t0)
+    say(f"simulating {flows.writes} writes")
+    sim = simulate(
+        flows.src,
+        flows.dst,
+        flows.nbytes,
+        flows.bucket,
+        np.full(topo.trainers, topo.nic_Bps),
+        np.full(topo.engines, topo.nic_Bps),
+        packed_bytes=flows.packed,
+        pack_rate=pack_Bps if pack_Bps > 0 else math.inf,
+        bucket_overhead_s=bucket_overhead_s,
+        writes=np.ones(flows.writes),
+        write_overhead_s=write_overhead_s,
+        rel_tol=rel_tol,
+    )
+    timings.run("simulate", t0)
+    opts = {
+        "bucket_mb": bucket_bytes / (1 << 20),
+        "max_write_mb": max_write_bytes / (1 << 20),
+        "bucket_overhead_us": bucket_overhead_s * 1e6,
+        "pack_gbps": pack_Bps / 1e9 if pack_Bps > 0 else None,
+        "write_overhead_us": write_overhead_s * 1e6,
+        "sim_rel_tol": rel_tol,
+    }
+    report = Report(model, topo, dtype, bound, sim, flows, opts, timings)
+    report.wall_s = time.perf_counter() - t_start
+    return report
+
+
+def _engine_tensors(config: Mapping[str, Any], layout: Any) -> list[Any]:
+    from weightwire.plan.rules import engine_tensors
+
+    return engine_tensors(config, layout)

@@ -1,0 +1,44 @@
+"""The text `weightwire plan` prints, from its report's JSON object."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:,.2f} GB"
+
+
+def render(j: Mapping[str, Any]) -> str:
+    lines = [
+        f"model {j['model']}  {j['dtype']} destinations  trainers {j['trainers']}  "
+        f"engines {j['engines']} (ep {j['engine_ep']})  NIC {j['nic_gbps']:g} Gbit/s per GPU",
+        f"bytes to send   {_gb(j['bytes_total'])} in {j['writes']:,} writes "
+        f"({j['flows']:,} source/destination/bucket flows, {j['pairs']:,} NIC pairs, "
+        f"up to {j['buckets_max']} buckets per trainer)",
+    ]
+    for side in ("trainer", "engine"):
+        s = j[f"{side}_bytes"]
+        lines.append(
+            f"{side + ' NICs':<15} min {_gb(s['min'])}  median {_gb(s['median'])}  "
+            f"mean {_gb(s['mean'])}  max {_gb(s['max'])}  (max/mean {s['max_over_mean']:.3f})"
+        )
+    lines.append(
+        "busiest NICs    "
+        + "  ".join(
+            f"{t['nic']} {_gb(t['bytes'])} (done {t['finish_s']:.3f} s)"
+            for t in (j["busiest_engines"][:3] + j["busiest_trainers"][:2])
+        )
+    )
+    lines += [
+        f"bound           {j['bound_s']:.4f} s  ({j['bound_limited_by']}: busiest engine "
+        f"{j['bound_engine_s']:.4f} s, all trainers {j['bound_trainer_s']:.4f} s)",
+        f"simulated       {j['simulated_s']:.4f} s  (bucket {j['options']['bucket_mb']:g} MB, "
+        f"{j['options']['bucket_overhead_us']:g} us per bucket)",
+        f"efficiency      {j['efficiency']:.3f}  (bound / simulated)",
+        "took            "
+        + ", ".join(f"{k} {v:.1f} s" for k, v in j["timings_s"].items())
+        + f"; {j['wall_s']:.1f} s in all ({sum(j['cpu_s'].values()):.1f} s CPU)",
+    ]
+    return "\n".join(lines)
