@@ -11,9 +11,21 @@ CPU-replica path (`--replica`: GPU -> pinned replica -> tcp -> another daemon ->
 Nothing here imports torch until a run starts: `--device cpu` (gloo, tcp) exercises all
 of it on a machine without a GPU.
 
-Modules: `cli` (arguments), `launcher` (daemon, rank processes, versions), `rank` (one
-rank's process), `model` (config, contents, recipes, baseline buckets, sizes), `links`
-(link rates), `report` (medians, table, JSON, trace).
+Modules:
+
+- `cli`: the arguments;
+- `launcher`: the command;
+- `runs`: one TxE or replica run, version by version;
+- `processes`: the daemon and rank processes;
+- `sizing`: layers that fit, and rank placement;
+- `budget`: the time budget;
+- `errors`;
+- `probe` and `links`: the link rates;
+- `rank`: one rank's process;
+- `model`: config, contents, recipes, baseline buckets and sizes;
+- `report`: medians, links, targets and JSON;
+- `text`: the table;
+- `chrome_trace`: `--trace`.
 """
 
 from __future__ import annotations
