@@ -3,13 +3,16 @@ scripts/gpu-suite.sh on a GPU machine; skipped elsewhere, saying why."""
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 
 import pytest
 
-from tests.conformance.harness import TransportKit
+from tests.conformance.harness import Pair, TransportKit
 from tests.conformance.suite import *  # noqa: F403
-from weightwire.transport.base import LocalRegion, Transport
+from weightwire.protocol.errors import PeerLostError
+from weightwire.protocol.regions import RegionDescriptor
+from weightwire.transport.base import LocalRegion, Transport, WriteRequest
 from weightwire.transport.cudadrv import available, driver
 
 OK, WHY = available()
@@ -78,22 +81,125 @@ def kit() -> TransportKit:
     return CudaKit()
 
 
-def test_lane_bounds_batches_in_flight(kit: TransportKit, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With room for 2 batches in flight per device, 96 concurrent writes wait their turn
-    on the loop and all land, bitwise, each immediate once."""
+CHUNK, COUNT = 256 * 1024, 64
+
+
+def _small_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     from weightwire.transport.cuda import lanes
 
-    monkeypatch.setattr(lanes, "MAX_BATCHES_IN_FLIGHT", 2)
-    test_many_concurrent_writes_and_no_immediate_when_none_asked(kit)  # noqa: F405
+    monkeypatch.setattr(lanes, "MAX_OPS_IN_FLIGHT", 4)  # a write and its event: 2 ops
+
+
+def _lanes(t: Transport) -> list:  # type: ignore[type-arg]
+    return list(t._lanes.values())  # type: ignore[attr-defined]
+
+
+def _filled(p: Pair) -> tuple[LocalRegion, LocalRegion, RegionDescriptor, bytes]:
+    src, _ = p.region(p.a, 1, CHUNK * COUNT)
+    dst, desc = p.region(p.b, 2, CHUNK * COUNT)
+    data = rand(CHUNK * COUNT, 3)  # noqa: F405
+    p.kit.fill(src, 0, data)
+    return src, dst, desc, data
+
+
+def test_lane_budget_bounds_copies_in_flight(
+    kit: TransportKit, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With 4 driver operations allowed in flight, 64 concurrent writes take turns and all
+    land, bitwise, each immediate once; a batch needing more than the budget is issued on
+    a thread."""
+    _small_budget(monkeypatch)
+
+    async def body(p: Pair) -> None:
+        src, dst, desc, data = _filled(p)
+        await asyncio.gather(
+            *(p.a.transport.write(src, i * CHUNK, desc, i * CHUNK, CHUNK, i) for i in range(COUNT))
+        )
+        assert p.kit.read(dst, 0, CHUNK * COUNT) == data
+        assert sorted(imm for imm, _ in p.b.imms) == list(range(COUNT))
+        (lane,) = _lanes(p.a.transport)
+        assert lane.budget.peak == 4 and lane.budget.used == 0
+        assert lane.issued["thread"] == 0
+        p.kit.fill(dst, 0, bytes(CHUNK * 8))
+        reqs = [WriteRequest(src, i * CHUNK, desc, i * CHUNK, CHUNK, None) for i in range(8)]
+        assert await p.a.transport.write_batch(reqs) == [None] * 8
+        assert p.kit.read(dst, 0, CHUNK * 8) == data[: CHUNK * 8]
+        assert lane.issued["thread"] == 1 and lane.budget.used == 0
+
+    run(kit, body)  # noqa: F405
+
+
+def test_cancelled_writes_leave_the_lane_whole(
+    kit: TransportKit, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Writers cancelled while waiting for room or while their copies run: the budget comes
+    back whole, the writes not cancelled land bitwise, and the lane goes on working."""
+    _small_budget(monkeypatch)
+
+    async def body(p: Pair) -> None:
+        src, dst, desc, data = _filled(p)
+        tasks = [
+            asyncio.ensure_future(p.a.transport.write(src, i * CHUNK, desc, i * CHUNK, CHUNK, i))
+            for i in range(COUNT)
+        ]
+        await asyncio.sleep(0)
+        for t in tasks[1::2]:
+            t.cancel()
+        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        kept = [i for i, o in enumerate(outcomes) if o is None]
+        assert set(range(0, COUNT, 2)) <= set(kept)
+        assert all(isinstance(o, asyncio.CancelledError) for o in outcomes if o is not None)
+        for i in kept:
+            assert p.kit.read(dst, i * CHUNK, CHUNK) == data[i * CHUNK : (i + 1) * CHUNK]
+        (lane,) = _lanes(p.a.transport)
+        for _ in range(200):  # cancelled writes already issued still finish on their own
+            if lane.budget.used == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert lane.budget.used == 0
+        assert set(range(0, COUNT, 2)) <= {imm for imm, _ in p.b.imms}
+        await p.a.transport.write(src, CHUNK, desc, CHUNK, CHUNK, 999)
+        assert p.kit.read(dst, CHUNK, CHUNK) == data[CHUNK : 2 * CHUNK]
+
+    run(kit, body)  # noqa: F405
+
+
+def test_close_resolves_every_write_in_flight_or_waiting(
+    kit: TransportKit, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Closing with writes waiting for room: each one either lands (bitwise) or fails with
+    a typed error; none hangs, and a write after close is refused."""
+    _small_budget(monkeypatch)
+
+    async def body(p: Pair) -> None:
+        src, dst, desc, data = _filled(p)
+        tasks = [
+            asyncio.ensure_future(p.a.transport.write(src, i * CHUNK, desc, i * CHUNK, CHUNK, i))
+            for i in range(COUNT)
+        ]
+        await tasks[0]  # some land before the close, the rest still wait for room
+        await asyncio.wait_for(p.a.transport.close(), 30)
+        outcomes = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)
+        landed = [i for i, o in enumerate(outcomes) if o is None]
+        refused = [o for o in outcomes if o is not None]
+        assert landed and refused, outcomes
+        assert all(isinstance(o, PeerLostError) for o in refused), refused
+        for i in landed:
+            assert p.kit.read(dst, i * CHUNK, CHUNK) == data[i * CHUNK : (i + 1) * CHUNK]
+        assert sorted(imm for imm, _ in p.b.imms) == landed
+        with pytest.raises(PeerLostError):
+            await p.a.transport.write(src, 0, desc, 0, CHUNK, None)
+
+    run(kit, body)  # noqa: F405
 
 
 @pytest.mark.parametrize("pinned", [True, False])
 def test_host_source_pinned_or_pageable_lands(kit: TransportKit, pinned: bool) -> None:
-    """A CPU-replica write: host memory to a GPU region. Pinned memory (registered) is
-    issued on the loop; pageable memory (not registered) on a thread, since the driver may
-    wait for such a copy. Both land bitwise, with their immediates."""
+    """A CPU-replica write: host memory to a GPU region. Registered (pinned) memory is
+    issued on the loop; pageable memory on a thread, since the driver may wait for such a
+    copy. Both land bitwise, with their immediates."""
 
-    async def body(p: Pair) -> None:  # noqa: F405
+    async def body(p: Pair) -> None:
         n = 3 * MiB + 17  # noqa: F405
         data = rand(n, 11)  # noqa: F405
         host = ctypes.create_string_buffer(data, n)
@@ -102,11 +208,16 @@ def test_host_source_pinned_or_pageable_lands(kit: TransportKit, pinned: bool) -
         )
         if pinned:
             p.a.transport.register(src)
-        dst, desc = p.region(p.b, 91, n)
-        await p.a.transport.write(src, 0, desc, 0, n, 5)
-        assert p.kit.read(dst, 0, n) == data
-        assert p.b.imms == [(5, "node-a")]
-        if pinned:
-            p.a.transport.deregister(src.id)
+            assert p.a.transport._pinned == {90: src.address}  # type: ignore[attr-defined]
+        try:
+            dst, desc = p.region(p.b, 91, n)
+            await p.a.transport.write(src, 0, desc, 0, n, 5)
+            assert p.kit.read(dst, 0, n) == data
+            assert p.b.imms == [(5, "node-a")]
+            (lane,) = _lanes(p.a.transport)
+            assert lane.issued == ({"loop": 1, "thread": 0} if pinned else {"loop": 0, "thread": 1})
+        finally:
+            if pinned:
+                p.a.transport.deregister(src.id)
 
     run(kit, body)  # noqa: F405

@@ -5,9 +5,14 @@ the loop thread issues a whole batch without handing the GIL back and forth. (Is
 from a worker thread, every driver call re-takes the GIL from a busy loop, which spaced a
 trainer's copies up to a switch interval apart and left the copy engines idle.) One event
 follows each batch; the lane's completion thread blocks on the events, in order, off the
-loop, and hands each finished batch back to it. A bounded number of batches is in flight
-per lane, so the stream's queue never fills and issuing never blocks the loop. (A copy
-from pageable host memory can wait for itself: such a batch is issued on a thread.)
+loop, and hands each finished batch back to it.
+
+A lane bounds the driver operations in flight (copies, and rows of strided writes the
+driver cannot take as one 2-D copy): with the stream's queue full, the next copy call
+would wait. A batch that alone needs more than the bound, or whose source is pageable host
+memory (the driver may wait for such a copy), is issued on a thread. A writer cancelled
+mid-write leaves its batch to finish on its own; a closing lane refuses new batches and
+completes those already issued.
 """
 
 from __future__ import annotations
@@ -19,9 +24,13 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from weightwire.protocol.errors import PeerLostError
 from weightwire.transport.cudadrv import MAX_PITCH, CudaError, Driver
 
-MAX_BATCHES_IN_FLIGHT = 64
+from .budget import OpBudget
+
+# About 1000 copy calls queue on an H200 stream before the next one waits (measured).
+MAX_OPS_IN_FLIGHT = 512
 
 
 @dataclass(eq=False, slots=True)
@@ -39,6 +48,19 @@ class Copy:
     src_stride: int = 0
     dst_stride: int = 0
 
+    @property
+    def as_2d(self) -> bool:
+        return (
+            self.count > 1
+            and self.dst_device < 0
+            and max(self.src_stride, self.dst_stride) <= MAX_PITCH
+        )
+
+    @property
+    def ops(self) -> int:
+        """Driver calls that issue it."""
+        return 1 if self.as_2d or self.count == 1 else self.count
+
 
 @dataclass(eq=False, slots=True)
 class Batch:
@@ -46,6 +68,7 @@ class Batch:
 
     copies: list[Copy]
     future: asyncio.Future[dict[int, BaseException]]  # failures by index; {} when all landed
+    taken: int = 0  # of the lane's budget
     event: int = 0
     failures: dict[int, BaseException] = field(default_factory=dict)
 
@@ -62,14 +85,16 @@ class Lane:
         device: int,
         loop: asyncio.AbstractEventLoop,
         on_landed: Callable[[Batch], None],
-        max_in_flight: int = MAX_BATCHES_IN_FLIGHT,
+        max_ops: int = MAX_OPS_IN_FLIGHT,
     ) -> None:
         self._drv = drv
         self.device = device
         self._loop = loop
         self._on_landed = on_landed
-        self._room = asyncio.Semaphore(max_in_flight)
+        self.budget = OpBudget(max_ops)
         self._issuing = asyncio.Lock()
+        self._closed = False
+        self.issued = {"loop": 0, "thread": 0}
         drv.use(device)
         self._stream = drv.stream()
         self._queue: queue.SimpleQueue[Batch | None] = queue.SimpleQueue()
@@ -82,24 +107,34 @@ class Lane:
         self, copies: list[Copy], *, blocking: bool = False
     ) -> dict[int, BaseException]:
         """Issue `copies`; resolves with the failures by index once they have all landed.
-        `blocking`: issuing may wait for the copy itself (a source in pageable host
-        memory), so it is done on a thread rather than on the loop."""
-        await self._room.acquire()
+        `blocking`: issuing may wait for the copy itself (pageable host memory)."""
+        ops = sum(c.ops for c in copies) + 1  # and the event
+        blocking = blocking or ops > self.budget.limit
         batch = Batch(copies, self._loop.create_future())
+        batch.taken = await self.budget.take(ops)
+        task = self._loop.create_task(self._issue_and_queue(batch, blocking))
+        task.add_done_callback(_retrieve)
+        await asyncio.shield(task)
+        return await batch.future
+
+    async def _issue_and_queue(self, batch: Batch, blocking: bool) -> None:
         try:
             async with self._issuing:  # events reach the queue in the stream's order
+                if self._closed:
+                    raise PeerLostError("the cuda transport is closing")
                 if blocking:
+                    self.issued["thread"] += 1
                     await asyncio.to_thread(self._issue, batch)
                 else:
+                    self.issued["loop"] += 1
                     self._issue(batch)
                 if batch.event:
                     self._queue.put(batch)
+                    return
         except BaseException:
-            self._room.release()
+            self.budget.give(batch.taken)
             raise
-        if not batch.event:
-            self._finish(batch)
-        return await batch.future
+        self._finish(batch)  # no event: every copy failed to issue
 
     def _issue(self, batch: Batch) -> None:
         try:
@@ -132,25 +167,38 @@ class Lane:
             finally:
                 with contextlib.suppress(CudaError):
                     self._drv.destroy_event(batch.event)
-            self._loop.call_soon_threadsafe(self._finish, batch)
+            try:
+                self._loop.call_soon_threadsafe(self._finish, batch)
+            except RuntimeError:  # the loop is closed: nobody waits for it any more
+                return
 
     def _finish(self, batch: Batch) -> None:
-        self._room.release()
-        self._on_landed(batch)
-        if not batch.future.done():
-            batch.future.set_result(batch.failures)
+        self.budget.give(batch.taken)
+        try:
+            self._on_landed(batch)
+        finally:
+            if not batch.future.done():
+                batch.future.set_result(batch.failures)
 
-    def stop(self) -> None:
-        """Ends the thread after the batches already queued (join it off the loop)."""
-        self._queue.put(None)
+    async def stop(self) -> None:
+        """Refuses new batches; the thread ends after those already issued."""
+        self._closed = True
+        async with self._issuing:
+            self._queue.put(None)
 
     def join(self, timeout_s: float) -> None:
         self._thread.join(timeout_s)
 
 
+def _retrieve(task: asyncio.Task[None]) -> None:
+    """A writer that was cancelled no longer awaits its batch's issue: take its outcome."""
+    if not task.cancelled():
+        task.exception()
+
+
 def _issue(drv: Driver, c: Copy, device: int, stream: int) -> None:
     """Queue one write's copies on `stream`: a strided write as one 2-D copy."""
-    if c.count > 1 and c.dst_device < 0 and max(c.src_stride, c.dst_stride) <= MAX_PITCH:
+    if c.as_2d:
         drv.copy_2d_async(c.dst, c.dst_stride, c.src, c.src_stride, c.nbytes, c.count, stream)
         return
     for i in range(c.count):

@@ -43,6 +43,7 @@ from weightwire.transport.base import (
 from weightwire.transport.cudadrv import CudaError, Driver, driver
 
 from . import lanes
+from .ipc import IpcMaps
 from .lanes import Batch, Copy, Lane
 
 log = structlog.get_logger("weightwire.transport.cuda")
@@ -86,9 +87,9 @@ class CudaTransport(Transport):
         self._regions: dict[int, _Local] = {}
         self._pinned: dict[int, int] = {}  # host regions pinned here: id -> address
         self._peers: dict[str, str] = {}  # node -> its channel path
-        self._opened: dict[bytes, tuple[int, int]] = {}  # peer IPC handle -> (base, size) here
-        self._peer_maps: dict[tuple[bytes, int], int] = {}  # (handle, device) -> base there
+        self._ipc: IpcMaps | None = None
         self._lanes: dict[int, Lane] = {}
+        self._closing = False
         self._channel: socket.socket | None = None
         self._lock = threading.Lock()
         self._stats = {"bytes_sent": 0, "writes": 0, "bytes_received": 0, "batches": 0}
@@ -100,6 +101,7 @@ class CudaTransport(Transport):
         self._drv = driver()
         if not self._drv.devices:
             raise CudaError("the CUDA driver sees no GPU")
+        self._ipc = IpcMaps(self._drv)
         self._loop = asyncio.get_running_loop()
         self._on_imm = on_imm
         self.peers_enabled = await asyncio.to_thread(self._drv.enable_peer_access)
@@ -123,6 +125,7 @@ class CudaTransport(Transport):
         return dst.kind == "gpu" and (dst.node == self.node or dst.keys.cuda is not None)
 
     async def close(self) -> None:
+        self._closing = True
         _INSTANCES.pop(self.node, None)
         for node, path in list(self._peers.items()):  # tell same-host peers we are gone
             other = _INSTANCES.get(node)
@@ -131,11 +134,13 @@ class CudaTransport(Transport):
             elif self._channel is not None:
                 with contextlib.suppress(OSError):
                     self._channel.sendto(b"B" + self.node.encode(), path)
-        for lane in self._lanes.values():
-            lane.stop()
+        stopping = list(self._lanes.values())
+        self._lanes.clear()
+        for lane in stopping:
+            await lane.stop()
 
         def join() -> None:
-            for lane in self._lanes.values():
+            for lane in stopping:
                 lane.join(10)
 
         await asyncio.to_thread(join)
@@ -145,13 +150,8 @@ class CudaTransport(Transport):
             self._channel = None
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._channel_path)
-        if self._drv is not None:
-            for base in [*(b for b, _ in self._opened.values()), *self._peer_maps.values()]:
-                if base:
-                    with contextlib.suppress(CudaError):
-                        self._drv.ipc_close(base)
-        self._opened.clear()
-        self._peer_maps.clear()
+        if self._ipc is not None:
+            self._ipc.close()
 
     # --- regions -------------------------------------------------------------
 
@@ -159,10 +159,17 @@ class CudaTransport(Transport):
         if region.kind != "gpu":
             # host regions are only read (a CPU replica copied to a GPU): pin them for speed
             assert self._drv is not None
-            if region.address and region.id not in self._pinned:
-                with contextlib.suppress(CudaError):
+            if region.address and self._pinned.get(region.id) != region.address:
+                try:
+                    self._drv.use(self._drv.devices[0].ordinal)  # any context will do
                     self._drv.host_register(region.address, region.length)
                     self._pinned[region.id] = region.address
+                except CudaError as exc:
+                    log.warning(
+                        "host region not pinned; copies from it go through a thread",
+                        region=region.id,
+                        error=exc.message,
+                    )
             return RegionKeys()
         handle = region.extra.get("ipc_handle")
         offset = region.extra.get("ipc_offset", 0)
@@ -216,13 +223,8 @@ class CudaTransport(Transport):
         key = dst.keys.cuda
         if key is None or key.host_id != self.host:
             raise RegionError(f"region {dst.id} of {dst.node} is not reachable by cuda")
-        with self._lock:
-            opened = self._opened.get(key.ipc_handle)
-            if opened is None:
-                self._drv.use(self._drv.ordinal_of(key.device_uuid))
-                base = self._drv.ipc_open(key.ipc_handle)
-                opened = self._opened[key.ipc_handle] = (base, self._drv.address_range(base)[1])
-        base, size = opened
+        assert self._ipc is not None
+        base, size = self._ipc.opened(key.ipc_handle, self._drv.ordinal_of(key.device_uuid))
         if key.offset + dst.length > size:
             raise RegionError(
                 f"region {dst.id} of {dst.node} claims {dst.length} bytes at offset {key.offset} "
@@ -234,28 +236,17 @@ class CudaTransport(Transport):
     def _mapped(self, dst: RegionDescriptor, ptr: int, dst_dev: int, device: int) -> int:
         """`ptr` (in `dst`, on GPU dst_dev) as the copying device sees it: the destination's
         IPC handle opened once in `device`'s context, so its copy engine writes peer to peer."""
-        assert self._drv is not None
+        assert self._ipc is not None
         owner = self if dst.node == self.node else _INSTANCES.get(dst.node)
         local = owner._regions.get(dst.id) if owner is not None else None
         if local is not None:
             handle, base = local.handle, local.region.address - local.offset
         elif dst.keys.cuda is not None:
             handle = dst.keys.cuda.ipc_handle
-            base = self._opened[handle][0]
+            base = self._ipc.base_of(handle)
         else:
             return ptr
-        key = (handle, device)
-        with self._lock:
-            mapped = self._peer_maps.get(key)
-            if mapped is None:
-                try:
-                    self._drv.use(device)
-                    mapped = self._peer_maps[key] = self._drv.ipc_open(handle)
-                except CudaError as exc:  # e.g. the same process exported it: keep the plain copy
-                    log.info(
-                        "no peer mapping; copying through unified addressing", error=exc.message
-                    )
-                    mapped = self._peer_maps[key] = 0
+        mapped = self._ipc.mapped(handle, device)
         return ptr if not mapped else mapped + (ptr - base)
 
     async def write(
@@ -313,25 +304,38 @@ class CudaTransport(Transport):
                 elif P2P == "peer":
                     copy.dst_device = dst_dev
             by_device.setdefault(device, []).append(copy)
-            if r.src.kind != "gpu" and r.src.id not in self._pinned:
+            if r.src.kind != "gpu" and self._pinned.get(r.src.id) != r.src.address:
                 pageable.add(device)
-        outcomes = await asyncio.gather(
-            *(
-                self._lane(device).submit(copies, blocking=device in pageable)
-                for device, copies in by_device.items()
-            )
-        )
-        for failures in outcomes:
-            for i, failure in failures.items():
+        submits, devices = [], []
+        for device, copies in by_device.items():
+            try:
+                lane = self._lane(device)
+            except (CudaError, PeerLostError) as exc:
+                for c in copies:
+                    results[c.index] = exc
+                continue
+            submits.append(lane.submit(copies, blocking=device in pageable))
+            devices.append(device)
+        outcomes = await asyncio.gather(*submits, return_exceptions=True)
+        for device, outcome in zip(devices, outcomes, strict=True):
+            if isinstance(outcome, asyncio.CancelledError):
+                raise outcome
+            if isinstance(outcome, BaseException):
+                failed: dict[int, BaseException] = {c.index: outcome for c in by_device[device]}
+            else:
+                failed = outcome
+            for i, failure in failed.items():
                 results[i] = failure
         return results
 
     def _lane(self, device: int) -> Lane:
+        if self._closing:
+            raise PeerLostError(f"the cuda transport of {self.node} is closed")
         lane = self._lanes.get(device)
         if lane is None:
             assert self._drv is not None and self._loop is not None
             lane = self._lanes[device] = Lane(
-                self._drv, device, self._loop, self._landed, lanes.MAX_BATCHES_IN_FLIGHT
+                self._drv, device, self._loop, self._landed, lanes.MAX_OPS_IN_FLIGHT
             )
         return lane
 
@@ -347,7 +351,10 @@ class CudaTransport(Transport):
             if c.imm is not None:
                 imms.setdefault(c.dst_node, []).append(c.imm)
         for node, values in imms.items():
-            self._deliver(node, values)
+            try:
+                self._deliver(node, values)
+            except Exception as exc:  # one destination's handler must not strand the rest
+                log.error("immediates not delivered", peer=node, count=len(values), error=repr(exc))
 
     def _deliver(self, node: str, imms: list[int]) -> None:
         """Immediates of finished copies, to whichever transport owns the destination."""
