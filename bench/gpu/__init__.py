@@ -21,7 +21,7 @@ Modules:
 - `budget`: the time budget;
 - `errors`;
 - `probe` and `links`: the link rates;
-- `rank`: one rank's process;
+- `rank`: one rank's process (`rank_base`, `rank_trainer`, `rank_engine`);
 - `model`: config, contents, recipes, baseline buckets and sizes;
 - `report`: medians, links, targets and JSON;
 - `text`: the table;
