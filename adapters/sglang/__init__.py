@@ -5,6 +5,8 @@ Modules, imported one by one (this package imports none of them, nor torch, nor 
 - `lifecycle`: an async client for SGLang's HTTP calls around a weight update
   (pause_generation, flush_cache, begin/end_weight_update, update_weight_version,
   continue_generation) and `update_weights`, which runs the whole sequence. stdlib only.
+  It re-exports `client` (the calls), `update` (the sequence), `wire` (HTTP/1.1 on
+  asyncio streams) and `errors`.
 - `plugin`: the SGLang general plugin (entry point `sglang.srt.plugins: weightwire`).
   In every SGLang TP worker, after the model is loaded, it registers the worker's
   parameters with the local weightwired, configured by `WEIGHTWIRE_*` variables.
