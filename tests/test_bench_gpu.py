@@ -128,12 +128,6 @@ def test_pairs_json_table_and_trace(tmp_path: Path) -> None:
         for row in run["links"] + run["ports"]:
             assert row["rate_gbps"] > 0 and row["fraction"] >= 0
         assert run["busiest"]["floor_s"] == max(x["floor_s"] for x in run["links"] + run["ports"])
-        # every link at once: each GPU's port bytes against its share of that copy
-        ports = run["concurrent"]["ports"]
-        assert sum(p["bytes"] for p in ports if " out," in p["link"]) == run["bytes"]
-        assert (
-            run["concurrent"]["fraction"] == max(p["floor_s"] for p in ports) / run["weightwire_s"]
-        )
     two = r["runs"][0]
     assert {row["link"] for row in two["links"]} == {
         "cpu0->cpu2",

@@ -5,8 +5,6 @@ process, before the ranks start): `python -m weightwire.bench.gpu.links ...` pri
   PCIe), alone; the median of a few repetitions.
 - `out i` / `in j`: every pair leaving GPU i (arriving at GPU j) at once, on streams of
   their own: what GPU i can send (j can receive) in total.
-- `all`: every pair at once, as a transfer runs them: the total, and what each GPU sent
-  and received meanwhile.
 - `d2h i` / `h2d j`: GPU to pinned host memory and back (the CPU replica's stages).
 
 With `--device cpu` every "link" is a host memory copy (only to exercise the program).
@@ -91,20 +89,6 @@ def measure_cuda(
         moved = sum(nbytes if p[0] != p[1] else nbytes // 2 for p in ps)
         s = _timed(lambda ps=ps: copy(ps), {x for p in ps for x in p}, reps)
         out["in"][str(g)] = moved / s / 1e9
-    if len(pairs) > 1:
-        s = _timed(lambda: copy(pairs), {x for p in pairs for x in p}, reps)
-        moved = {p: nbytes if p[0] != p[1] else nbytes // 2 for p in pairs}
-        out["all"] = {
-            "gbps": sum(moved.values()) / s / 1e9,
-            "out": {
-                str(g): sum(m for p, m in moved.items() if p[0] == g) / s / 1e9
-                for g in sorted({p[0] for p in pairs})
-            },
-            "in": {
-                str(g): sum(m for p, m in moved.items() if p[1] == g) / s / 1e9
-                for g in sorted({p[1] for p in pairs})
-            },
-        }
     if host:
         pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         out["d2h"], out["h2d"] = {}, {}
@@ -133,11 +117,6 @@ def measure_cpu(pairs: list[tuple[int, int]], nbytes: int, reps: int) -> dict[st
         "pairs": {f"{a}->{b}": rate for a, b in pairs},
         "out": {str(a): rate for a in sorted({a for a, _ in pairs})},
         "in": {str(b): rate for b in sorted({b for _, b in pairs})},
-        "all": {
-            "gbps": rate,
-            "out": {str(a): rate for a in sorted({a for a, _ in pairs})},
-            "in": {str(b): rate for b in sorted({b for _, b in pairs})},
-        },
         "d2h": {},
         "h2d": {},
         "what": "host memory copies (--device cpu: no links; exercises the program only)",

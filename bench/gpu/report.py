@@ -141,29 +141,6 @@ def _links(rec: dict[str, Any]) -> None:
         busiest = max(candidates, key=lambda r: r["floor_s"])
         rec["busiest"] = busiest
         rec["link_fraction"] = busiest["floor_s"] / ww_s
-    together = rates.get("all")
-    if together:  # every link copying at once: the condition the transfer runs under
-        both = [
-            _row({"link": f"{dev}{g} {way}, all at once", "bytes": r["bytes"]}, rate, ww_s)
-            for way, sel in (("out", 0), ("in", 1))
-            for g, r in _port_bytes(per_link, sel).items()
-            if (rate := together[way].get(str(g)))
-        ]
-        rec["concurrent"] = {"total_gbps": together["gbps"], "ports": both}
-        if both:
-            slowest = max(both, key=lambda r: r["floor_s"])
-            rec["concurrent"]["busiest"] = slowest
-            rec["concurrent"]["fraction"] = slowest["floor_s"] / ww_s
-
-
-def _port_bytes(
-    per_link: dict[tuple[int, int], dict[str, Any]], end: int
-) -> dict[int, dict[str, Any]]:
-    """Bytes leaving (end 0) or arriving at (end 1) each GPU."""
-    out: dict[int, dict[str, Any]] = {}
-    for key, row in per_link.items():
-        out.setdefault(key[end], {"bytes": 0})["bytes"] += row["bytes"]
-    return out
 
 
 def _row(row: dict[str, Any], rate: float | None, seconds: float) -> dict[str, Any]:
@@ -238,7 +215,6 @@ PRIMARY = (
     "ports",
     "busiest",
     "link_fraction",
-    "concurrent",
     "stages",
     "replica_stages",
     "verified",

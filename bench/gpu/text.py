@@ -129,15 +129,6 @@ def _render_run(r: dict[str, Any], result: dict[str, Any]) -> list[str]:
                 f"{r['link_fraction']:.2f} of the rate (target >= {t['target']}: "
                 f"{'met' if t['met'] else 'NOT met'})"
             )
-        c = r.get("concurrent") or {}
-        if c.get("busiest"):
-            b = c["busiest"]
-            out.append(
-                f"    every link copying at once (plain peer copies, same run): "
-                f"{c['total_gbps']:.1f} GB/s in total; {b['link']} at "
-                f"{b['rate_gbps']:.1f} GB/s must carry {_gb(b['bytes'])} GB, "
-                f"{b['floor_s']:.4f} s = {c['fraction']:.2f} of that rate"
-            )
     st = r["stages"]
     w = st["weightwire"]
     out.append(
