@@ -102,6 +102,14 @@ def _filled(p: Pair) -> tuple[LocalRegion, LocalRegion, RegionDescriptor, bytes]
     return src, dst, desc, data
 
 
+def _start_writes(p: Pair, src: LocalRegion, desc: RegionDescriptor) -> list[asyncio.Future[None]]:
+    """COUNT concurrent writes of CHUNK bytes, write i with immediate i."""
+    return [
+        asyncio.ensure_future(p.a.transport.write(src, i * CHUNK, desc, i * CHUNK, CHUNK, i))
+        for i in range(COUNT)
+    ]
+
+
 def test_lane_budget_bounds_copies_in_flight(
     kit: TransportKit, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -138,10 +146,7 @@ def test_cancelled_writes_leave_the_lane_whole(
 
     async def body(p: Pair) -> None:
         src, dst, desc, data = _filled(p)
-        tasks = [
-            asyncio.ensure_future(p.a.transport.write(src, i * CHUNK, desc, i * CHUNK, CHUNK, i))
-            for i in range(COUNT)
-        ]
+        tasks = _start_writes(p, src, desc)
         await asyncio.sleep(0)
         for t in tasks[1::2]:
             t.cancel()
@@ -173,10 +178,7 @@ def test_close_resolves_every_write_in_flight_or_waiting(
 
     async def body(p: Pair) -> None:
         src, dst, desc, data = _filled(p)
-        tasks = [
-            asyncio.ensure_future(p.a.transport.write(src, i * CHUNK, desc, i * CHUNK, CHUNK, i))
-            for i in range(COUNT)
-        ]
+        tasks = _start_writes(p, src, desc)
         await tasks[0]  # some land before the close, the rest still wait for room
         await asyncio.wait_for(p.a.transport.close(), 30)
         outcomes = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)

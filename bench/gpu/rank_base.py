@@ -104,5 +104,11 @@ class Rank:
         dist.barrier(group=self.ctrl)
         return self.clock.start()
 
+    def spans(self, marks: list[tuple[Any, ...]]) -> tuple[list[list[float]], float]:
+        """Each bucket's marks as seconds, once the GPU is done; and the end time."""
+        self.clock.sync()
+        end = time.time()
+        return [[self.clock.resolve(m) for m in ms] for ms in marks], end
+
     def close(self) -> None:
         dist.destroy_process_group()

@@ -101,9 +101,7 @@ class EngineRank(Rank):
             self.packer.clear()
             m2 = self.clock.mark()
             marks.append((m0, m1, m2))
-        self.clock.sync()
-        end = time.time()
-        spans = [[self.clock.resolve(m) for m in ms] for ms in marks]
+        spans, end = self.spans(marks)
         return {
             "t0": t0,
             "end": end,
