@@ -95,18 +95,12 @@ def _copy_rate(a: int, b: int, src: torch.Tensor, dst: torch.Tensor, reps: int) 
 ROW = 786_432  # one expert's w2 slice at FSDP-2 -> TP-2
 
 
-def _driver_rate(shape: str, a: int, src: torch.Tensor, dst: torch.Tensor, reps: int) -> float:
-    """GB/s of the cuda transport's copies (ctypes driver): shape 1d, 2d or rows."""
-    from weightwire.transport.cudadrv import driver
+def _driver_rate(shape: str, drv: Any, stream: int, d: int, s: int, rows: int, reps: int) -> float:
+    """GB/s of the cuda transport's copies (ctypes driver) of `rows` ROW-byte blocks, from
+    contiguous `s` to every other block at `d`: one 1-D copy, one 2-D copy, or the rows one
+    by one."""
 
-    drv = driver()
-    drv.enable_peer_access()
-    drv.use(a)
-    stream = drv.stream()
-    rows = src.numel() // (2 * ROW)
-    s, d = src.data_ptr(), dst.data_ptr()
-
-    def issue() -> int:
+    def issue() -> None:
         if shape == "1d":
             drv.copy_async(d, s, rows * ROW, stream)
         elif shape == "2d":
@@ -114,20 +108,27 @@ def _driver_rate(shape: str, a: int, src: torch.Tensor, dst: torch.Tensor, reps:
         else:
             for i in range(rows):
                 drv.copy_async(d + 2 * i * ROW, s + i * ROW, ROW, stream)
-        return rows * ROW
 
     issue()
     drv.synchronize(stream)
     t = time.perf_counter()
-    moved = sum(issue() for _ in range(reps))
+    for _ in range(reps):
+        issue()
     drv.synchronize(stream)
-    return moved / (time.perf_counter() - t) / 1e9
+    return reps * rows * ROW / (time.perf_counter() - t) / 1e9
 
 
 def _rates(a: int, b: int, src: torch.Tensor, dst: torch.Tensor, reps: int) -> dict[str, float]:
+    from weightwire.transport.cudadrv import driver
+
+    drv = driver()
+    drv.enable_peer_access()
+    drv.use(a)
+    stream = drv.stream()
+    rows = src.numel() // (2 * ROW)
     out = {"torch": _copy_rate(a, b, src, dst, reps)}
     for shape in ("1d", "2d", "rows"):
-        out[shape] = _driver_rate(shape, a, src, dst, reps)
+        out[shape] = _driver_rate(shape, drv, stream, dst.data_ptr(), src.data_ptr(), rows, reps)
     return out
 
 
@@ -256,19 +257,7 @@ def ipc_main(a: int, b: int, gb: float, reps: int) -> None:
     rows = int(gb * (1 << 30)) // (2 * ROW)
 
     def rate(shape: str) -> float:
-        def issue() -> None:
-            if shape == "1d":
-                drv.copy_async(dst, src, rows * ROW, stream)
-            else:
-                drv.copy_2d_async(dst, 2 * ROW, src, ROW, ROW, rows, stream)
-
-        issue()
-        drv.synchronize(stream)
-        t = time.perf_counter()
-        for _ in range(reps):
-            issue()
-        drv.synchronize(stream)
-        return reps * rows * ROW / (time.perf_counter() - t) / 1e9
+        return _driver_rate(shape, drv, stream, dst, src, rows, reps)
 
     for kind in (None, "strided", "tiny-graph", "tiny-eager", None):
         if kind is not None:
