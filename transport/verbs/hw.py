@@ -161,6 +161,12 @@ class OpenDevice:
             self.release_cq(send_depth + recv_depth)
             raise
 
+    def discard_qp(self, qp: Any, send_depth: int, recv_depth: int) -> None:
+        """Undo `new_qp` for a queue pair that never came up: destroy it, give back its room."""
+        with contextlib.suppress(Exception):
+            qp.close()
+        self.release_cq(send_depth + recv_depth)
+
     def create_qp(self, send_depth: int, recv_depth: int) -> Any:
         api = self.api
         cap = api.QPCap(

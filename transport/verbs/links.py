@@ -134,9 +134,7 @@ class Links:
                     dev.to_init(qp)
             except BaseException:
                 for q in made:
-                    with contextlib.suppress(Exception):
-                        q.qp.close()
-                    dev.release_cq(depth + 1)
+                    dev.discard_qp(q.qp, depth, 1)
                 raise
             return made
 

@@ -6,7 +6,6 @@ completion, which comes only after the bytes are visible.
 
 from __future__ import annotations
 
-import contextlib
 import socket
 from typing import Any
 
@@ -61,9 +60,7 @@ class Receiver:
                     self._bring_up(r, inl.src, info)
             except BaseException:
                 for r in made:
-                    with contextlib.suppress(Exception):
-                        r.qp.close()
-                    dev.release_cq(depth + 1)
+                    dev.discard_qp(r.qp, 1, depth)
                 raise
             return made
 
