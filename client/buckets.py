@@ -2,11 +2,10 @@
 
 Plain copies and casts are grouped by dtypes and by whether the source is contiguous:
 torch copies a group of contiguous pairs in one fused kernel, and falls back to one copy
-per pair for the whole group if any pair is strided. On the GPU, strided plain copies
-(hundreds per layer of experts) go to one row-copy kernel launch instead (`rowcopy`).
-FP8 boxes of one shape, block size and dtype are stacked and quantized in one pass. On the
-GPU the copies are captured once as a CUDA graph, so a version replays them with one
-launch per bucket.
+per pair for the whole group if any pair is strided. FP8 boxes of one shape, block size
+and dtype are stacked and quantized in one pass. On the GPU the copies (thousands of
+small strided ones for a layer of experts) are captured once as a CUDA graph, so a
+version replays them with one launch per bucket instead of one per copy.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ from weightwire.protocol.tensors import Box, Cast, Copy, Fp8BlockQuant, Fp8Block
 
 from .dtypes import TORCH
 from .fp8 import quantize_blocks
-from .rowcopy import RowCopies
 
 log = structlog.get_logger("weightwire.client.pack")
 
@@ -72,7 +70,6 @@ class BucketPack:
         self.staging_ptr = staging.data_ptr()
         self.sources = self._identity(tensors)
         self.copies: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
-        self.rows: RowCopies | None = None
         self.fp8: list[Fp8Group] = []
         self.rest: list[PackOp] = []
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -99,18 +96,13 @@ class BucketPack:
         if self.graph is not None:
             self.graph.replay()
         else:
-            self._copy()
-            if self._graphs and (self.copies or self.rows):
+            for outs, srcs in self.copies:
+                torch._foreach_copy_(outs, srcs)
+            if self._graphs and self.copies:
                 self.graph = self._capture()
                 self._graphs = False
         for group in self.fp8:
             group.run()
-
-    def _copy(self) -> None:
-        for outs, srcs in self.copies:
-            torch._foreach_copy_(outs, srcs)
-        if self.rows is not None:
-            self.rows.run()
 
     def _capture(self) -> torch.cuda.CUDAGraph | None:
         global _graph_failure_logged
@@ -122,7 +114,8 @@ class BucketPack:
             with torch.cuda.stream(side):
                 graph.capture_begin(capture_error_mode="thread_local")
                 try:
-                    self._copy()
+                    for outs, srcs in self.copies:
+                        torch._foreach_copy_(outs, srcs)
                 finally:
                     graph.capture_end()
         except RuntimeError as exc:
@@ -138,7 +131,6 @@ class BucketPack:
         copies: dict[tuple[Any, ...], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         fp8: dict[tuple[Any, ...], Fp8Group] = {}
         fp8_at: dict[tuple[Any, ...], tuple[Fp8Group, int]] = {}  # (source, box, block) -> slot
-        strided: list[tuple[torch.Tensor, torch.Tensor]] = []
         for op in self.ops:
             out = staging[op.staging_offset : op.staging_offset + op.nbytes]
             match op.transform:
@@ -147,14 +139,9 @@ class BucketPack:
                     dtype = (
                         src.dtype if isinstance(op.transform, Copy) else TORCH[op.transform.dtype]
                     )
-                    dst = out.view(dtype).view(src.shape)
-                    if not src.is_contiguous() and RowCopies.accepts(dst, src):
-                        strided.append((dst, src))
-                        continue
-                    outs, srcs = copies.setdefault(
-                        (src.dtype, dtype, src.is_contiguous()), ([], [])
-                    )
-                    outs.append(dst)
+                    key = (src.dtype, dtype, src.is_contiguous())
+                    outs, srcs = copies.setdefault(key, ([], []))
+                    outs.append(out.view(dtype).view(src.shape))
                     srcs.append(src)
                 case Fp8BlockQuant(block=block) | Fp8BlockScale(block=block):
                     src = box_of(tensors[op.source], op)
@@ -178,11 +165,5 @@ class BucketPack:
                         group.scales[i] = out.view(torch.float32).view(tiles)
                 case _:
                     self.rest.append(op)
-        if strided:
-            self.rows = RowCopies.build(strided)
-            if self.rows is None:
-                outs, srcs = copies.setdefault(("strided",), ([], []))
-                outs.extend(o for o, _ in strided)
-                srcs.extend(s for _, s in strided)
         self.copies = list(copies.values())
         self.fp8 = list(fp8.values())

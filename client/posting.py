@@ -14,10 +14,17 @@ from weightwire.protocol.local import BucketReady
 
 from .connection import DaemonConnection
 
+_EMPTY = object()
+
+
+def _packed(event: torch.cuda.Event | None) -> bool:
+    return event is None or bool(event.query())
+
 
 class Poster:
     """Tells the daemon a bucket is packed once its CUDA event has completed, on a thread of
-    its own, so that the GPU packs bucket k+1 while the daemon moves bucket k."""
+    its own, so that the GPU packs bucket k+1 while the daemon moves bucket k. Buckets that
+    finished packing meanwhile go in the same message (a fast pack posts in few messages)."""
 
     def __init__(self, conn: DaemonConnection, version: int) -> None:
         self.conn, self.version = conn, version
@@ -43,12 +50,29 @@ class Poster:
         self._queue.put((bucket, event))
 
     def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
+        item = self._queue.get()
+        while item is not None:
             bucket, event = item
             if event is not None:
                 event.synchronize()
-            self.ready[bucket] = time.time()
-            self.conn.send(BucketReady(version=self.version, bucket=bucket))
+            ready = [bucket]
+            item = self._take_nowait()
+            while item is not None and item is not _EMPTY and _packed(item[1]):
+                ready.append(item[0])  # packed meanwhile: posted in the same message
+                item = self._take_nowait()
+            now = time.time()
+            for b in ready:
+                self.ready[b] = now
+            more = tuple(ready[1:])
+            self.conn.send(BucketReady(version=self.version, bucket=ready[0], more=more))
+            if item is _EMPTY:
+                item = self._queue.get()
+
+    def _take_nowait(self) -> tuple[int, torch.cuda.Event | None] | object | None:
+        try:
+            return self._queue.get_nowait()
+        except queue.Empty:
+            return _EMPTY
 
     def finish(self) -> None:
         if self._done:

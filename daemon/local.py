@@ -195,8 +195,8 @@ class LocalServer:
                 self._spawn(
                     identity, msg.req, d.begin_version(session, msg.req, version, plan_hash)
                 )
-            case BucketReady(version=version, bucket=bucket):
-                d.publisher(session).bucket_ready(version, bucket)
+            case BucketReady(version=version, bucket=bucket, more=more):
+                d.publisher(session).bucket_ready(version, (bucket, *more))
             case AbortVersion(version=version, reason=reason):
                 d.publisher(session).abort(f"version {version} aborted by the rank: {reason}")
                 self.send(identity, Ok(req=msg.req))

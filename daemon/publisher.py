@@ -116,27 +116,33 @@ class Publisher:
         if not self.plan.buckets:
             self._finish(self.run)
 
-    def bucket_ready(self, version: int, bucket: int) -> None:
+    def bucket_ready(self, version: int, buckets: tuple[int, ...]) -> None:
+        """Buckets of `version` packed by the rank: their writes are posted together."""
         run = self.run
         if run is None or run.version != version:
-            raise VersionError(f"bucket {bucket} of version {version}, which was not begun")
+            raise VersionError(f"bucket {buckets[0]} of version {version}, which was not begun")
         if run.finished:
             return  # the version already failed; the rank learns why from PublishResult
-        if not 0 <= bucket < len(run.plan.buckets):
-            raise VersionError(
-                f"bucket {bucket} does not exist (the plan has {len(run.plan.buckets)})",
-                code=ErrorCode.INVALID,
-            )
-        if bucket in run.posted:
-            raise VersionError(
-                f"bucket {bucket} of version {version} was already posted", code=ErrorCode.DUPLICATE
-            )
-        run.posted.add(bucket)
+        for bucket in buckets:
+            if not 0 <= bucket < len(run.plan.buckets):
+                raise VersionError(
+                    f"bucket {bucket} does not exist (the plan has {len(run.plan.buckets)})",
+                    code=ErrorCode.INVALID,
+                )
+        for i, bucket in enumerate(buckets):
+            if bucket in run.posted or bucket in buckets[:i]:
+                raise VersionError(
+                    f"bucket {bucket} of version {version} was already posted",
+                    code=ErrorCode.DUPLICATE,
+                )
+        run.posted.update(buckets)
         if not run.first_post:
             run.first_post = time.monotonic()
-        run.bucket_posted[bucket] = time.time()
+        now = time.time()
+        for bucket in buckets:
+            run.bucket_posted[bucket] = now
         with structlog.contextvars.bound_contextvars(rank=self.rank, version=version):
-            task = asyncio.get_running_loop().create_task(self._post(run, bucket))
+            task = asyncio.get_running_loop().create_task(self._post(run, buckets))
         run.tasks.add(task)
         task.add_done_callback(lambda t, run=run: self._written(run, t))
 
@@ -151,29 +157,31 @@ class Publisher:
             raise WeightwireError("the plan writes from staging, and this rank has none")
         return await self.pick(w.dst_node, src, dst), src, dst
 
-    async def _post(self, run: Run, bucket: int) -> None:
-        """All writes of a bucket, one batch per transport; the first failure fails the run."""
+    async def _post(self, run: Run, buckets: tuple[int, ...]) -> None:
+        """All writes of some buckets, one batch per transport; the first failure fails the
+        run."""
         groups: dict[Transport, list[tuple[WriteOp, WriteRequest]]] = {}
-        for w in run.plan.buckets[bucket].writes:
-            route = run.routes.get((w.src_region, w.dst_node, w.dst_region))
-            if route is None:  # once per (source region, destination region) of the run
-                route = await self._route(run, w)
-                run.routes[(w.src_region, w.dst_node, w.dst_region)] = route
-            transport, src, dst = route
-            imm = encode_imm(run.version, w.slot)
-            req = WriteRequest(
-                src,
-                w.src_offset,
-                dst,
-                w.dst_offset,
-                w.length,
-                imm,
-                w.lane,
-                w.count,
-                w.src_stride,
-                w.dst_stride,
-            )
-            groups.setdefault(transport, []).append((w, req))
+        for bucket in buckets:
+            for w in run.plan.buckets[bucket].writes:
+                route = run.routes.get((w.src_region, w.dst_node, w.dst_region))
+                if route is None:  # once per (source region, destination region) of the run
+                    route = await self._route(run, w)
+                    run.routes[(w.src_region, w.dst_node, w.dst_region)] = route
+                transport, src, dst = route
+                imm = encode_imm(run.version, w.slot)
+                req = WriteRequest(
+                    src,
+                    w.src_offset,
+                    dst,
+                    w.dst_offset,
+                    w.length,
+                    imm,
+                    w.lane,
+                    w.count,
+                    w.src_stride,
+                    w.dst_stride,
+                )
+                groups.setdefault(transport, []).append((w, req))
         outcomes = await asyncio.gather(
             *(t.write_batch([req for _, req in items]) for t, items in groups.items())
         )
@@ -183,7 +191,9 @@ class Publisher:
                     raise err
                 run.bytes_done += w.nbytes
                 run.writes_done += 1
-        run.bucket_landed[bucket] = time.time()
+        now = time.time()
+        for bucket in buckets:
+            run.bucket_landed[bucket] = now
 
     def _written(self, run: Run, task: asyncio.Task[None]) -> None:
         run.tasks.discard(task)

@@ -126,10 +126,12 @@ class BeginVersion(LocalMsg, frozen=True, tag="begin_version"):
 
 
 class BucketReady(LocalMsg, frozen=True, tag="bucket_ready"):
-    """Bucket `bucket` of `version` is packed in staging: post its writes. No reply."""
+    """Bucket `bucket` of `version` is packed in staging, and so are the buckets in `more`
+    (those that finished packing meanwhile, in one message): post their writes. No reply."""
 
     version: Version
     bucket: NonNeg
+    more: tuple[NonNeg, ...] = ()
 
 
 class AbortVersion(LocalMsg, frozen=True, tag="abort_version"):

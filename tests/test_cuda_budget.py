@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import uvloop
 
 from weightwire.transport.cuda.budget import OpBudget
@@ -75,3 +76,39 @@ def test_cancelled_just_after_being_granted_gives_it_back() -> None:
         assert late.cancelled() and b.used == 0
 
     run(body())
+
+
+def test_batches_cut_by_operations_and_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from weightwire.transport.cuda import lanes
+
+    monkeypatch.setattr(lanes, "BATCH_OPS", 4)
+    monkeypatch.setattr(lanes, "BATCH_BYTES", 1000)
+
+    def copy(i: int, nbytes: int, count: int = 1) -> lanes.Copy:
+        return lanes.Copy(
+            i,
+            0,
+            0,
+            nbytes,
+            None,
+            "n",
+            dst_device=0,
+            count=count,
+            src_stride=nbytes,
+            dst_stride=nbytes,
+        )
+
+    cs = [
+        copy(0, 100),
+        copy(1, 100),
+        copy(2, 100, count=2),
+        copy(3, 100),
+        copy(4, 901),
+        copy(5, 5000),
+        copy(6, 10),
+    ]
+    got = [[c.index for c in b] for b in lanes.batches(cs)]
+    # ops 1, 1, 2 (a peer copy of two rows) fill the first; 100 + 901 bytes are too many
+    assert got == [[0, 1, 2], [3], [4], [5], [6]]
+    assert [c.index for b in lanes.batches(cs) for c in b] == list(range(7))
+    assert lanes.batches([]) == []

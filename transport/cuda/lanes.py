@@ -1,4 +1,6 @@
-"""A device's copy lane: its stream, and the thread that waits for its copies.
+"""A copy lane: one stream from a device to one destination device, and the thread that
+waits for its copies. A lane per destination lets a GPU's copies to two peers run side by
+side: on one stream, the copies to a busy peer would hold back those to an idle one.
 
 Copies are issued on the event loop: `cuMemcpy*Async` only queues work on the stream, so
 the loop thread issues a whole batch without handing the GIL back and forth. (Issued
@@ -31,6 +33,10 @@ from .budget import OpBudget
 
 # About 1000 copy calls queue on an H200 stream before the next one waits (measured).
 MAX_OPS_IN_FLIGHT = 512
+# One batch (one event) holds at most this much, so that landings are reported, and the
+# budget comes back, while a large post is still copying.
+BATCH_OPS = 64
+BATCH_BYTES = 1 << 30
 
 
 @dataclass(eq=False, slots=True)
@@ -74,6 +80,22 @@ class Batch:
 
     def landed(self) -> list[Copy]:
         return [c for c in self.copies if c.index not in self.failures]
+
+
+def batches(copies: list[Copy]) -> list[list[Copy]]:
+    """`copies` in order, cut into batches of at most BATCH_OPS operations and BATCH_BYTES
+    (a single larger copy is a batch of its own)."""
+    out: list[list[Copy]] = []
+    ops = nbytes = 0
+    for c in copies:
+        size = c.nbytes * c.count
+        if out and out[-1] and ops + c.ops <= BATCH_OPS and nbytes + size <= BATCH_BYTES:
+            out[-1].append(c)
+            ops, nbytes = ops + c.ops, nbytes + size
+        else:
+            out.append([c])
+            ops, nbytes = c.ops, size
+    return out
 
 
 class Lane:

@@ -88,7 +88,7 @@ class CudaTransport(Transport):
         self._pinned: dict[int, int] = {}  # host regions pinned here: id -> address
         self._peers: dict[str, str] = {}  # node -> its channel path
         self._ipc: IpcMaps | None = None
-        self._lanes: dict[int, Lane] = {}
+        self._lanes: dict[tuple[int, int], Lane] = {}  # by (copying device, destination's)
         self._closing = False
         self._channel: socket.socket | None = None
         self._lock = threading.Lock()
@@ -272,8 +272,8 @@ class CudaTransport(Transport):
 
     async def write_batch(self, requests: Sequence[WriteRequest]) -> list[BaseException | None]:
         results: list[BaseException | None] = [None] * len(requests)
-        by_device: dict[int, list[Copy]] = {}
-        pageable: set[int] = set()  # devices with a copy from unpinned host memory
+        by_lane: dict[tuple[int, int], list[Copy]] = {}
+        pageable: set[tuple[int, int]] = set()  # lanes with a copy from unpinned host memory
         for i, r in enumerate(requests):
             try:
                 check_write(
@@ -303,38 +303,40 @@ class CudaTransport(Transport):
                     copy.dst = self._mapped(r.dst, dst_ptr, dst_dev, device)
                 elif P2P == "peer":
                     copy.dst_device = dst_dev
-            by_device.setdefault(device, []).append(copy)
+            key = (device, dst_dev)
+            by_lane.setdefault(key, []).append(copy)
             if r.src.kind != "gpu" and self._pinned.get(r.src.id) != r.src.address:
-                pageable.add(device)
-        submits, devices = [], []
-        for device, copies in by_device.items():
+                pageable.add(key)
+        submits, chunks = [], []
+        for key, copies in by_lane.items():
             try:
-                lane = self._lane(device)
+                lane = self._lane(*key)
             except (CudaError, PeerLostError) as exc:
                 for c in copies:
                     results[c.index] = exc
                 continue
-            submits.append(lane.submit(copies, blocking=device in pageable))
-            devices.append(device)
+            for chunk in lanes.batches(copies):
+                submits.append(lane.submit(chunk, blocking=key in pageable))
+                chunks.append(chunk)
         outcomes = await asyncio.gather(*submits, return_exceptions=True)
-        for device, outcome in zip(devices, outcomes, strict=True):
+        for chunk, outcome in zip(chunks, outcomes, strict=True):
             if isinstance(outcome, asyncio.CancelledError):
                 raise outcome
             if isinstance(outcome, BaseException):
-                failed: dict[int, BaseException] = {c.index: outcome for c in by_device[device]}
+                failed: dict[int, BaseException] = {c.index: outcome for c in chunk}
             else:
                 failed = outcome
             for i, failure in failed.items():
                 results[i] = failure
         return results
 
-    def _lane(self, device: int) -> Lane:
+    def _lane(self, device: int, peer: int) -> Lane:
         if self._closing:
             raise PeerLostError(f"the cuda transport of {self.node} is closed")
-        lane = self._lanes.get(device)
+        lane = self._lanes.get((device, peer))
         if lane is None:
             assert self._drv is not None and self._loop is not None
-            lane = self._lanes[device] = Lane(
+            lane = self._lanes[device, peer] = Lane(
                 self._drv, device, self._loop, self._landed, lanes.MAX_OPS_IN_FLIGHT
             )
         return lane

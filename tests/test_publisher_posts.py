@@ -1,0 +1,73 @@
+"""A rank's bucket posts: several buckets in one message (a fast pack's posts), and the
+checks on each of them. Buckets without writes, so no transport is involved."""
+
+from __future__ import annotations
+
+import pytest
+import uvloop
+
+from weightwire.daemon.publisher import Publisher
+from weightwire.protocol.errors import ErrorCode, VersionError
+from weightwire.protocol.local import PublishResult
+from weightwire.protocol.plan import Bucket, RankPlan
+
+
+def _publisher(results: list[PublishResult]) -> Publisher:
+    async def pick(*_: object) -> object:
+        raise AssertionError("no writes, no transport")
+
+    pub = Publisher(
+        job="j",
+        rank=0,
+        pick=pick,  # type: ignore[arg-type]
+        reply=results.append,
+        announce=lambda *_: None,
+        source_region=lambda _: None,  # type: ignore[arg-type,return-value]
+    )
+    plan = RankPlan(
+        plan_hash="h", rank=0, staging_bytes=0, buckets=tuple(Bucket(index=i) for i in range(4))
+    )
+    pub.set_plan(plan)
+    return pub
+
+
+def test_buckets_posted_together_complete_the_version() -> None:
+    async def main() -> list[PublishResult]:
+        results: list[PublishResult] = []
+        pub = _publisher(results)
+        pub.begin(1, "h")
+        pub.bucket_ready(1, (0, 2, 1))
+        pub.bucket_ready(1, (3,))
+        await pub.drain(5)
+        return results
+
+    (result,) = uvloop.run(main())
+    assert result.ok and result.version == 1
+    assert len(result.buckets) == 4 and all(posted > 0 for posted, _ in result.buckets)
+
+
+@pytest.mark.parametrize(
+    ("posts", "code", "words"),
+    [
+        (((0, 0),), ErrorCode.DUPLICATE, "bucket 0 of version 1 was already posted"),
+        (((1,), (2, 1)), ErrorCode.DUPLICATE, "bucket 1 of version 1 was already posted"),
+        (((0, 4),), ErrorCode.INVALID, "bucket 4 does not exist (the plan has 4)"),
+    ],
+)
+def test_a_bad_bucket_in_a_post_is_named_and_nothing_of_it_is_posted(
+    posts: tuple[tuple[int, ...], ...], code: ErrorCode, words: str
+) -> None:
+    async def main() -> None:
+        pub = _publisher([])
+        pub.begin(1, "h")
+        *good, bad = posts
+        for p in good:
+            pub.bucket_ready(1, p)
+        before = set(pub.run.posted) if pub.run else set()
+        with pytest.raises(VersionError) as err:
+            pub.bucket_ready(1, bad)
+        assert err.value.code is code and words in err.value.message
+        assert pub.run is not None and pub.run.posted == before
+        await pub.drain(5)
+
+    uvloop.run(main())
