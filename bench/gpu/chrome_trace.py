@@ -18,11 +18,19 @@ STAGES = (
 )
 
 
+Span = tuple[int, str, str, float, float, dict[str, Any]]  # pid, stage, name, t0, t1, args
+
+
+def _whole(pid: int, method: str, version: int, start: float, seconds: float) -> Span:
+    """One method's whole version, on the run's syncs track."""
+    return (pid, method, f"{method} v{version}", start, start + seconds, {"seconds": seconds})
+
+
 def trace(result: dict[str, Any]) -> dict[str, Any]:
     """Chrome/Perfetto trace: one process per rank (per run), one track per stage; each
     bucket's prepare, post wait and transfer spans for every version, and the baseline's
     per-bucket stages. Overlapping spans of one stage go to extra tracks ("#1", ...)."""
-    spans: list[tuple[int, str, str, float, float, dict[str, Any]]] = []
+    spans: list[Span] = []
     names: dict[int, str] = {}
     for ri, r in enumerate(result["runs"]):
         base_pid = 1000 * (ri + 1)
@@ -40,16 +48,7 @@ def trace(result: dict[str, Any]) -> dict[str, Any]:
         for v in r.get("versions", []):
             ver = v["version"]
             if "ww_s" in v:
-                spans.append(
-                    (
-                        sync_pid,
-                        "weightwire",
-                        f"weightwire v{ver}",
-                        v["ww_start"],
-                        v["ww_start"] + v["ww_s"],
-                        {"seconds": v["ww_s"]},
-                    )
-                )
+                spans.append(_whole(sync_pid, "weightwire", ver, v["ww_start"], v["ww_s"]))
                 for t, ev in enumerate(v["ww"]["trainers"]):
                     pid = base_pid + 1 + t
                     for idx, nb, ps, pr, po, la in ev["buckets"]:
@@ -69,16 +68,7 @@ def trace(result: dict[str, Any]) -> dict[str, Any]:
                         )
                     )
             if "base_s" in v:
-                spans.append(
-                    (
-                        sync_pid,
-                        "baseline",
-                        f"baseline v{ver}",
-                        v["base_start"],
-                        v["base_start"] + v["base_s"],
-                        {"seconds": v["base_s"]},
-                    )
-                )
+                spans.append(_whole(sync_pid, "baseline", ver, v["base_start"], v["base_s"]))
                 for t, ev in enumerate(v["base"]["trainers"]):
                     for i, (m0, m1, m2) in enumerate(ev["spans"]):
                         a = {"version": ver, "bucket": i}
