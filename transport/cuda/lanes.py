@@ -89,7 +89,7 @@ def batches(copies: list[Copy]) -> list[list[Copy]]:
     ops = nbytes = 0
     for c in copies:
         size = c.nbytes * c.count
-        if out and out[-1] and ops + c.ops <= BATCH_OPS and nbytes + size <= BATCH_BYTES:
+        if out and ops + c.ops <= BATCH_OPS and nbytes + size <= BATCH_BYTES:
             out[-1].append(c)
             ops, nbytes = ops + c.ops, nbytes + size
         else:
@@ -99,7 +99,7 @@ def batches(copies: list[Copy]) -> list[list[Copy]]:
 
 
 class Lane:
-    """Issues batches on one device's stream and completes them in order."""
+    """Issues batches on its stream (from `device`) and completes them in order."""
 
     def __init__(
         self,
