@@ -24,12 +24,35 @@ from weightwire.protocol.errors import (
 from weightwire.protocol.local import PublishResult
 from weightwire.protocol.plan import RankPlan, WriteOp, encode_imm
 from weightwire.protocol.regions import RegionDescriptor
-from weightwire.transport.base import LocalRegion, Transport, WriteRequest
+from weightwire.transport.base import LocalRegion, Prepared, Transport, WriteRequest
 
 log = structlog.get_logger("weightwire.daemon.publisher")
 
 PickTransport = Callable[[str, LocalRegion, RegionDescriptor], Awaitable[Transport]]
 """Returns a connected transport to a node that carries src -> dst (connecting if needed)."""
+
+
+RouteKey = tuple[int, str, int]
+"""(source region, destination node, destination region) of a write."""
+Route = tuple[Transport, LocalRegion, RegionDescriptor]
+
+
+@dataclass(frozen=True)
+class _Part:
+    """A bucket's writes carried by one transport, prepared there."""
+
+    transport: Transport
+    prepared: Prepared
+    writes: tuple[WriteOp, ...]
+    slots: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class _Cached:
+    plan: RankPlan
+    routes: tuple[tuple[RouteKey, Route], ...]  # those the parts were prepared for
+    parts: list[_Part]
 
 
 @dataclass
@@ -45,9 +68,7 @@ class Run:
     first_post: float = 0.0
     bucket_posted: dict[int, float] = field(default_factory=dict)  # wall clock
     bucket_landed: dict[int, float] = field(default_factory=dict)
-    routes: dict[tuple[int, str, int], tuple[Transport, LocalRegion, RegionDescriptor]] = field(
-        default_factory=dict
-    )
+    routes: dict[RouteKey, Route] = field(default_factory=dict)
     bytes_done: int = 0
     writes_done: int = 0
     error: WeightwireError | None = None
@@ -70,6 +91,7 @@ class Publisher:
     run: Run | None = None
     previous: Run | None = None  # the last run of an earlier session of this rank
     _regions: dict[tuple[str, int], RegionDescriptor] = field(default_factory=dict)
+    _cache: dict[int, _Cached] = field(default_factory=dict)  # prepared writes, by bucket
 
     def set_plan(self, plan: RankPlan | None, reason: str = "") -> None:
         """A new plan, or None: the plan was withdrawn (a node it involves was lost)."""
@@ -80,6 +102,7 @@ class Publisher:
             self._fail(WeightwireError(why, code=ErrorCode.PLAN_CHANGED))
         self.plan = plan
         self._regions = {(r.node, r.id): r for r in plan.regions} if plan else {}
+        self._cache.clear()
 
     @property
     def destinations(self) -> set[str]:
@@ -146,54 +169,82 @@ class Publisher:
         run.tasks.add(task)
         task.add_done_callback(lambda t, run=run: self._written(run, t))
 
-    async def _route(self, run: Run, w: WriteOp) -> tuple[Transport, LocalRegion, RegionDescriptor]:
-        dst = self._regions.get((w.dst_node, w.dst_region))
+    async def _route(self, run: Run, key: RouteKey) -> Route:
+        """The transport, source and destination of writes from region key[0] to region
+        key[2] of node key[1]; resolved once per run."""
+        route = run.routes.get(key)
+        if route is not None:
+            return route
+        src_region, dst_node, dst_region = key
+        dst = self._regions.get((dst_node, dst_region))
         if dst is None:
-            raise WeightwireError(
-                f"plan names region {w.dst_region} of {w.dst_node}, not advertised"
-            )
-        src = run.staging if w.src_region < 0 else self.source_region(w.src_region)
+            raise WeightwireError(f"plan names region {dst_region} of {dst_node}, not advertised")
+        src = run.staging if src_region < 0 else self.source_region(src_region)
         if src is None:
             raise WeightwireError("the plan writes from staging, and this rank has none")
-        return await self.pick(w.dst_node, src, dst), src, dst
+        route = run.routes[key] = (await self.pick(dst_node, src, dst), src, dst)
+        return route
+
+    async def _prepared(self, run: Run, bucket: int) -> list[_Part]:
+        """The bucket's writes prepared on their transports: once per plan, again only when
+        a route's transport, source or destination region is not the one prepared for."""
+        cached = self._cache.get(bucket)
+        if cached is not None and cached.plan is run.plan:
+            for key, route in cached.routes:
+                now = await self._route(run, key)
+                if any(a is not b for a, b in zip(now, route, strict=True)):
+                    break
+            else:
+                return cached.parts
+        groups: dict[Transport, list[tuple[WriteOp, WriteRequest]]] = {}
+        routes: dict[RouteKey, Route] = {}
+        for w in run.plan.buckets[bucket].writes:
+            key = (w.src_region, w.dst_node, w.dst_region)
+            route = routes[key] = await self._route(run, key)
+            transport, src, dst = route
+            req = WriteRequest(
+                src,
+                w.src_offset,
+                dst,
+                w.dst_offset,
+                w.length,
+                None,
+                w.lane,
+                w.count,
+                w.src_stride,
+                w.dst_stride,
+            )
+            groups.setdefault(transport, []).append((w, req))
+        parts = [
+            _Part(
+                transport,
+                transport.prepare([req for _, req in items]),
+                tuple(w for w, _ in items),
+                tuple(w.slot for w, _ in items),
+                sum(w.nbytes for w, _ in items),
+            )
+            for transport, items in groups.items()
+        ]
+        self._cache[bucket] = _Cached(run.plan, tuple(routes.items()), parts)
+        return parts
 
     async def _post(self, run: Run, buckets: tuple[int, ...]) -> None:
-        """All writes of some buckets, one batch per transport; the first failure fails the
-        run."""
-        groups: dict[Transport, list[tuple[WriteOp, WriteRequest]]] = {}
-        for bucket in buckets:
-            for w in run.plan.buckets[bucket].writes:
-                route = run.routes.get((w.src_region, w.dst_node, w.dst_region))
-                if route is None:  # once per (source region, destination region) of the run
-                    route = await self._route(run, w)
-                    run.routes[(w.src_region, w.dst_node, w.dst_region)] = route
-                transport, src, dst = route
-                imm = encode_imm(run.version, w.slot)
-                req = WriteRequest(
-                    src,
-                    w.src_offset,
-                    dst,
-                    w.dst_offset,
-                    w.length,
-                    imm,
-                    w.lane,
-                    w.count,
-                    w.src_stride,
-                    w.dst_stride,
-                )
-                groups.setdefault(transport, []).append((w, req))
+        """All writes of some buckets; the first failure fails the run."""
+        await asyncio.gather(*(self._post_bucket(run, b) for b in buckets))
+
+    async def _post_bucket(self, run: Run, bucket: int) -> None:
+        parts = await self._prepared(run, bucket)
+        high = encode_imm(run.version, 0)
         outcomes = await asyncio.gather(
-            *(t.write_batch([req for _, req in items]) for t, items in groups.items())
+            *(p.transport.write_prepared(p.prepared, [high | s for s in p.slots]) for p in parts)
         )
-        for items, results in zip(groups.values(), outcomes, strict=True):
-            for (w, _), err in zip(items, results, strict=True):
-                if err is not None:
-                    raise err
-                run.bytes_done += w.nbytes
-                run.writes_done += 1
-        now = time.time()
-        for bucket in buckets:
-            run.bucket_landed[bucket] = now
+        for part, results in zip(parts, outcomes, strict=True):
+            if any(results):
+                err = next(e for e in results if e is not None)
+                raise err
+            run.bytes_done += part.nbytes
+            run.writes_done += len(part.writes)
+        run.bucket_landed[bucket] = time.time()
 
     def _written(self, run: Run, task: asyncio.Task[None]) -> None:
         run.tasks.discard(task)

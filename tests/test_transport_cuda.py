@@ -223,3 +223,29 @@ def test_host_source_pinned_or_pageable_lands(kit: TransportKit, pinned: bool) -
                 p.a.transport.deregister(src.id)
 
     run(kit, body)  # noqa: F405
+
+
+def test_prepared_writes_follow_a_destination_registered_again(kit: TransportKit) -> None:
+    """The destination is deregistered and registered again under its id, at new memory:
+    the prepared writes resolve it again and land there, bitwise; the memory they were
+    prepared for is not written."""
+
+    async def body(p: Pair) -> None:
+        n = 4 * MiB + 5  # noqa: F405
+        src, _ = p.region(p.a, 1, n)
+        old, desc = p.region(p.b, 2, n)
+        p.kit.fill(src, 0, rand(n, 41))  # noqa: F405
+        prepared = p.a.transport.prepare([WriteRequest(src, 0, desc, 0, n, None)])
+        assert await p.a.transport.write_prepared(prepared, [1]) == [None]
+        assert p.kit.read(old, 0, n) == rand(n, 41)  # noqa: F405
+        p.b.transport.deregister(2)
+        new, _ = p.region(p.b, 2, n)
+        p.kit.fill(old, 0, bytes(n))
+        p.kit.fill(new, 0, bytes(n))
+        p.kit.fill(src, 0, rand(n, 42))  # noqa: F405
+        assert await p.a.transport.write_prepared(prepared, [2]) == [None]
+        assert p.kit.read(new, 0, n) == rand(n, 42)  # noqa: F405
+        assert p.kit.read(old, 0, n) == bytes(n)
+        assert p.b.imms == [(1, "node-a"), (2, "node-a")]
+
+    run(kit, body)  # noqa: F405

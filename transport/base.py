@@ -20,7 +20,7 @@ from __future__ import annotations
 import abc
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar, Literal
 
 from weightwire.protocol.errors import ErrorCode, RegionError
@@ -71,6 +71,16 @@ class WriteRequest:
     count: int = 1
     src_stride: int = 0
     dst_stride: int = 0
+
+
+class Prepared:
+    """Writes checked and resolved once (`Transport.prepare`), then posted any number of
+    times with new immediates: a bucket's writes, every version."""
+
+    __slots__ = ("requests",)
+
+    def __init__(self, requests: Sequence[WriteRequest]) -> None:
+        self.requests = tuple(requests)
 
 
 class Transport(abc.ABC):
@@ -153,6 +163,21 @@ class Transport(abc.ABC):
             return_exceptions=True,
         )
         return [o if isinstance(o, BaseException) else None for o in outcomes]
+
+    def prepare(self, requests: Sequence[WriteRequest]) -> Prepared:
+        """Check and resolve writes once, for `write_prepared`. Their `imm`s are ignored.
+        A request that cannot be written is not refused here: each post reports it."""
+        return Prepared(requests)
+
+    async def write_prepared(
+        self, prepared: Prepared, imms: Sequence[int | None]
+    ) -> list[BaseException | None]:
+        """`write_batch` of prepared writes, with `imms[i]` as the immediate of write i.
+        Transports that resolve writes up front override both; a change since `prepare`
+        (a region or peer gone, or back) is theirs to notice."""
+        return await self.write_batch(
+            [replace(r, imm=imm) for r, imm in zip(prepared.requests, imms, strict=True)]
+        )
 
     @abc.abstractmethod
     async def close(self) -> None:

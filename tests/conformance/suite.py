@@ -19,6 +19,7 @@ from weightwire.protocol.errors import (
     TransferError,
 )
 from weightwire.protocol.regions import RegionDescriptor, RegionKeys, TcpKey
+from weightwire.transport.base import WriteRequest
 
 from .harness import Pair, TransportKit, with_pair
 
@@ -274,5 +275,61 @@ def test_disconnect_fails_inflight_and_reconnect_works(kit: TransportKit) -> Non
         await p.a.transport.write(src, 0, desc, 0, n, 2)
         assert p.kit.read(dst, 0, n) == rand(n, 9)
         assert p.b.imms == [(2, "node-a")]
+
+    run(kit, body)
+
+
+def test_prepared_writes_post_again_with_new_immediates(kit: TransportKit) -> None:
+    """Writes prepared once and posted twice, with new source bytes and immediates: each
+    post lands bitwise and signals each write once; a write refused when prepared is
+    refused by every post, by name, and the others still land."""
+    chunk, n = 64 * 1024 + 3, 8
+
+    async def body(p: Pair) -> None:
+        src, _ = p.region(p.a, 1, n * chunk)
+        dst, desc = p.region(p.b, 2, n * chunk)
+        reqs = [WriteRequest(src, i * chunk, desc, i * chunk, chunk, None) for i in range(n)]
+        reqs.append(WriteRequest(src, 0, desc, n * chunk - 10, 11, None))  # past its end
+        prepared = p.a.transport.prepare(reqs)
+        for post in (1, 2):
+            data = rand(n * chunk, 20 + post)
+            p.kit.fill(src, 0, data)
+            imms = [post * 100 + i for i in range(n + 1)]
+            results = await asyncio.wait_for(p.a.transport.write_prepared(prepared, imms), 30)
+            assert results[:n] == [None] * n
+            refused = results[n]
+            assert isinstance(refused, RegionError) and refused.code is ErrorCode.OUT_OF_BOUNDS
+            assert p.kit.read(dst, 0, n * chunk) == data
+            assert sorted(imm for imm, _ in p.b.imms) == imms[:n]
+            p.b.imms.clear()
+        with pytest.raises(ValueError):
+            await p.a.transport.write_prepared(prepared, imms[:-1])
+
+    run(kit, body)
+
+
+def test_prepared_writes_see_a_disconnect_and_a_reconnect(kit: TransportKit) -> None:
+    """Prepared while connected: refused as a lost peer once disconnected, nothing landed;
+    posted again after the reconnect, they land."""
+    n = 2 * MiB
+
+    async def body(p: Pair) -> None:
+        src, _ = p.region(p.a, 1, n)
+        dst, desc = p.region(p.b, 2, n)
+        p.kit.fill(src, 0, rand(n, 31))
+        p.kit.fill(dst, 0, bytes(n))
+        half = n // 2
+        prepared = p.a.transport.prepare(
+            [WriteRequest(src, i * half, desc, i * half, half, None) for i in range(2)]
+        )
+        await p.a.transport.disconnect("node-b", "test")
+        results = await asyncio.wait_for(p.a.transport.write_prepared(prepared, [1, 2]), 30)
+        assert all(isinstance(r, PeerLostError) for r in results), results
+        assert p.kit.read(dst, 0, n) == bytes(n) and p.b.imms == []
+        await p.a.transport.connect("node-b", p.b.transport.endpoints())
+        results = await asyncio.wait_for(p.a.transport.write_prepared(prepared, [3, 4]), 30)
+        assert results == [None, None]
+        assert p.kit.read(dst, 0, n) == rand(n, 31)
+        assert sorted(p.b.imms) == [(3, "node-a"), (4, "node-a")]
 
     run(kit, body)

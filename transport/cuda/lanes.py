@@ -3,18 +3,20 @@ waits for its copies. A lane per destination lets a GPU's copies to two peers ru
 side: on one stream, the copies to a busy peer would hold back those to an idle one.
 
 Copies are issued on the event loop: `cuMemcpy*Async` only queues work on the stream, so
-the loop thread issues a whole batch without handing the GIL back and forth. (Issued
+the loop thread issues a whole chunk without handing the GIL back and forth. (Issued
 from a worker thread, every driver call re-takes the GIL from a busy loop, which spaced a
 trainer's copies up to a switch interval apart and left the copy engines idle.) One event
-follows each batch; the lane's completion thread blocks on the events, in order, off the
+follows each chunk; the lane's completion thread blocks on the events, in order, off the
 loop, and hands each finished batch back to it.
 
-A lane bounds the driver operations in flight (copies, and rows of strided writes the
-driver cannot take as one 2-D copy): with the stream's queue full, the next copy call
-would wait. A batch that alone needs more than the bound, or whose source is pageable host
-memory (the driver may wait for such a copy), is issued on a thread. A writer cancelled
-mid-write leaves its batch to finish on its own; a closing lane refuses new batches and
-completes those already issued.
+Posting is synchronous: a post's chunks join the lane's queue and are issued at once, in
+order, as far as the lane's budget of driver operations in flight allows (with the
+stream's queue full, the next copy call would wait); the rest are issued as batches land.
+A chunk that alone needs more than the budget, or whose source is pageable host memory
+(the driver may wait for such a copy), is issued on a thread, and nothing after it is
+issued before it. A writer cancelled before its chunks were issued takes them off the
+queue; chunks already issued finish on their own. A closing lane refuses new posts,
+fails those still queued, and completes those already issued.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import asyncio
 import contextlib
 import queue
 import threading
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from weightwire.protocol.errors import PeerLostError
@@ -33,21 +36,23 @@ from .budget import OpBudget
 
 # About 1000 copy calls queue on an H200 stream before the next one waits (measured).
 MAX_OPS_IN_FLIGHT = 512
-# One batch (one event) holds at most this much, so that landings are reported, and the
+# One chunk (one event) holds at most this much, so that landings are reported, and the
 # budget comes back, while a large post is still copying.
 BATCH_OPS = 64
 BATCH_BYTES = 1 << 30
 
+Failures = dict[int, BaseException]
+"""The writes of a post that failed, by their index in it; {} when every one landed."""
 
-@dataclass(eq=False, slots=True)
+
+@dataclass(frozen=True, slots=True)
 class Copy:
-    """One write, as the copying device sees it."""
+    """One write, as the copying device sees it: the same every time it is posted."""
 
-    index: int  # in its batch
+    index: int  # of the write in its post
     dst: int
     src: int
     nbytes: int
-    imm: int | None
     dst_node: str
     dst_device: int = -1  # set when the copy crosses GPUs through cuMemcpyPeerAsync
     count: int = 1  # blocks of `nbytes` (a strided write), one 2-D copy
@@ -68,38 +73,74 @@ class Copy:
         return 1 if self.as_2d or self.count == 1 else self.count
 
 
-@dataclass(eq=False, slots=True)
-class Batch:
-    """Copies issued together on one stream, completed by one event."""
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """Copies issued together and completed by one event (cut once, reused every post)."""
 
-    copies: list[Copy]
-    future: asyncio.Future[dict[int, BaseException]]  # failures by index; {} when all landed
-    taken: int = 0  # of the lane's budget
-    event: int = 0
-    failures: dict[int, BaseException] = field(default_factory=dict)
-
-    def landed(self) -> list[Copy]:
-        return [c for c in self.copies if c.index not in self.failures]
+    copies: tuple[Copy, ...]
+    ops: int  # driver calls, the event's included
+    nbytes: int
+    node: str  # the node every copy writes to; "" when they differ
 
 
-def batches(copies: list[Copy]) -> list[list[Copy]]:
-    """`copies` in order, cut into batches of at most BATCH_OPS operations and BATCH_BYTES
-    (a single larger copy is a batch of its own)."""
-    out: list[list[Copy]] = []
+def chunks(copies: Sequence[Copy]) -> list[Chunk]:
+    """`copies` in order, cut into chunks of at most BATCH_OPS operations and BATCH_BYTES
+    (a single larger copy is a chunk of its own)."""
+    cuts: list[list[Copy]] = []
     ops = nbytes = 0
     for c in copies:
         size = c.nbytes * c.count
-        if out and ops + c.ops <= BATCH_OPS and nbytes + size <= BATCH_BYTES:
-            out[-1].append(c)
+        if cuts and ops + c.ops <= BATCH_OPS and nbytes + size <= BATCH_BYTES:
+            cuts[-1].append(c)
             ops, nbytes = ops + c.ops, nbytes + size
         else:
-            out.append([c])
+            cuts.append([c])
             ops, nbytes = c.ops, size
+    out = []
+    for cut in cuts:
+        nodes = {c.dst_node for c in cut}
+        out.append(
+            Chunk(
+                copies=tuple(cut),
+                ops=sum(c.ops for c in cut) + 1,
+                nbytes=sum(c.nbytes * c.count for c in cut),
+                node=nodes.pop() if len(nodes) == 1 else "",
+            )
+        )
     return out
 
 
+@dataclass(eq=False, slots=True)
+class Post:
+    """One writer's chunks on a lane; its future resolves once every one has finished."""
+
+    future: asyncio.Future[Failures]
+    pending: int
+    failures: Failures = field(default_factory=dict)
+
+    def settle(self, failures: Failures) -> None:
+        if failures:
+            self.failures.update(failures)
+        self.pending -= 1
+        if self.pending == 0 and not self.future.done():
+            self.future.set_result(self.failures)
+
+
+@dataclass(eq=False, slots=True)
+class Batch:
+    """A chunk as posted once: with that post's immediates, issued and completed together."""
+
+    chunk: Chunk
+    imms: Sequence[int | None]  # one per copy
+    post: Post
+    blocking: bool
+    taken: int = 0  # of the lane's budget
+    event: int = 0
+    failures: Failures = field(default_factory=dict)
+
+
 class Lane:
-    """Issues batches on its stream (from `device`) and completes them in order."""
+    """Issues chunks on its stream (from `device`) and completes them in order."""
 
     def __init__(
         self,
@@ -108,60 +149,85 @@ class Lane:
         loop: asyncio.AbstractEventLoop,
         on_landed: Callable[[Batch], None],
         max_ops: int = MAX_OPS_IN_FLIGHT,
+        name: str = "",
     ) -> None:
         self._drv = drv
         self.device = device
         self._loop = loop
         self._on_landed = on_landed
         self.budget = OpBudget(max_ops)
-        self._issuing = asyncio.Lock()
+        self._waiting: deque[Batch] = deque()
+        self._on_thread: asyncio.Task[None] | None = None  # a batch being issued on a thread
         self._closed = False
         self.issued = {"loop": 0, "thread": 0}
         drv.use(device)
         self._stream = drv.stream()
         self._queue: queue.SimpleQueue[Batch | None] = queue.SimpleQueue()
         self._thread = threading.Thread(
-            target=self._complete, name=f"ww-cuda-{device}", daemon=True
+            target=self._complete, name=name or f"ww-cuda-{device}", daemon=True
         )
         self._thread.start()
 
-    async def submit(
-        self, copies: list[Copy], *, blocking: bool = False
-    ) -> dict[int, BaseException]:
-        """Issue `copies`; resolves with the failures by index once they have all landed.
+    def post(
+        self, posted: Sequence[tuple[Chunk, Sequence[int | None]]], *, blocking: bool = False
+    ) -> asyncio.Future[Failures]:
+        """Queue chunks with their immediates and issue what the budget allows now; the
+        future resolves with the failures once every chunk has landed or failed.
         `blocking`: issuing may wait for the copy itself (pageable host memory)."""
-        ops = sum(c.ops for c in copies) + 1  # and the event
-        blocking = blocking or ops > self.budget.limit
-        batch = Batch(copies, self._loop.create_future())
-        batch.taken = await self.budget.take(ops)
-        task = self._loop.create_task(self._issue_and_queue(batch, blocking))
-        task.add_done_callback(_retrieve)
-        await asyncio.shield(task)
-        return await batch.future
+        post = Post(self._loop.create_future(), len(posted))
+        if self._closed:
+            err = PeerLostError("the cuda transport is closing")
+            post.future.set_result({c.index: err for ch, _ in posted for c in ch.copies})
+            return post.future
+        if not posted:
+            post.future.set_result({})
+            return post.future
+        for chunk, imms in posted:
+            self._waiting.append(Batch(chunk, imms, post, blocking))
+        self._pump()
+        return post.future
 
-    async def _issue_and_queue(self, batch: Batch, blocking: bool) -> None:
+    def _pump(self) -> None:
+        """Issue queued batches, in order, while the budget has room."""
+        while self._waiting and self._on_thread is None and not self._closed:
+            batch = self._waiting[0]
+            if batch.post.future.done():  # its writer was cancelled: never issued
+                self._waiting.popleft()
+                continue
+            batch.taken = self.budget.try_take(batch.chunk.ops)
+            if not batch.taken:
+                return
+            self._waiting.popleft()
+            if batch.blocking or batch.chunk.ops > self.budget.limit:
+                self.issued["thread"] += 1
+                self._on_thread = self._loop.create_task(self._issue_on_thread(batch))
+                return
+            self.issued["loop"] += 1
+            self._issue(batch)
+            self._queued(batch)
+
+    async def _issue_on_thread(self, batch: Batch) -> None:
         try:
-            async with self._issuing:  # events reach the queue in the stream's order
-                if self._closed:
-                    raise PeerLostError("the cuda transport is closing")
-                if blocking:
-                    self.issued["thread"] += 1
-                    await asyncio.to_thread(self._issue, batch)
-                else:
-                    self.issued["loop"] += 1
-                    self._issue(batch)
-                if batch.event:
-                    self._queue.put(batch)
-                    return
-        except BaseException:
-            self.budget.give(batch.taken)
+            await asyncio.to_thread(self._issue, batch)
+        except BaseException:  # the loop is going away: no copy of it is reported landed
+            err = PeerLostError("the cuda lane stopped while issuing")
+            batch.failures = {c.index: err for c in batch.chunk.copies}
             raise
-        self._finish(batch)  # no event: every copy failed to issue
+        finally:
+            self._on_thread = None
+            self._queued(batch)
+            self._pump()
+
+    def _queued(self, batch: Batch) -> None:
+        if batch.event:
+            self._queue.put(batch)
+        else:
+            self._finish(batch)  # no event: every copy failed to issue
 
     def _issue(self, batch: Batch) -> None:
         try:
             self._drv.use(self.device)
-            for c in batch.copies:
+            for c in batch.chunk.copies:
                 try:
                     _issue(self._drv, c, self.device, self._stream)
                 except CudaError as exc:
@@ -169,7 +235,7 @@ class Lane:
             batch.event = self._drv.event()
             self._drv.record(batch.event, self._stream)
         except CudaError as exc:
-            batch.failures = {c.index: exc for c in batch.copies}
+            batch.failures = {c.index: exc for c in batch.chunk.copies}
             if batch.event:
                 with contextlib.suppress(CudaError):
                     self._drv.destroy_event(batch.event)
@@ -185,7 +251,7 @@ class Lane:
             try:
                 self._drv.wait_event(batch.event)
             except CudaError as exc:
-                batch.failures = {c.index: exc for c in batch.copies}
+                batch.failures = {c.index: exc for c in batch.chunk.copies}
             finally:
                 with contextlib.suppress(CudaError):
                     self._drv.destroy_event(batch.event)
@@ -199,23 +265,23 @@ class Lane:
         try:
             self._on_landed(batch)
         finally:
-            if not batch.future.done():
-                batch.future.set_result(batch.failures)
+            batch.post.settle(batch.failures)
+            self._pump()
 
     async def stop(self) -> None:
-        """Refuses new batches; the thread ends after those already issued."""
+        """Refuses new posts and fails those queued; the thread ends after the batches
+        already issued."""
         self._closed = True
-        async with self._issuing:
-            self._queue.put(None)
+        err = PeerLostError("the cuda transport is closing")
+        while self._waiting:
+            batch = self._waiting.popleft()
+            batch.post.settle({c.index: err for c in batch.chunk.copies})
+        if self._on_thread is not None:
+            await asyncio.wait([self._on_thread])
+        self._queue.put(None)
 
     def join(self, timeout_s: float) -> None:
         self._thread.join(timeout_s)
-
-
-def _retrieve(task: asyncio.Task[None]) -> None:
-    """A writer that was cancelled no longer awaits its batch's issue: take its outcome."""
-    if not task.cancelled():
-        task.exception()
 
 
 def _issue(drv: Driver, c: Copy, device: int, stream: int) -> None:

@@ -36,6 +36,7 @@ from weightwire.protocol.regions import (
 from weightwire.transport.base import (
     ImmHandler,
     LocalRegion,
+    Prepared,
     Transport,
     WriteRequest,
     check_write,
@@ -44,7 +45,7 @@ from weightwire.transport.cudadrv import CudaError, Driver, driver
 
 from . import lanes
 from .ipc import IpcMaps
-from .lanes import Batch, Copy, Lane
+from .lanes import Batch, Chunk, Copy, Lane
 
 log = structlog.get_logger("weightwire.transport.cuda")
 
@@ -63,6 +64,32 @@ def host_id() -> str:
         with contextlib.suppress(OSError), open(path) as f:
             parts.append(f.read().strip())
     return "-".join(parts) or socket.gethostname()
+
+
+class _Epoch:
+    """Bumped whenever something a prepared write resolved may have changed (a region or
+    a peer of any cuda transport of this process): prepared writes of an older epoch are
+    resolved again before they are issued."""
+
+    value = 0
+    _lock = threading.Lock()
+
+    @classmethod
+    def bump(cls) -> None:
+        with cls._lock:
+            cls.value += 1
+
+
+class _Prepared(Prepared):
+    __slots__ = ("epoch", "failed", "lanes", "owner")
+
+    def __init__(self, requests: Sequence[WriteRequest], owner: CudaTransport) -> None:
+        super().__init__(requests)
+        self.owner = owner
+        self.epoch = -1  # the _Epoch it was resolved in
+        self.failed: list[tuple[int, BaseException]] = []  # (index, error): refused writes
+        # ((copying device, destination device), the lane's chunks, from pageable memory)
+        self.lanes: list[tuple[tuple[int, int], list[Chunk], bool]] = []
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +140,7 @@ class CudaTransport(Transport):
         self._channel = ch
         self._loop.add_reader(ch.fileno(), self._on_channel)
         _INSTANCES[self.node] = self
+        _Epoch.bump()
 
     def endpoints(self) -> TransportEndpoints:
         return TransportEndpoints(cuda=CudaEndpoint(host_id=self.host, channel=self._channel_path))
@@ -127,6 +155,7 @@ class CudaTransport(Transport):
     async def close(self) -> None:
         self._closing = True
         _INSTANCES.pop(self.node, None)
+        _Epoch.bump()
         for node, path in list(self._peers.items()):  # tell same-host peers we are gone
             other = _INSTANCES.get(node)
             if other is not None:
@@ -164,6 +193,7 @@ class CudaTransport(Transport):
                     self._drv.use(self._drv.devices[0].ordinal)  # any context will do
                     self._drv.host_register(region.address, region.length)
                     self._pinned[region.id] = region.address
+                    _Epoch.bump()
                 except CudaError as exc:
                     log.warning(
                         "host region not pinned; copies from it go through a thread",
@@ -183,6 +213,7 @@ class CudaTransport(Transport):
                 f"gpu region {region.id} has no CUDA IPC handle", code=ErrorCode.INVALID
             )
         self._regions[region.id] = _Local(region, handle, offset)
+        _Epoch.bump()
         return RegionKeys(
             cuda=CudaKey(host_id=self.host, device_uuid=uuid, ipc_handle=handle, offset=offset)
         )
@@ -190,6 +221,7 @@ class CudaTransport(Transport):
     def deregister(self, region_id: int) -> None:
         self._regions.pop(region_id, None)
         address = self._pinned.pop(region_id, None)
+        _Epoch.bump()
         if address is not None and self._drv is not None:
             with contextlib.suppress(CudaError):
                 self._drv.host_unregister(address)
@@ -201,9 +233,11 @@ class CudaTransport(Transport):
         if ep is None or ep.host_id != self.host:
             raise PeerLostError(f"node {node} is not on this host; cuda cannot reach it")
         self._peers[node] = ep.channel
+        _Epoch.bump()
 
     async def disconnect(self, node: str, reason: str) -> None:
         self._peers.pop(node, None)
+        _Epoch.bump()
 
     def _destination(self, dst: RegionDescriptor, dst_offset: int, length: int) -> tuple[int, int]:
         """(device pointer, device ordinal) of the write's first destination byte."""
@@ -271,7 +305,19 @@ class CudaTransport(Transport):
             raise err
 
     async def write_batch(self, requests: Sequence[WriteRequest]) -> list[BaseException | None]:
-        results: list[BaseException | None] = [None] * len(requests)
+        return await self.write_prepared(self.prepare(requests), [r.imm for r in requests])
+
+    def prepare(self, requests: Sequence[WriteRequest]) -> _Prepared:
+        """Each write checked, its destination resolved to a pointer the copying device can
+        write, and the lane's chunks cut, once; `write_prepared` only issues them."""
+        prepared = _Prepared(requests, self)
+        self._resolve(prepared)
+        return prepared
+
+    def _resolve(self, prepared: _Prepared) -> None:
+        epoch = _Epoch.value
+        requests = prepared.requests
+        failed: list[tuple[int, BaseException]] = []
         by_lane: dict[tuple[int, int], list[Copy]] = {}
         pageable: set[tuple[int, int]] = set()  # lanes with a copy from unpinned host memory
         for i, r in enumerate(requests):
@@ -284,49 +330,59 @@ class CudaTransport(Transport):
                     r.dst, r.dst_offset, span(r.length, r.count, r.dst_stride)
                 )
             except WeightwireError as exc:
-                results[i] = exc
+                failed.append((i, exc))
                 continue
             device = r.src.device if r.src.kind == "gpu" and r.src.device is not None else dst_dev
+            peer_device = -1
+            if device != dst_dev and r.src.kind == "gpu":
+                if P2P == "map":
+                    dst_ptr = self._mapped(r.dst, dst_ptr, dst_dev, device)
+                elif P2P == "peer":
+                    peer_device = dst_dev
             copy = Copy(
                 i,
                 dst_ptr,
                 r.src.address + r.src_offset,
                 r.length,
-                r.imm,
                 r.dst.node,
+                dst_device=peer_device,
                 count=r.count,
                 src_stride=r.src_stride,
                 dst_stride=r.dst_stride,
             )
-            if device != dst_dev and r.src.kind == "gpu":
-                if P2P == "map":
-                    copy.dst = self._mapped(r.dst, dst_ptr, dst_dev, device)
-                elif P2P == "peer":
-                    copy.dst_device = dst_dev
             key = (device, dst_dev)
             by_lane.setdefault(key, []).append(copy)
             if r.src.kind != "gpu" and self._pinned.get(r.src.id) != r.src.address:
                 pageable.add(key)
-        submits, chunks = [], []
-        for key, copies in by_lane.items():
+        prepared.epoch, prepared.failed = epoch, failed
+        prepared.lanes = [(key, lanes.chunks(cs), key in pageable) for key, cs in by_lane.items()]
+
+    async def write_prepared(
+        self, prepared: Prepared, imms: Sequence[int | None]
+    ) -> list[BaseException | None]:
+        if len(imms) != len(prepared.requests):
+            raise ValueError(f"{len(imms)} immediates for {len(prepared.requests)} writes")
+        p = prepared
+        if not isinstance(p, _Prepared) or p.owner is not self:
+            p = self.prepare(prepared.requests)
+        elif p.epoch != _Epoch.value:  # regions or peers changed since: resolve them again
+            self._resolve(p)
+        results: list[BaseException | None] = [None] * len(imms)
+        for i, exc in p.failed:
+            results[i] = exc
+        posts = []
+        for key, chunks, pageable in p.lanes:
             try:
                 lane = self._lane(*key)
             except (CudaError, PeerLostError) as exc:
-                for c in copies:
-                    results[c.index] = exc
+                for chunk in chunks:
+                    for c in chunk.copies:
+                        results[c.index] = exc
                 continue
-            for chunk in lanes.batches(copies):
-                submits.append(lane.submit(chunk, blocking=key in pageable))
-                chunks.append(chunk)
-        outcomes = await asyncio.gather(*submits, return_exceptions=True)
-        for chunk, outcome in zip(chunks, outcomes, strict=True):
-            if isinstance(outcome, asyncio.CancelledError):
-                raise outcome
-            if isinstance(outcome, BaseException):
-                failed: dict[int, BaseException] = {c.index: outcome for c in chunk}
-            else:
-                failed = outcome
-            for i, failure in failed.items():
+            posted = [(chunk, [imms[c.index] for c in chunk.copies]) for chunk in chunks]
+            posts.append(lane.post(posted, blocking=pageable))
+        for failures in await asyncio.gather(*posts):
+            for i, failure in failures.items():
                 results[i] = failure
         return results
 
@@ -337,22 +393,37 @@ class CudaTransport(Transport):
         if lane is None:
             assert self._drv is not None and self._loop is not None
             lane = self._lanes[device, peer] = Lane(
-                self._drv, device, self._loop, self._landed, lanes.MAX_OPS_IN_FLIGHT
+                self._drv,
+                device,
+                self._loop,
+                self._landed,
+                lanes.MAX_OPS_IN_FLIGHT,
+                name=f"ww-cuda-{device}-{peer}",
             )
         return lane
 
     def _landed(self, batch: Batch) -> None:
         """On the loop: a batch's copies are done; deliver the immediates of those that landed."""
-        landed = batch.landed()
+        chunk, failed = batch.chunk, batch.failures
+        if not failed:
+            nbytes, writes = chunk.nbytes, len(chunk.copies)
+        else:
+            landed = [c for c in chunk.copies if c.index not in failed]
+            nbytes, writes = sum(c.nbytes * c.count for c in landed), len(landed)
         with self._lock:
-            self._stats["bytes_sent"] += sum(c.nbytes * c.count for c in landed)
-            self._stats["writes"] += len(landed)
+            self._stats["bytes_sent"] += nbytes
+            self._stats["writes"] += writes
             self._stats["batches"] += 1
         imms: dict[str, list[int]] = {}
-        for c in landed:
-            if c.imm is not None:
-                imms.setdefault(c.dst_node, []).append(c.imm)
+        if chunk.node and not failed:
+            imms[chunk.node] = [imm for imm in batch.imms if imm is not None]
+        else:
+            for c, imm in zip(chunk.copies, batch.imms, strict=True):
+                if imm is not None and c.index not in failed:
+                    imms.setdefault(c.dst_node, []).append(imm)
         for node, values in imms.items():
+            if not values:
+                continue
             try:
                 self._deliver(node, values)
             except Exception as exc:  # one destination's handler must not strand the rest
@@ -393,6 +464,7 @@ class CudaTransport(Transport):
                 self._receive([imm], body[_IMM.size :].decode(errors="replace"))
             elif kind == b"B":
                 self._peers.pop(body.decode(errors="replace"), None)
+                _Epoch.bump()
 
     def stats(self) -> dict[str, int]:
         with self._lock:

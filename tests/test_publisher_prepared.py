@@ -1,0 +1,99 @@
+"""A rank's writes are prepared on their transport once per plan and posted every
+version. Real tcp transports on loopback: a version after the staging region was
+replaced reads the new one, and a new plan writes where it says, bitwise."""
+
+from __future__ import annotations
+
+import asyncio
+
+import uvloop
+
+from tests.conformance.harness import Pair, with_pair
+from tests.conformance.suite import rand
+from tests.test_transport_tcp import TcpKit
+from weightwire.daemon.publisher import Publisher
+from weightwire.protocol.local import PublishResult
+from weightwire.protocol.plan import Bucket, RankPlan, WriteOp, decode_imm
+from weightwire.protocol.regions import RegionDescriptor
+from weightwire.transport.base import LocalRegion
+
+N = 3 * 65536
+
+
+def _plan(plan_hash: str, dst: RegionDescriptor, shift: int) -> RankPlan:
+    """Two buckets of two writes each into `dst`; `shift` moves every destination offset."""
+    writes = [
+        WriteOp(
+            src_offset=i * (N // 4),
+            length=N // 4,
+            dst_node=dst.node,
+            dst_region=2,
+            dst_offset=i * (N // 4) + shift,
+            slot=7,
+        )
+        for i in range(4)
+    ]
+    return RankPlan(
+        plan_hash=plan_hash,
+        rank=0,
+        staging_bytes=N,
+        buckets=(
+            Bucket(index=0, writes=tuple(writes[:2])),
+            Bucket(index=1, writes=tuple(writes[2:])),
+        ),
+        regions=(dst,),
+    )
+
+
+async def _version(pub: Publisher, results: list[PublishResult], version: int) -> PublishResult:
+    assert pub.plan is not None
+    pub.begin(version, pub.plan.plan_hash)
+    pub.bucket_ready(version, (1,))
+    pub.bucket_ready(version, (0,))
+    for _ in range(500):
+        if results and results[-1].version == version:
+            return results[-1]
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"version {version} never finished")
+
+
+def test_versions_follow_a_new_staging_region_and_a_new_plan() -> None:
+    kit = TcpKit()
+
+    async def body(p: Pair) -> None:
+        first, _ = p.region(p.a, 1, N)
+        second, _ = p.region(p.a, 3, N)
+        dst, desc = p.region(p.b, 2, N + 4096)
+        results: list[PublishResult] = []
+
+        async def pick(node: str, src: LocalRegion, dst: object) -> object:
+            return p.a.transport
+
+        pub = Publisher(
+            job="j",
+            rank=0,
+            pick=pick,  # type: ignore[arg-type]
+            reply=results.append,
+            announce=lambda *_: None,
+            source_region=lambda _: None,  # type: ignore[arg-type,return-value]
+        )
+        pub.set_plan(_plan("one", desc, 0))
+        for version, staging, seed in ((1, first, 1), (2, first, 2), (3, second, 3)):
+            data = rand(N, seed)
+            kit.fill(staging, 0, data)
+            pub.staging = staging
+            result = await _version(pub, results, version)
+            assert result.ok and result.nbytes == N, result
+            assert kit.read(dst, 0, N) == data, f"version {version}"
+        pub.set_plan(_plan("two", desc, 4096))
+        kit.fill(second, 0, rand(N, 4))
+        assert (await _version(pub, results, 4)).ok
+        assert kit.read(dst, 4096, N) == rand(N, 4)
+        counts: dict[int, int] = {}
+        for imm, _ in p.b.imms:
+            low, slot = decode_imm(imm)
+            assert slot == 7
+            counts[low] = counts.get(low, 0) + 1
+        assert counts == {1: 4, 2: 4, 3: 4, 4: 4}
+
+    uvloop.run(asyncio.wait_for(with_pair(kit, body), 60))
