@@ -1,11 +1,10 @@
-"""What a publish leaves behind it on the trainer side: the thread that tells the daemon
-each bucket is packed, and the times it reports."""
+"""What a publish leaves behind it on the trainer side: telling the daemon each bucket is
+packed, and the times it reports."""
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -14,73 +13,56 @@ from weightwire.protocol.local import BucketReady
 
 from .connection import DaemonConnection
 
-_EMPTY = object()
-
-
-def _packed(event: torch.cuda.Event | None) -> bool:
-    return event is None or bool(event.query())
-
 
 class Poster:
-    """Tells the daemon a bucket is packed once its CUDA event has completed, on a thread of
-    its own, so that the GPU packs bucket k+1 while the daemon moves bucket k. Buckets that
-    finished packing meanwhile go in the same message (a fast pack posts in few messages)."""
+    """Tells the daemon, in order, which buckets are packed, as soon as their CUDA events
+    have completed, so that the GPU packs bucket k+1 while the daemon moves bucket k.
+
+    The events are checked, without waiting, each time another bucket has been queued
+    for packing, and waited for one by one once every bucket is queued; the buckets found
+    packed at one check go in one message. All of it on the publishing thread: a thread
+    of its own would wait for the GIL while this one queues packing work, up to a switch
+    interval (5 ms) each time an event completes."""
 
     def __init__(self, conn: DaemonConnection, version: int) -> None:
         self.conn, self.version = conn, version
         self.started: dict[int, float] = {}
         self.ready: dict[int, float] = {}
-        self._queue: queue.SimpleQueue[tuple[int, torch.cuda.Event | None] | None] = (
-            queue.SimpleQueue()
-        )
-        self._thread: threading.Thread | None = None
-        self._done = False
+        self._pending: deque[tuple[int, torch.cuda.Event | None]] = deque()
 
     def post(self, bucket: int, device: torch.device, started: float) -> None:
+        """Bucket `bucket` is queued for packing on `device` (its stream's work so far)."""
         self.started[bucket] = started
-        if device.type != "cuda":
-            self.ready[bucket] = time.time()
-            self.conn.send(BucketReady(version=self.version, bucket=bucket))
-            return
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(device))
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="ww-poster", daemon=True)
-            self._thread.start()
-        self._queue.put((bucket, event))
+        event = None
+        if device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+        self._pending.append((bucket, event))
+        self._send(wait=False)
 
-    def _run(self) -> None:
-        item = self._queue.get()
-        while item is not None:
-            bucket, event = item
-            if event is not None:
-                event.synchronize()
-            ready = [bucket]
-            item = self._take_nowait()
-            while item is not None and item is not _EMPTY and _packed(item[1]):
-                ready.append(item[0])  # packed meanwhile: posted in the same message
-                item = self._take_nowait()
+    def finish(self) -> None:
+        """Every bucket is queued: post the rest as they complete."""
+        while self._pending:
+            self._send(wait=True)
+
+    def _send(self, *, wait: bool) -> None:
+        """Post the packed buckets at the head of the queue; with `wait`, at least one."""
+        ready: list[int] = []
+        while self._pending:
+            bucket, event = self._pending[0]
+            if event is not None and not event.query():
+                if ready or not wait:
+                    break
+                event.synchronize()  # releases the GIL while it waits
+            self._pending.popleft()
+            ready.append(bucket)
+        if ready:
             now = time.time()
             for b in ready:
                 self.ready[b] = now
-            more = tuple(ready[1:])
-            self.conn.send(BucketReady(version=self.version, bucket=ready[0], more=more))
-            if item is _EMPTY:
-                item = self._queue.get()
-
-    def _take_nowait(self) -> tuple[int, torch.cuda.Event | None] | object | None:
-        try:
-            return self._queue.get_nowait()
-        except queue.Empty:
-            return _EMPTY
-
-    def finish(self) -> None:
-        if self._done:
-            return
-        self._done = True
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join()
+            self.conn.send(
+                BucketReady(version=self.version, bucket=ready[0], more=tuple(ready[1:]))
+            )
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from weightwire.protocol.peer import (
 )
 from weightwire.protocol.plan import MAX_SLOTS, NodePlan
 
+from . import heap
 from .peers import COORDINATOR
 from .sessions import Session
 
@@ -80,14 +81,6 @@ class PlanKeeping:
         old = self.plans.get(plan.job)
         self.plans[plan.job] = plan
         self.plan_problems.pop(plan.job, None)
-        if old is None or old.plan_hash != plan.plan_hash:
-            log.info(
-                "plan installed",
-                job=plan.job,
-                plan=plan.plan_hash,
-                trainer_ranks=[s.rank for s in plan.sends],
-                engine_ranks=[e.rank for e in plan.expects],
-            )
         for rp in plan.sends:
             pub = self.publishers.get((plan.job, rp.rank))
             if pub is not None:
@@ -99,6 +92,15 @@ class PlanKeeping:
         self.related_since = {n: self.related_since.get(n, now) for n in everyone}
         for node in related - {self.node}:
             self._spawn(self._connect_quietly(node))
+        if old is None or old.plan_hash != plan.plan_hash:
+            log.info(
+                "plan installed",
+                job=plan.job,
+                plan=plan.plan_hash,
+                trainer_ranks=[s.rank for s in plan.sends],
+                engine_ranks=[e.rank for e in plan.expects],
+                heap_settle_s=round(heap.settle(), 4),
+            )
         for fut in self.plan_waiters.pop(plan.job, []):
             if not fut.done():
                 fut.set_result(None)

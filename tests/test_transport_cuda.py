@@ -238,6 +238,10 @@ def test_prepared_writes_follow_a_destination_registered_again(kit: TransportKit
         prepared = p.a.transport.prepare([WriteRequest(src, 0, desc, 0, n, None)])
         assert await p.a.transport.write_prepared(prepared, [1]) == [None]
         assert p.kit.read(old, 0, n) == rand(n, 41)  # noqa: F405
+        epoch = prepared.epoch  # type: ignore[attr-defined]
+        await p.a.transport.connect("node-b", p.b.transport.endpoints())  # as every pick does
+        assert await p.a.transport.write_prepared(prepared, [1]) == [None]
+        assert prepared.epoch == epoch  # type: ignore[attr-defined]  # not resolved again
         p.b.transport.deregister(2)
         new, _ = p.region(p.b, 2, n)
         p.kit.fill(old, 0, bytes(n))
@@ -246,6 +250,6 @@ def test_prepared_writes_follow_a_destination_registered_again(kit: TransportKit
         assert await p.a.transport.write_prepared(prepared, [2]) == [None]
         assert p.kit.read(new, 0, n) == rand(n, 42)  # noqa: F405
         assert p.kit.read(old, 0, n) == bytes(n)
-        assert p.b.imms == [(1, "node-a"), (2, "node-a")]
+        assert p.b.imms == [(1, "node-a"), (1, "node-a"), (2, "node-a")]
 
     run(kit, body)  # noqa: F405

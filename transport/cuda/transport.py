@@ -1,8 +1,10 @@
 """The cuda transport: one-sided writes between regions of one host, by the GPU's copy
 engines, over NVLink or PCIe.
 
-The writer opens the destination's CUDA IPC handle (once) and copies into it on the
-source device's lane (`lanes.py`: issued on the loop, completed by a thread per device).
+The writer opens the destination's CUDA IPC handle (once) and copies into it on a lane
+of the copying device, one per destination device (`lanes.py`: issued on the loop,
+completed by a thread per lane). A bucket's writes are resolved once (`prepare`) and
+only issued each version (`write_prepared`).
 Only once a copy has landed is its immediate delivered: to this daemon's own handler when
 the destination is local, to another transport in this process directly, or over a Unix
 datagram channel to another daemon of the same host.
@@ -13,10 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import secrets
 import socket
-import struct
-import tempfile
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,12 +43,13 @@ from weightwire.transport.base import (
 from weightwire.transport.cudadrv import CudaError, Driver, driver
 
 from . import lanes
+from .channel import Channel
 from .ipc import IpcMaps
-from .lanes import Batch, Chunk, Copy, Lane
+from .lanes import Batch, Copy, Lane
+from .prepared import CudaPrepared, Epoch
 
 log = structlog.get_logger("weightwire.transport.cuda")
 
-_IMM = struct.Struct("<I")
 # How a copy between two GPUs is issued: "map" opens the destination's IPC handle in the
 # copying device's context (peer mapping), "peer" names both contexts (cuMemcpyPeerAsync),
 # "plain" relies on unified addressing alone.
@@ -66,32 +66,6 @@ def host_id() -> str:
     return "-".join(parts) or socket.gethostname()
 
 
-class _Epoch:
-    """Bumped whenever something a prepared write resolved may have changed (a region or
-    a peer of any cuda transport of this process): prepared writes of an older epoch are
-    resolved again before they are issued."""
-
-    value = 0
-    _lock = threading.Lock()
-
-    @classmethod
-    def bump(cls) -> None:
-        with cls._lock:
-            cls.value += 1
-
-
-class _Prepared(Prepared):
-    __slots__ = ("epoch", "failed", "lanes", "owner")
-
-    def __init__(self, requests: Sequence[WriteRequest], owner: CudaTransport) -> None:
-        super().__init__(requests)
-        self.owner = owner
-        self.epoch = -1  # the _Epoch it was resolved in
-        self.failed: list[tuple[int, BaseException]] = []  # (index, error): refused writes
-        # ((copying device, destination device), the lane's chunks, from pageable memory)
-        self.lanes: list[tuple[tuple[int, int], list[Chunk], bool]] = []
-
-
 @dataclass(frozen=True, slots=True)
 class _Local:
     region: LocalRegion
@@ -105,9 +79,7 @@ class CudaTransport(Transport):
     def __init__(self, node: str, *, channel_dir: str | None = None) -> None:
         self.node = node
         self.host = host_id()
-        self._channel_path = os.path.join(
-            channel_dir or tempfile.gettempdir(), f"weightwire-cuda-{secrets.token_hex(6)}.sock"
-        )
+        self._channel = Channel(channel_dir)
         self._drv: Driver | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_imm: ImmHandler | None = None
@@ -117,7 +89,6 @@ class CudaTransport(Transport):
         self._ipc: IpcMaps | None = None
         self._lanes: dict[tuple[int, int], Lane] = {}  # by (copying device, destination's)
         self._closing = False
-        self._channel: socket.socket | None = None
         self._lock = threading.Lock()
         self._stats = {"bytes_sent": 0, "writes": 0, "bytes_received": 0, "batches": 0}
         self.peers_enabled: list[tuple[int, int]] = []
@@ -135,15 +106,12 @@ class CudaTransport(Transport):
         log.info(
             "cuda transport ready", devices=len(self._drv.devices), p2p=len(self.peers_enabled)
         )
-        ch = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK)
-        ch.bind(self._channel_path)
-        self._channel = ch
-        self._loop.add_reader(ch.fileno(), self._on_channel)
+        self._channel.open(self._loop, lambda imm, source: self._receive([imm], source), self._bye)
         _INSTANCES[self.node] = self
-        _Epoch.bump()
+        Epoch.bump()
 
     def endpoints(self) -> TransportEndpoints:
-        return TransportEndpoints(cuda=CudaEndpoint(host_id=self.host, channel=self._channel_path))
+        return TransportEndpoints(cuda=CudaEndpoint(host_id=self.host, channel=self._channel.path))
 
     def can_reach(self, endpoints: TransportEndpoints) -> bool:
         return endpoints.cuda is not None and endpoints.cuda.host_id == self.host
@@ -155,14 +123,13 @@ class CudaTransport(Transport):
     async def close(self) -> None:
         self._closing = True
         _INSTANCES.pop(self.node, None)
-        _Epoch.bump()
+        Epoch.bump()
         for node, path in list(self._peers.items()):  # tell same-host peers we are gone
             other = _INSTANCES.get(node)
             if other is not None:
                 other._peers.pop(self.node, None)
-            elif self._channel is not None:
-                with contextlib.suppress(OSError):
-                    self._channel.sendto(b"B" + self.node.encode(), path)
+            else:
+                self._channel.send_bye(path, self.node)
         stopping = list(self._lanes.values())
         self._lanes.clear()
         for lane in stopping:
@@ -173,12 +140,7 @@ class CudaTransport(Transport):
                 lane.join(10)
 
         await asyncio.to_thread(join)
-        if self._loop is not None and self._channel is not None:
-            self._loop.remove_reader(self._channel.fileno())
-            self._channel.close()
-            self._channel = None
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._channel_path)
+        self._channel.close()
         if self._ipc is not None:
             self._ipc.close()
 
@@ -193,7 +155,7 @@ class CudaTransport(Transport):
                     self._drv.use(self._drv.devices[0].ordinal)  # any context will do
                     self._drv.host_register(region.address, region.length)
                     self._pinned[region.id] = region.address
-                    _Epoch.bump()
+                    Epoch.bump()
                 except CudaError as exc:
                     log.warning(
                         "host region not pinned; copies from it go through a thread",
@@ -213,7 +175,7 @@ class CudaTransport(Transport):
                 f"gpu region {region.id} has no CUDA IPC handle", code=ErrorCode.INVALID
             )
         self._regions[region.id] = _Local(region, handle, offset)
-        _Epoch.bump()
+        Epoch.bump()
         return RegionKeys(
             cuda=CudaKey(host_id=self.host, device_uuid=uuid, ipc_handle=handle, offset=offset)
         )
@@ -221,7 +183,7 @@ class CudaTransport(Transport):
     def deregister(self, region_id: int) -> None:
         self._regions.pop(region_id, None)
         address = self._pinned.pop(region_id, None)
-        _Epoch.bump()
+        Epoch.bump()
         if address is not None and self._drv is not None:
             with contextlib.suppress(CudaError):
                 self._drv.host_unregister(address)
@@ -232,12 +194,13 @@ class CudaTransport(Transport):
         ep = endpoints.cuda
         if ep is None or ep.host_id != self.host:
             raise PeerLostError(f"node {node} is not on this host; cuda cannot reach it")
-        self._peers[node] = ep.channel
-        _Epoch.bump()
+        if self._peers.get(node) != ep.channel:  # connecting again changes nothing
+            self._peers[node] = ep.channel
+            Epoch.bump()
 
     async def disconnect(self, node: str, reason: str) -> None:
-        self._peers.pop(node, None)
-        _Epoch.bump()
+        if self._peers.pop(node, None) is not None:
+            Epoch.bump()
 
     def _destination(self, dst: RegionDescriptor, dst_offset: int, length: int) -> tuple[int, int]:
         """(device pointer, device ordinal) of the write's first destination byte."""
@@ -307,15 +270,15 @@ class CudaTransport(Transport):
     async def write_batch(self, requests: Sequence[WriteRequest]) -> list[BaseException | None]:
         return await self.write_prepared(self.prepare(requests), [r.imm for r in requests])
 
-    def prepare(self, requests: Sequence[WriteRequest]) -> _Prepared:
+    def prepare(self, requests: Sequence[WriteRequest]) -> CudaPrepared:
         """Each write checked, its destination resolved to a pointer the copying device can
         write, and the lane's chunks cut, once; `write_prepared` only issues them."""
-        prepared = _Prepared(requests, self)
+        prepared = CudaPrepared(requests, self)
         self._resolve(prepared)
         return prepared
 
-    def _resolve(self, prepared: _Prepared) -> None:
-        epoch = _Epoch.value
+    def _resolve(self, prepared: CudaPrepared) -> None:
+        epoch = Epoch.value
         requests = prepared.requests
         failed: list[tuple[int, BaseException]] = []
         by_lane: dict[tuple[int, int], list[Copy]] = {}
@@ -363,9 +326,9 @@ class CudaTransport(Transport):
         if len(imms) != len(prepared.requests):
             raise ValueError(f"{len(imms)} immediates for {len(prepared.requests)} writes")
         p = prepared
-        if not isinstance(p, _Prepared) or p.owner is not self:
+        if not isinstance(p, CudaPrepared) or p.owner is not self:
             p = self.prepare(prepared.requests)
-        elif p.epoch != _Epoch.value:  # regions or peers changed since: resolve them again
+        elif p.epoch != Epoch.value:  # regions or peers changed since: resolve them again
             self._resolve(p)
         results: list[BaseException | None] = [None] * len(imms)
         for i, exc in p.failed:
@@ -440,31 +403,18 @@ class CudaTransport(Transport):
                 owner._loop.call_soon_threadsafe(owner._receive, imms, self.node)
             return
         path = self._peers.get(node)
-        if path is None or self._channel is None:
-            return
-        for imm in imms:
-            with contextlib.suppress(OSError):
-                self._channel.sendto(b"I" + _IMM.pack(imm) + self.node.encode(), path)
+        if path is not None:
+            self._channel.send_imms(path, self.node, imms)
 
     def _receive(self, imms: list[int], source: str) -> None:
         if self._on_imm is not None:
             for imm in imms:
                 self._on_imm(imm, source)
 
-    def _on_channel(self) -> None:
-        assert self._channel is not None
-        while True:
-            try:
-                data = self._channel.recv(4096)
-            except BlockingIOError:
-                return
-            kind, body = data[:1], data[1:]
-            if kind == b"I" and len(body) > _IMM.size:
-                (imm,) = _IMM.unpack_from(body)
-                self._receive([imm], body[_IMM.size :].decode(errors="replace"))
-            elif kind == b"B":
-                self._peers.pop(body.decode(errors="replace"), None)
-                _Epoch.bump()
+    def _bye(self, node: str) -> None:
+        """A daemon of this host closed its cuda transport."""
+        if self._peers.pop(node, None) is not None:
+            Epoch.bump()
 
     def stats(self) -> dict[str, int]:
         with self._lock:
