@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -32,12 +31,6 @@ def child_env(device: str) -> dict[str, str]:
     if device == "cpu":
         env.setdefault("OMP_NUM_THREADS", "1")
     return env
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Group:
@@ -107,7 +100,9 @@ class Group:
                 r.proc.wait(10)
 
 
-def rank_flags(args: Any, cfg_path: Path, trainers: int, engines: int, port: int) -> list[str]:
+def rank_flags(
+    args: Any, cfg_path: Path, trainers: int, engines: int, dist_store: Path
+) -> list[str]:
     return [
         "--trainers",
         str(trainers),
@@ -124,8 +119,8 @@ def rank_flags(args: Any, cfg_path: Path, trainers: int, engines: int, port: int
         *(["--zero-copy"] if args.zero_copy else []),
         "--bucket-mb",
         str(args.bucket_mb),
-        "--dist-port",
-        str(port),
+        "--dist-store",
+        str(dist_store),
         "--timeout",
         str(args.timeout),
     ]

@@ -67,7 +67,9 @@ def main() -> None:
     p.add_argument("--zero-copy", action="store_true")
     p.add_argument("--trainer-layout", choices=["fsdp", "full"], default="fsdp")
     p.add_argument("--bucket-mb", type=int, default=1024)
-    p.add_argument("--dist-port", type=int, required=True)
+    p.add_argument(
+        "--dist-store", required=True, help="a fresh file: the ranks' torch.distributed rendezvous"
+    )
     p.add_argument("--nccl", action="store_true")
     p.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--timeout", type=float, default=600)

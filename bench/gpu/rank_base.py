@@ -88,7 +88,7 @@ class Rank:
             kwargs["device_id"] = self.device
         dist.init_process_group(
             backend,
-            init_method=f"tcp://127.0.0.1:{a.dist_port}",
+            init_method=f"file://{a.dist_store}",  # no port to race other processes for
             rank=self.global_rank,
             world_size=self.T + self.E,
             timeout=timedelta(seconds=a.timeout),

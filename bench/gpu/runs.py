@@ -23,7 +23,7 @@ from . import report, text
 from .budget import Budget
 from .errors import RunError
 from .probe import probe
-from .processes import Group, free_port, rank_flags, start_cluster
+from .processes import Group, rank_flags, start_cluster
 from .sizing import fit_layers, placement
 
 
@@ -140,8 +140,8 @@ def _run(
     rec["versions"] = versions
     try:
         cluster = start_cluster(args, workdir, replica)
-        port = free_port()
-        common = rank_flags(args, cfg_path, T, E, port)
+        store = workdir / f"dist-store-{rec['pair']}-{time.time_ns()}"
+        common = rank_flags(args, cfg_path, T, E, store)
         if cuda and baseline:
             common.append("--nccl")
         if not baseline:
@@ -179,7 +179,8 @@ def _run(
         rec["error"] = str(exc) + _hint(str(exc), args)
         log(f"[{rec['pair']}] FAILED: {exc}")
     finally:
-        group.close(15 if Budget.interrupted else 60)
+        # ranks of a failed run may wait in a collective for one that is gone: no long goodbye
+        group.close(5 if "error" in rec else 15 if Budget.interrupted else 60)
         if cluster is not None:
             rec["daemon_exit_codes"] = cluster.stop()
     return report.summarize(rec)
