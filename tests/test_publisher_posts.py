@@ -3,6 +3,8 @@ checks on each of them. Buckets without writes, so no transport is involved."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 import pytest
 import uvloop
 
@@ -10,20 +12,29 @@ from weightwire.daemon.publisher import Publisher
 from weightwire.protocol.errors import ErrorCode, VersionError
 from weightwire.protocol.local import PublishResult
 from weightwire.protocol.plan import Bucket, RankPlan
+from weightwire.transport.base import Transport
 
 
-def _publisher(results: list[PublishResult]) -> Publisher:
-    async def pick(*_: object) -> object:
-        raise AssertionError("no writes, no transport")
+async def _no_transport(*_: object) -> Transport:
+    raise AssertionError("no writes, no transport")
 
-    pub = Publisher(
+
+def publisher(
+    results: list[PublishResult], pick: Callable[..., Awaitable[Transport]] = _no_transport
+) -> Publisher:
+    """Rank 0's publisher, its results in `results`; `pick` names the transport to a node."""
+    return Publisher(
         job="j",
         rank=0,
-        pick=pick,  # type: ignore[arg-type]
+        pick=pick,
         reply=results.append,
         announce=lambda *_: None,
         source_region=lambda _: None,  # type: ignore[arg-type,return-value]
     )
+
+
+def _publisher(results: list[PublishResult]) -> Publisher:
+    pub = publisher(results)
     plan = RankPlan(
         plan_hash="h", rank=0, staging_bytes=0, buckets=tuple(Bucket(index=i) for i in range(4))
     )

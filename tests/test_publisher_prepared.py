@@ -10,12 +10,13 @@ import uvloop
 
 from tests.conformance.harness import Pair, with_pair
 from tests.conformance.suite import rand
+from tests.test_publisher_posts import publisher
 from tests.test_transport_tcp import TcpKit
 from weightwire.daemon.publisher import Publisher
 from weightwire.protocol.local import PublishResult
 from weightwire.protocol.plan import Bucket, RankPlan, WriteOp, decode_imm
 from weightwire.protocol.regions import RegionDescriptor
-from weightwire.transport.base import LocalRegion
+from weightwire.transport.base import Transport
 
 N = 3 * 65536
 
@@ -66,17 +67,10 @@ def test_versions_follow_a_new_staging_region_and_a_new_plan() -> None:
         dst, desc = p.region(p.b, 2, N + 4096)
         results: list[PublishResult] = []
 
-        async def pick(node: str, src: LocalRegion, dst: object) -> object:
+        async def pick(*_: object) -> Transport:
             return p.a.transport
 
-        pub = Publisher(
-            job="j",
-            rank=0,
-            pick=pick,  # type: ignore[arg-type]
-            reply=results.append,
-            announce=lambda *_: None,
-            source_region=lambda _: None,  # type: ignore[arg-type,return-value]
-        )
+        pub = publisher(results, pick)
         pub.set_plan(_plan("one", desc, 0))
         for version, staging, seed in ((1, first, 1), (2, first, 2), (3, second, 3)):
             data = rand(N, seed)
