@@ -45,6 +45,10 @@ class Poster:
         while self._pending:
             self._send(wait=True)
 
+    def abandon(self) -> None:
+        """Packing failed: post nothing more (the caller aborts the version)."""
+        self._pending.clear()
+
     def _send(self, *, wait: bool) -> None:
         """Post the packed buckets at the head of the queue; with `wait`, at least one."""
         ready: list[int] = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
@@ -22,6 +23,7 @@ from weightwire.protocol.errors import (
     error_from_code,
 )
 from weightwire.protocol.local import (
+    AbortVersion,
     BeginVersion,
     DeclareSources,
     GetPlan,
@@ -267,16 +269,21 @@ class Trainer(RankClient):
         poster = Poster(self._conn, version)
         pack_s = 0.0
         try:
-            for bucket in plan.buckets:
-                p0 = time.perf_counter()
-                started = time.time()
-                if bucket.packs:
-                    assert staging is not None
-                    self._packer.pack_bucket(bucket.packs, current, staging)
-                device = staging.device if staging is not None else self._device()
-                poster.post(bucket.index, device, started)
-                pack_s += time.perf_counter() - p0
-            poster.finish()
+            try:
+                for bucket in plan.buckets:
+                    p0 = time.perf_counter()
+                    started = time.time()
+                    if bucket.packs:
+                        assert staging is not None
+                        self._packer.pack_bucket(bucket.packs, current, staging)
+                    device = staging.device if staging is not None else self._device()
+                    poster.post(bucket.index, device, started)
+                    pack_s += time.perf_counter() - p0
+                poster.finish()
+            except Exception as exc:
+                poster.abandon()
+                self._abort(version, f"packing failed on trainer rank {self.rank}: {exc!r}")
+                raise
             result = fut.result(self.timeout_s)
         except TimeoutError:
             raise TimeoutError_(
@@ -284,7 +291,6 @@ class Trainer(RankClient):
                 f"{self.timeout_s:.0f} s"
             ) from None
         finally:
-            poster.finish()
             with self._lock:
                 self._results.pop(version, None)
         if not result.ok:
@@ -339,6 +345,12 @@ class Trainer(RankClient):
                 )
             current[name] = t
         return current
+
+    def _abort(self, version: int, reason: str) -> None:
+        """Tell the daemon the version will not be finished (its engines learn it failed);
+        best effort: the caller raises the reason itself."""
+        with contextlib.suppress(Exception):
+            self._conn.request(AbortVersion(version=version, reason=reason), timeout_s=5)
 
     def _on_notify(self, msg: LocalMessage) -> None:
         if isinstance(msg, PublishResult):

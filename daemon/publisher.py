@@ -229,8 +229,14 @@ class Publisher:
         return parts
 
     async def _post(self, run: Run, buckets: tuple[int, ...]) -> None:
-        """All writes of some buckets; the first failure fails the run."""
-        await asyncio.gather(*(self._post_bucket(run, b) for b in buckets))
+        """All writes of some buckets; the first failure fails the run, once every write
+        of them has finished (none may still read staging when the rank is told)."""
+        outcomes = await asyncio.gather(
+            *(self._post_bucket(run, b) for b in buckets), return_exceptions=True
+        )
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
 
     async def _post_bucket(self, run: Run, bucket: int) -> None:
         parts = await self._prepared(run, bucket)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 import pytest
 import torch
@@ -17,6 +19,7 @@ from weightwire.protocol.errors import (
     PlanError,
     RegistrationError,
     VersionError,
+    WeightwireError,
 )
 from weightwire.protocol.local import DeclareSources, Hello
 from weightwire.protocol.tensors import Box, SourceTensor
@@ -135,6 +138,37 @@ def test_versions_only_go_forwards(cluster: LocalCluster) -> None:
         assert "only go forwards" in err.value.message
     tr.publish(6)
     eng.wait(6)
+    tr.close()
+    eng.close()
+
+
+def test_packing_that_fails_midway_aborts_the_version(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trainer's packing raises (an injected fault, as a CUDA error would): publish
+    raises it, the engine learns at once that the version was aborted and why, and the
+    next version lands bitwise."""
+    dst = torch.zeros(8, 8)
+    tr, eng = pair(cluster, "packfail", w=dst)
+    tr.publish(1)
+    eng.wait(1)
+
+    def failing(*_: object, **__: object) -> None:
+        raise RuntimeError("no memory left to pack (injected)")
+
+    monkeypatch.setattr(tr._packer, "pack_bucket", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        tr.publish(2)
+    t0 = time.monotonic()
+    with pytest.raises(WeightwireError) as err:
+        eng.wait(2)
+    assert time.monotonic() - t0 < 5
+    assert err.value.code is ErrorCode.ABORTED
+    assert "packing failed on trainer rank 0" in err.value.message
+    monkeypatch.undo()
+    tr.publish(3, {"w": W * 5})
+    eng.wait(3)
+    assert torch.equal(dst, W * 5)
     tr.close()
     eng.close()
 

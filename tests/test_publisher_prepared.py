@@ -91,3 +91,60 @@ def test_versions_follow_a_new_staging_region_and_a_new_plan() -> None:
         assert counts == {1: 4, 2: 4, 3: 4, 4: 4}
 
     uvloop.run(asyncio.wait_for(with_pair(kit, body), 60))
+
+
+def test_a_failed_bucket_is_reported_after_the_rest_of_its_post_landed() -> None:
+    """Buckets 0 and 1 posted in one message; bucket 0's write is refused at once, bucket
+    1 moves 64 MiB. The rank learns of the failure only once bucket 1's writes are done:
+    it may reuse staging as soon as it is told, so nothing may still be reading it."""
+    kit = TcpKit()
+    big = 64 << 20
+
+    async def body(p: Pair) -> None:
+        staging, _ = p.region(p.a, 1, big)
+        dst, desc = p.region(p.b, 2, big)
+        data = rand(big, 9)
+        kit.fill(staging, 0, data)
+        seen: list[tuple[PublishResult, bool]] = []
+
+        def reply(result: PublishResult) -> None:  # what the rank would see, when it sees it
+            seen.append((result, kit.read(dst, 0, big) == data))
+
+        async def pick(*_: object) -> Transport:
+            return p.a.transport
+
+        pub = publisher([], pick)
+        pub.reply = reply
+        quarter = big // 4
+        good = tuple(
+            WriteOp(
+                src_offset=i * quarter,
+                length=quarter,
+                dst_node="node-b",
+                dst_region=2,
+                dst_offset=i * quarter,
+                slot=7,
+            )
+            for i in range(4)
+        )
+        refused = WriteOp(
+            src_offset=0, length=16, dst_node="node-b", dst_region=2, dst_offset=big, slot=7
+        )
+        pub.set_plan(
+            RankPlan(
+                plan_hash="h",
+                rank=0,
+                staging_bytes=big,
+                buckets=(Bucket(index=0, writes=(refused,)), Bucket(index=1, writes=good)),
+                regions=(desc,),
+            )
+        )
+        pub.staging = staging
+        pub.begin(1, "h")
+        pub.bucket_ready(1, (0, 1))
+        await pub.drain(30)
+        ((result, landed),) = seen
+        assert not result.ok and "outside region 2" in result.message
+        assert landed, "the failure was reported while bucket 1 was still being written"
+
+    uvloop.run(asyncio.wait_for(with_pair(kit, body), 60))

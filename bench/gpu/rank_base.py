@@ -7,6 +7,7 @@ import argparse
 import json
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -88,7 +89,7 @@ class Rank:
             kwargs["device_id"] = self.device
         dist.init_process_group(
             backend,
-            init_method=f"file://{a.dist_store}",  # no port to race other processes for
+            init_method=Path(a.dist_store).resolve().as_uri(),  # no port to race others for
             rank=self.global_rank,
             world_size=self.T + self.E,
             timeout=timedelta(seconds=a.timeout),

@@ -140,7 +140,7 @@ def _run(
     rec["versions"] = versions
     try:
         cluster = start_cluster(args, workdir, replica)
-        store = workdir / f"dist-store-{rec['pair']}-{time.time_ns()}"
+        store = (workdir / f"dist-store-{rec['pair']}-{time.time_ns()}").resolve()
         common = rank_flags(args, cfg_path, T, E, store)
         if cuda and baseline:
             common.append("--nccl")

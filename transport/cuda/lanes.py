@@ -221,8 +221,8 @@ class Lane:
     def _queued(self, batch: Batch) -> None:
         if batch.event:
             self._queue.put(batch)
-        else:
-            self._finish(batch)  # no event: every copy failed to issue
+        else:  # no event: every copy failed to issue. Finished from the loop, not from
+            self._loop.call_soon(self._finish, batch)  # inside _pump (no recursion)
 
     def _issue(self, batch: Batch) -> None:
         try:
@@ -234,7 +234,7 @@ class Lane:
                     batch.failures[c.index] = exc
             batch.event = self._drv.event()
             self._drv.record(batch.event, self._stream)
-        except CudaError as exc:
+        except Exception as exc:  # a broken context, or a bug: none of it is reported landed
             batch.failures = {c.index: exc for c in batch.chunk.copies}
             if batch.event:
                 with contextlib.suppress(CudaError):

@@ -328,7 +328,7 @@ class CudaTransport(Transport):
         p = prepared
         if not isinstance(p, CudaPrepared) or p.owner is not self:
             p = self.prepare(prepared.requests)
-        elif p.epoch != Epoch.value:  # regions or peers changed since: resolve them again
+        elif p.epoch != Epoch.value or p.failed:  # something changed, or may have: again
             self._resolve(p)
         results: list[BaseException | None] = [None] * len(imms)
         for i, exc in p.failed:
@@ -388,12 +388,19 @@ class CudaTransport(Transport):
             if not values:
                 continue
             try:
-                self._deliver(node, values)
+                delivered = self._deliver(node, values)
             except Exception as exc:  # one destination's handler must not strand the rest
                 log.error("immediates not delivered", peer=node, count=len(values), error=repr(exc))
+                continue
+            if not delivered:  # the bytes are there, the destination will never know
+                lost = PeerLostError(f"node {node} went away before it was told of the write")
+                for c, imm in zip(chunk.copies, batch.imms, strict=True):
+                    if imm is not None and c.dst_node == node:
+                        failed.setdefault(c.index, lost)
 
-    def _deliver(self, node: str, imms: list[int]) -> None:
-        """Immediates of finished copies, to whichever transport owns the destination."""
+    def _deliver(self, node: str, imms: list[int]) -> bool:
+        """Immediates of finished copies, to whichever transport owns the destination;
+        False if no one is there to take them (disconnected meanwhile)."""
         owner = self if node == self.node else _INSTANCES.get(node)
         if owner is not None:
             if owner._loop is self._loop:
@@ -401,10 +408,12 @@ class CudaTransport(Transport):
             else:
                 assert owner._loop is not None
                 owner._loop.call_soon_threadsafe(owner._receive, imms, self.node)
-            return
+            return True
         path = self._peers.get(node)
-        if path is not None:
-            self._channel.send_imms(path, self.node, imms)
+        if path is None:
+            return False
+        self._channel.send_imms(path, self.node, imms)
+        return True
 
     def _receive(self, imms: list[int], source: str) -> None:
         if self._on_imm is not None:
