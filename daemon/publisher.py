@@ -43,8 +43,7 @@ class _Part:
 
     transport: Transport
     prepared: Prepared
-    writes: tuple[WriteOp, ...]
-    slots: tuple[int, ...]
+    slots: tuple[int, ...]  # each write's destination counter, in order
     nbytes: int
 
 
@@ -219,7 +218,6 @@ class Publisher:
             _Part(
                 transport,
                 transport.prepare([req for _, req in items]),
-                tuple(w for w, _ in items),
                 tuple(w.slot for w, _ in items),
                 sum(w.nbytes for w, _ in items),
             )
@@ -249,7 +247,7 @@ class Publisher:
                 err = next(e for e in results if e is not None)
                 raise err
             run.bytes_done += part.nbytes
-            run.writes_done += len(part.writes)
+            run.writes_done += len(part.slots)
         run.bucket_landed[bucket] = time.time()
 
     def _written(self, run: Run, task: asyncio.Task[None]) -> None:

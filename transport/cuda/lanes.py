@@ -68,6 +68,11 @@ class Copy:
         )
 
     @property
+    def size(self) -> int:
+        """Bytes it moves."""
+        return self.nbytes * self.count
+
+    @property
     def ops(self) -> int:
         """Driver calls that issue it."""
         return 1 if self.as_2d or self.count == 1 else self.count
@@ -86,27 +91,20 @@ class Chunk:
 def chunks(copies: Sequence[Copy]) -> list[Chunk]:
     """`copies` in order, cut into chunks of at most BATCH_OPS operations and BATCH_BYTES
     (a single larger copy is a chunk of its own)."""
-    cuts: list[list[Copy]] = []
-    ops = nbytes = 0
+    cuts: list[tuple[list[Copy], int, int]] = []  # (copies, their ops, their bytes)
     for c in copies:
-        size = c.nbytes * c.count
-        if cuts and ops + c.ops <= BATCH_OPS and nbytes + size <= BATCH_BYTES:
-            cuts[-1].append(c)
-            ops, nbytes = ops + c.ops, nbytes + size
-        else:
-            cuts.append([c])
-            ops, nbytes = c.ops, size
+        if cuts:
+            cut, ops, nbytes = cuts[-1]
+            if ops + c.ops <= BATCH_OPS and nbytes + c.size <= BATCH_BYTES:
+                cut.append(c)
+                cuts[-1] = (cut, ops + c.ops, nbytes + c.size)
+                continue
+        cuts.append(([c], c.ops, c.size))
     out = []
-    for cut in cuts:
+    for cut, ops, nbytes in cuts:
         nodes = {c.dst_node for c in cut}
-        out.append(
-            Chunk(
-                copies=tuple(cut),
-                ops=sum(c.ops for c in cut) + 1,
-                nbytes=sum(c.nbytes * c.count for c in cut),
-                node=nodes.pop() if len(nodes) == 1 else "",
-            )
-        )
+        node = nodes.pop() if len(nodes) == 1 else ""
+        out.append(Chunk(copies=tuple(cut), ops=ops + 1, nbytes=nbytes, node=node))
     return out
 
 

@@ -268,7 +268,7 @@ class CudaTransport(Transport):
             raise err
 
     async def write_batch(self, requests: Sequence[WriteRequest]) -> list[BaseException | None]:
-        return await self.write_prepared(self.prepare(requests), [r.imm for r in requests])
+        return await self._post(self.prepare(requests), [r.imm for r in requests])
 
     def prepare(self, requests: Sequence[WriteRequest]) -> CudaPrepared:
         """Each write checked, its destination resolved to a pointer the copying device can
@@ -330,6 +330,12 @@ class CudaTransport(Transport):
             p = self.prepare(prepared.requests)
         elif p.epoch != Epoch.value or p.failed:  # something changed, or may have: again
             self._resolve(p)
+        return await self._post(p, imms)
+
+    async def _post(
+        self, p: CudaPrepared, imms: Sequence[int | None]
+    ) -> list[BaseException | None]:
+        """Issue resolved writes on their lanes; each one's outcome, in order."""
         results: list[BaseException | None] = [None] * len(imms)
         for i, exc in p.failed:
             results[i] = exc
@@ -372,7 +378,7 @@ class CudaTransport(Transport):
             nbytes, writes = chunk.nbytes, len(chunk.copies)
         else:
             landed = [c for c in chunk.copies if c.index not in failed]
-            nbytes, writes = sum(c.nbytes * c.count for c in landed), len(landed)
+            nbytes, writes = sum(c.size for c in landed), len(landed)
         with self._lock:
             self._stats["bytes_sent"] += nbytes
             self._stats["writes"] += writes
