@@ -42,6 +42,7 @@ from weightwire.protocol.local import (
     Ping,
     Welcome,
 )
+from weightwire.transport.hostmem import SHM_DIR
 
 DEFAULT_SOCKET = os.environ.get(SOCKET_ENV, SOCKET_PATH)
 
@@ -80,6 +81,8 @@ class DaemonConnection:
         self.lost = False
         self.session: str | None = None
         self._epoch = 0  # counts sessions established (each Welcome)
+        self.region_dir = SHM_DIR  # where the daemon maps rank region files from (Welcome)
+        self.max_message_bytes = 0  # the daemon's limit on a request (Welcome; 0: unknown)
         self._reset_lock = threading.Lock()
         self._notes: queue.SimpleQueue[LocalMessage | None] = queue.SimpleQueue()
         self._loop = asyncio.new_event_loop()
@@ -161,9 +164,7 @@ class DaemonConnection:
         fut: asyncio.Future[LocalMessage] = asyncio.get_running_loop().create_future()
         self._pending[req] = fut
         try:
-            await self._sock.send_multipart(
-                self._codec.encode(msgspec.structs.replace(msg, req=req))
-            )
+            await self._sock.send_multipart(self._encode(msgspec.structs.replace(msg, req=req)))
             return await asyncio.wait_for(fut, timeout_s)
         except TimeoutError:
             raise TimeoutError_(
@@ -191,6 +192,8 @@ class DaemonConnection:
             raise error_from_code(reply.code, reply.message)
         if isinstance(reply, Welcome):
             self.session = reply.session
+            self.region_dir = reply.region_dir or SHM_DIR
+            self.max_message_bytes = reply.max_message_bytes
             self._epoch += 1
         return reply
 
@@ -219,8 +222,21 @@ class DaemonConnection:
     def send(self, msg: LocalMsg) -> None:
         """Send without waiting for a reply (messages keep their order)."""
         assert self._sock is not None
-        frames = self._codec.encode(msg)
+        frames = self._encode(msg)
         self._loop.call_soon_threadsafe(self._send_now, frames)
+
+    def _encode(self, msg: LocalMsg) -> list[Any]:
+        """The message's frames; one larger than the daemon takes is refused here, with the
+        error the daemon would give, instead of being sent."""
+        frames = self._codec.encode(msg)
+        size = sum(memoryview(f).nbytes for f in frames)
+        if self.max_message_bytes and size > self.max_message_bytes:
+            raise ProtocolError(
+                f"{type(msg).__name__} of {size} bytes exceeds the daemon's limit of "
+                f"{self.max_message_bytes} bytes (max_message_bytes)",
+                code=ErrorCode.TOO_LARGE,
+            )
+        return frames
 
     def _send_now(self, frames: list[Any]) -> None:
         assert self._sock is not None

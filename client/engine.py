@@ -162,7 +162,10 @@ class Engine(RankClient):
             placed.append((name, t, offset))
             offset += t.numel() * t.element_size()
         shared = create_shared(
-            max(offset, 1), purpose=f"engine-r{self.rank}", gid=self._conn.socket_gid
+            max(offset, 1),
+            purpose=f"engine-r{self.rank}",
+            gid=self._conn.socket_gid,
+            directory=self._conn.region_dir,
         )
         try:
             specs = self._declare(

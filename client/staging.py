@@ -12,7 +12,7 @@ from typing import Literal
 import torch
 
 from weightwire.protocol.local import RegisterRegion
-from weightwire.transport.hostmem import SharedFile, create_shared
+from weightwire.transport.hostmem import SHM_DIR, SharedFile, create_shared
 
 from . import cuda
 
@@ -21,7 +21,13 @@ Placement = Literal["cpu", "gpu"]
 
 class Staging:
     def __init__(
-        self, nbytes: int, placement: Placement, device: torch.device, gid: int, rank: int
+        self,
+        nbytes: int,
+        placement: Placement,
+        device: torch.device,
+        gid: int,
+        rank: int,
+        directory: str = SHM_DIR,
     ):
         self.nbytes = nbytes
         self.placement = placement
@@ -30,7 +36,9 @@ class Staging:
         if placement == "gpu":
             self.tensor = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         else:
-            self.shared = create_shared(nbytes, purpose=f"staging-r{rank}", gid=gid)
+            self.shared = create_shared(
+                nbytes, purpose=f"staging-r{rank}", gid=gid, directory=directory
+            )
             self.tensor = torch.frombuffer(self.shared.map, dtype=torch.uint8)
             self.tensor.zero_()  # touch every page now, not in the first version
             if torch.cuda.is_available() and device.type == "cuda":

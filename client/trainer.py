@@ -107,7 +107,10 @@ class Trainer(RankClient):
             placed.append((name, shape, dtype, offset))
             offset += math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         shared = create_shared(
-            max(offset, 1), purpose=f"sources-r{self.rank}", gid=self._conn.socket_gid
+            max(offset, 1),
+            purpose=f"sources-r{self.rank}",
+            gid=self._conn.socket_gid,
+            directory=self._conn.region_dir,
         )
         try:
             region = expect(
@@ -232,7 +235,9 @@ class Trainer(RankClient):
             placement = self.placement
             if placement == "auto":
                 placement = "gpu" if device.type == "cuda" else "cpu"
-            staging = Staging(need, placement, device, self._conn.socket_gid, self.rank)
+            staging = Staging(
+                need, placement, device, self._conn.socket_gid, self.rank, self._conn.region_dir
+            )
             try:
                 expect(self._conn.request(staging.request()), RegionRegistered)
             except BaseException:

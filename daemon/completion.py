@@ -77,10 +77,16 @@ class RankCompletion:
         elif st.count == self.expect.count and st.version is not None:
             self._complete(st)
 
+    def _completed(self, version: int) -> bool:
+        return any(done.version == version for done in self.completed)
+
     def on_start(self, version: int, source: str) -> None:
         low = version_low(version)
-        if version <= self.last_complete or version in self.failed:
-            log.warning("stale version start ignored", rank=self.rank, version=version, peer=source)
+        if version in self.failed or self._completed(version):
+            return  # another source of a version already settled here
+        if version < self.last_complete:
+            # it never completed here and never will: the rank hears that it failed
+            self._fail(version, ErrorCode.ABORTED, f"superseded by version {self.last_complete}")
             return
         if self.dead_lows.get(low) is not None and self.dead_lows[low] != version:
             del self.dead_lows[low]  # a new version reuses these low bits
@@ -126,8 +132,12 @@ class RankCompletion:
                 self.fail(other.version, ErrorCode.ABORTED, f"superseded by version {st.version}")
 
     def fail(self, version: int, code: ErrorCode, message: str) -> None:
-        if version in self.failed or version <= self.last_complete:
+        """Version `version` failed here, unless it already completed or failed."""
+        if version in self.failed or self._completed(version):
             return
+        self._fail(version, code, message)
+
+    def _fail(self, version: int, code: ErrorCode, message: str) -> None:
         low = version_low(version)
         st = self.current.get(low)
         if st is not None and st.version in (None, version):

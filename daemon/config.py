@@ -27,6 +27,7 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     node: str = ""  # this daemon's name in the cluster; default: the host name
     local_socket: str = DEFAULT_SOCKET  # ipc path where the ranks of this host connect
     socket_mode: int = 0o660
+    region_dir: str = "/dev/shm"  # where ranks make the shared files of their host memory
     peer_bind: str = "tcp://0.0.0.0:7470"  # daemon-to-daemon socket
     advertise_host: str = ""  # the address peers use to reach this host; default: the host name's
     coordinator: str = ""  # peer endpoint of the coordinator, e.g. tcp://10.0.0.1:7470

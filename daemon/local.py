@@ -47,12 +47,17 @@ from weightwire.protocol.local import (
     Welcome,
 )
 
+from .lograte import Throttled
 from .sessions import Session
 
 if TYPE_CHECKING:
     from .node import Daemon
 
 log = structlog.get_logger("weightwire.daemon.local")
+
+HARD_LIMIT_FACTOR = 16
+"""Messages up to this many times `max_message_bytes` are received and answered with a
+`too_large` Error; larger ones are cut off by ZeroMQ itself (the connection is dropped)."""
 
 
 def _remove_stale_socket(path: str) -> None:
@@ -83,13 +88,14 @@ class LocalServer:
         self.sessions: dict[bytes, Session] = {}
         self._sock: zmq.asyncio.Socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._bad = Throttled()  # a rank can send garbage in a loop: one line per interval
 
     def bind(self, ctx: zmq.asyncio.Context) -> None:
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         _remove_stale_socket(self.path)
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.codec.max_bytes * 2)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.codec.max_bytes * HARD_LIMIT_FACTOR)
         sock.setsockopt(zmq.SNDHWM, 100000)
         old = os.umask(0o777 & ~self.mode)
         try:
@@ -123,7 +129,9 @@ class LocalServer:
             try:
                 msg, _ = self.codec.decode(frames[1:])
             except ProtocolError as exc:
-                log.warning("bad local message", code=exc.code.value, error=exc.message)
+                self._bad.emit(
+                    log.warning, "bad local message", code=exc.code.value, error=exc.message
+                )
                 req = request_id(frames[1:])
                 self.send(identity, Error(req=req, code=exc.code.value, message=exc.message))
                 continue
@@ -262,6 +270,8 @@ class LocalServer:
                 node=self.daemon.node,
                 session=self.daemon.incarnation + ":" + session.id,
                 daemon_version=self.daemon.version,
+                region_dir=self.daemon.cfg.region_dir,
+                max_message_bytes=self.codec.max_bytes,
             ),
         )
 

@@ -78,7 +78,7 @@ class Daemon(RankService, PlanKeeping, DataPlane):
         )
         self.authenticator: Any = None
         self.transports: list[Transport] = make_transports(self.cfg)
-        self.registry = RegionRegistry(self.node, self.transports)
+        self.registry = RegionRegistry(self.node, self.transports, self.cfg.region_dir)
         self.completions = Completions(notify=self._notify_engine)
         self.local = LocalServer(
             self,
@@ -243,7 +243,11 @@ class Daemon(RankService, PlanKeeping, DataPlane):
             await asyncio.sleep(interval)
 
     def _sweep(self) -> None:
-        removed = sweep_stale()
+        try:
+            removed = sweep_stale(self.cfg.region_dir)
+        except OSError as exc:
+            log.warning("could not sweep region files", dir=self.cfg.region_dir, error=str(exc))
+            return
         if removed:
             log.info("removed region files of exited ranks", files=len(removed))
 

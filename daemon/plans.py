@@ -7,7 +7,7 @@ import time
 
 import structlog
 
-from weightwire.protocol.errors import PlanError
+from weightwire.protocol.errors import ErrorCode, PlanError
 from weightwire.protocol.peer import (
     Advertise,
     RankAdvert,
@@ -119,12 +119,13 @@ class PlanKeeping:
         return nodes | {n for e in plan.expects for n in e.sources}
 
     def _withdraw(self, job: str, reason: str) -> None:
-        """Stop using a job's plan (it involves a lost node) until the coordinator sends one."""
+        """Stop using a job's plan (it involves a lost node) until the coordinator sends one.
+        A version in flight fails with PEER_LOST: the peer is the cause, not the plan."""
         plan = self.plans.pop(job, None)
         if plan is None:
             return
         log.warning("plan withdrawn", job=job, plan=plan.plan_hash, reason=reason)
         for (j, _), pub in self.publishers.items():
             if j == job:
-                pub.set_plan(None, reason)
+                pub.set_plan(None, reason, ErrorCode.PEER_LOST)
         self.advertise(job)

@@ -92,13 +92,16 @@ class Publisher:
     _regions: dict[tuple[str, int], RegionDescriptor] = field(default_factory=dict)
     _cache: dict[int, _Cached] = field(default_factory=dict)  # prepared writes, by bucket
 
-    def set_plan(self, plan: RankPlan | None, reason: str = "") -> None:
-        """A new plan, or None: the plan was withdrawn (a node it involves was lost)."""
+    def set_plan(
+        self, plan: RankPlan | None, reason: str = "", code: ErrorCode = ErrorCode.PLAN_CHANGED
+    ) -> None:
+        """A new plan, or None: the plan was withdrawn (`code` PEER_LOST: a node it involves
+        was lost, and a version in flight fails with that, as any lost peer's does)."""
         running = self.run is not None and not self.run.finished
         new_hash = plan.plan_hash if plan is not None else None
         if running and self.plan is not None and new_hash != self.plan.plan_hash:
             why = reason or "the plan changed mid-version"
-            self._fail(WeightwireError(why, code=ErrorCode.PLAN_CHANGED))
+            self._fail(WeightwireError(why, code=code))
         self.plan = plan
         self._regions = {(r.node, r.id): r for r in plan.regions} if plan else {}
         self._cache.clear()
@@ -141,8 +144,17 @@ class Publisher:
     def bucket_ready(self, version: int, buckets: tuple[int, ...]) -> None:
         """Buckets of `version` packed by the rank: their writes are posted together."""
         run = self.run
+        if run is not None and version < run.version:
+            raise VersionError(
+                f"bucket {buckets[0]} of version {version}, older than version {run.version} "
+                f"being published"
+            )
         if run is None or run.version != version:
-            raise VersionError(f"bucket {buckets[0]} of version {version}, which was not begun")
+            raise VersionError(
+                f"bucket {buckets[0]} of version {version}, which was never begun "
+                f"(BeginVersion first)",
+                code=ErrorCode.INVALID,
+            )
         if run.finished:
             return  # the version already failed; the rank learns why from PublishResult
         for bucket in buckets:

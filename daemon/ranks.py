@@ -33,7 +33,9 @@ class RankService:
 
     def publisher(self, session: Session) -> Publisher:
         if session.role != "trainer":
-            raise WeightwireError(f"a {session.role} session cannot publish")
+            raise WeightwireError(
+                f"a {session.role} session cannot publish", code=ErrorCode.INVALID
+            )
         key = (session.job, session.rank)
         pub = self.publishers.get(key)
         if pub is None:
@@ -89,7 +91,9 @@ class RankService:
 
     async def plan_for(self, session: Session, req: int, timeout_s: float) -> PlanReply:
         if session.role != "trainer":
-            raise WeightwireError(f"a {session.role} session has no send plan")
+            raise WeightwireError(
+                f"a {session.role} session has no send plan", code=ErrorCode.INVALID
+            )
         if not session.sources:
             raise PlanError("declare this rank's tensors before asking for its plan")
         deadline = time.monotonic() + timeout_s
@@ -134,7 +138,9 @@ class RankService:
         self, session: Session, req: int, version: int, timeout_s: float
     ) -> VersionComplete:
         if session.role != "engine":
-            raise WeightwireError(f"a {session.role} session does not receive versions")
+            raise WeightwireError(
+                f"a {session.role} session does not receive versions", code=ErrorCode.INVALID
+            )
         if session.job in self.plan_problems:
             raise self.plan_problems[session.job]
         deadline = time.monotonic() + timeout_s

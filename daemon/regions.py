@@ -12,7 +12,7 @@ from weightwire.protocol.errors import ErrorCode, RegistrationError
 from weightwire.protocol.local import CudaRegion
 from weightwire.protocol.regions import RegionDescriptor, RegionKeys
 from weightwire.transport.base import LocalRegion, Transport
-from weightwire.transport.hostmem import SharedFile, open_shared
+from weightwire.transport.hostmem import SHM_DIR, SharedFile, open_shared
 
 log = structlog.get_logger("weightwire.daemon.regions")
 
@@ -30,6 +30,7 @@ class Region:
 class RegionRegistry:
     node: str
     transports: list[Transport]
+    directory: str = SHM_DIR  # where rank region files must live
     regions: dict[int, Region] = field(default_factory=dict)
     _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     _closing: list[SharedFile] = field(default_factory=list)
@@ -37,7 +38,7 @@ class RegionRegistry:
     _lock: threading.Lock = field(default_factory=threading.Lock)  # adds run on worker threads
 
     def add_shared(self, path: str, length: int, purpose: str, session: str, owner: str) -> Region:
-        file = open_shared(path, length)
+        file = open_shared(path, length, self.directory)
         local = LocalRegion(
             id=self._next_id(),
             kind="cpu",

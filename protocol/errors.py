@@ -30,6 +30,7 @@ class ErrorCode(enum.StrEnum):
     ABORTED = "aborted"
     TIMEOUT = "timeout"
     UNAUTHORIZED = "unauthorized"
+    NO_SPACE = "no_space"  # memory for a region could not be reserved
     INTERNAL = "internal"
 
 
@@ -101,6 +102,7 @@ _BY_CODE: dict[ErrorCode, type[WeightwireError]] = {
     ErrorCode.ABORTED: TransferError,
     ErrorCode.TIMEOUT: TimeoutError_,
     ErrorCode.UNAUTHORIZED: RegionError,
+    ErrorCode.NO_SPACE: RegionError,
     ErrorCode.INTERNAL: WeightwireError,
 }
 

@@ -44,6 +44,8 @@ class Welcome(LocalMsg, frozen=True, tag="welcome"):
     node: str
     session: str
     daemon_version: str = ""
+    region_dir: str = ""  # where the rank makes its shared region files ("": /dev/shm)
+    max_message_bytes: int = 0  # the largest request the daemon takes (0: not said)
 
 
 # --- registration ----------------------------------------------------------

@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 import msgspec
 
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+BlockSize = Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
 
 DType = Literal[
@@ -45,6 +46,20 @@ ITEMSIZE: dict[str, int] = {
     "float8_e4m3fn": 1,
     "float8_e5m2": 1,
 }
+
+
+MAX_ELEMENTS = 1 << 48
+"""The most elements a tensor may have (256 Ti): far beyond any model's, and small enough
+that byte sizes and offsets stay exact 64-bit integers everywhere."""
+
+
+def check_shape(name: str, shape: tuple[int, ...]) -> None:
+    """Raise ValueError (a validation error when decoding) for a shape too large to be real."""
+    if math.prod(shape) > MAX_ELEMENTS:
+        raise ValueError(
+            f"tensor {name!r} of shape {list(shape)} has {math.prod(shape)} elements, more "
+            f"than the limit of 2^48"
+        )
 
 
 class Box(msgspec.Struct, frozen=True, kw_only=True):
@@ -106,14 +121,14 @@ class Cast(msgspec.Struct, frozen=True, tag="cast"):
 class Fp8BlockQuant(msgspec.Struct, frozen=True, tag="fp8_quant"):
     """float8_e4m3fn codes of a 2-D box, each `block`x`block` tile scaled by its amax/448."""
 
-    block: int = 128
+    block: BlockSize = 128
     dtype: DType = "float8_e4m3fn"
 
 
 class Fp8BlockScale(msgspec.Struct, frozen=True, tag="fp8_scale"):
     """The float32 inverse scales (amax/448) of the tiles `Fp8BlockQuant` produces."""
 
-    block: int = 128
+    block: BlockSize = 128
 
 
 class Zeros(msgspec.Struct, frozen=True, tag="zeros"):
@@ -152,6 +167,9 @@ class SourceTensor(msgspec.Struct, frozen=True, kw_only=True):
     region: int = -1  # a region of the rank where the held bytes live (row-major): zero-copy
     offset: NonNeg = 0  # byte offset of the held box in that region
 
+    def __post_init__(self) -> None:
+        check_shape(self.name, self.shape)
+
     def held(self) -> Box:
         return self.box if self.box is not None else Box.full(self.shape)
 
@@ -165,6 +183,9 @@ class DestTensor(msgspec.Struct, frozen=True, kw_only=True):
     region: NonNeg
     offset: NonNeg
     pieces: tuple[Piece, ...] | None = None  # None: the coordinator derives them by rules
+
+    def __post_init__(self) -> None:
+        check_shape(self.name, self.shape)
 
     @property
     def nbytes(self) -> int:
