@@ -415,19 +415,62 @@ def test_a_failed_begin_resumes_every_engine_and_reraises() -> None:
     run(body, n=2)
 
 
-def test_a_failed_transfer_closes_the_session_and_resumes() -> None:
+def test_a_failed_transfer_closes_the_session_and_leaves_engines_paused(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Part of version 9 may have landed while the engines still report the old version:
+    by default they are not resumed, and the error and the log say so."""
+
     async def body(a: RecordingSGLang, b: RecordingSGLang) -> None:
         async def transfer() -> None:
             raise RuntimeError("trainer rank 1: peer lost")
 
-        with pytest.raises(RuntimeError, match="peer lost"):
+        with pytest.raises(RuntimeError, match="peer lost") as err:
             await update_weights([SGLangClient(a.url), SGLangClient(b.url)], 9, transfer)
         for s in (a, b):
-            assert steps(s.calls)[-2:] == ["end_weight_update", "continue_generation"]
+            assert steps(s.calls)[-1] == "end_weight_update"
             assert "update_weight_version" not in steps(s.calls)
+            assert "continue_generation" not in steps(s.calls)
+            assert not s.session_open and s.paused and s.weight_version == "default"
+        notes = getattr(err.value, "__notes__", [])
+        assert any("left paused on 2 engine(s)" in n and "partly version 9" in n for n in notes)
+        assert any("left paused" in r.getMessage() for r in caplog.records)
+
+    with caplog.at_level("WARNING", logger="weightwire.adapters.sglang"):
+        run(body, n=2)
+
+
+def test_resuming_on_partial_weights_is_an_opt_in_with_a_warning() -> None:
+    async def body(a: RecordingSGLang, b: RecordingSGLang) -> None:
+        async def transfer() -> None:
+            raise RuntimeError("trainer rank 1: peer lost")
+
+        engines = [SGLangClient(a.url), SGLangClient(b.url)]
+        with (
+            pytest.warns(RuntimeWarning, match="partly version 9"),
+            pytest.raises(RuntimeError, match="peer lost") as err,
+        ):
+            await update_weights(engines, 9, transfer, resume_on_failure=True)
+        for s in (a, b):
+            assert steps(s.calls)[-2:] == ["end_weight_update", "continue_generation"]
             assert not s.session_open and not s.paused and s.weight_version == "default"
+        assert any("resume_on_failure=True" in n for n in getattr(err.value, "__notes__", []))
 
     run(body, n=2)
+
+
+def test_a_failed_continue_after_the_version_landed_is_tried_again() -> None:
+    """Weights and reported version agree once update_weight_version succeeded: a failed
+    continue_generation is tried once more, whatever resume_on_failure says."""
+
+    async def body(s: RecordingSGLang) -> None:
+        s.hang.add("/continue_generation")
+        with pytest.raises(SGLangTimeout):
+            await update_weights([SGLangClient(s.url, timeout_s=0.3)], 3, _noop)
+        assert steps(s.calls)[-2:] == ["continue_generation", "continue_generation"]
+        assert s.weight_version == "3"
+
+    run(body)
 
 
 def test_a_hung_end_times_out_and_recovery_is_reported() -> None:
@@ -437,11 +480,13 @@ def test_a_hung_end_times_out_and_recovery_is_reported() -> None:
         with pytest.raises(SGLangTimeout) as err:
             await update_weights(engines, 4, _noop)
         assert err.value.call == "end_weight_update" and b.url in err.value.url
-        # the cleanup tried b's end again (hung again: noted) and resumed both
+        # the cleanup tried b's end again (hung again: noted); both stay paused (the
+        # version landed, but neither engine reports it)
         notes = getattr(err.value, "__notes__", [])
         assert any(b.url in n and "end_weight_update" in n for n in notes), notes
-        assert steps(a.calls)[-1] == steps(b.calls)[-1] == "continue_generation"
-        assert not a.paused and not b.paused
+        assert any("left paused" in n for n in notes), notes
+        assert "continue_generation" not in steps(a.calls) + steps(b.calls)
+        assert a.paused and b.paused
 
     run(body, n=2)
 
@@ -455,6 +500,9 @@ def test_resume_on_failure_false_leaves_engines_paused() -> None:
             await update_weights([SGLangClient(s.url)], 1, transfer, resume_on_failure=False)
         assert steps(s.calls)[-1] == "end_weight_update"
         assert s.paused and not s.session_open
+        # and the next update, once it succeeds, resumes them
+        await update_weights([SGLangClient(s.url)], 2, _noop)
+        assert not s.paused and s.weight_version == "2"
 
     run(body)
 

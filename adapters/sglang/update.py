@@ -5,18 +5,26 @@ weightwire version, on any number of SGLang servers at once::
     returns once the version has landed everywhere) -> end_weight_update
     -> update_weight_version -> continue_generation
 
-and on any failure closes the weight-update session, continues generation and re-raises.
+and on any failure closes the weight-update session and re-raises. Generation continues
+after a failure only where no byte of the version can have landed (the failure came before
+the transfer began); from the transfer on, the engines stay paused unless the caller opts
+in to serving what landed (`resume_on_failure=True`, with a warning): their weights may be
+part new version while they still report the old one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+import warnings
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from .client import PauseMode, SGLangClient
+
+log = logging.getLogger("weightwire.adapters.sglang")
 
 
 @dataclass
@@ -38,7 +46,7 @@ async def update_weights(
     flush: bool | None = None,
     flush_wait_s: float = 0.0,
     weight_version: str | None = None,
-    resume_on_failure: bool = True,
+    resume_on_failure: bool = False,
 ) -> UpdateReport:
     """One weight update on every engine: pause -> flush -> begin -> `transfer()` -> end ->
     update_weight_version -> continue, each step on all engines at once.
@@ -50,11 +58,13 @@ async def update_weights(
     requests paused in place). `weight_version`: default ``str(version)``.
 
     On a failure at any step it ends the weight-update session where one was opened
-    (SGLang post-processes what landed), continues generation on every engine (unless
-    `resume_on_failure` is False: they stay paused for a retry) and re-raises the first
-    error; what went wrong in that cleanup is added to it as notes. After a failed
-    transfer the engines serve whatever part of the version landed until a later version
-    succeeds.
+    (SGLang post-processes what landed) and re-raises the first error; what went wrong in
+    that cleanup is added to it as notes. If the failure came before the transfer began,
+    no weight changed: generation continues on every engine. From the transfer on, some
+    of the version may have landed while the engines still report the previous one, so
+    they stay paused (logged, and said in a note on the error): publish again and call
+    `update_weights` with the next version, or `continue_generation()` to serve them as
+    they are. `resume_on_failure=True` continues them anyway, with a warning.
     """
     report = UpdateReport(version=weight_version or str(version))
     engines = list(engines)
@@ -62,6 +72,8 @@ async def update_weights(
         raise ValueError("update_weights needs at least one engine")
     do_flush = pause_mode != "in_place" if flush is None else flush
     opened: set[int] = set()  # engines whose weight-update session is open
+    began = False  # the transfer was started: some of the version may have landed
+    settled = False  # the version landed and the engines report it
     t_pause = time.perf_counter()
 
     async def step(name: str, fn: Callable[[SGLangClient], Awaitable[Any]]) -> None:
@@ -80,6 +92,7 @@ async def update_weights(
 
         await step("begin_weight_update", begin)
         t0 = time.perf_counter()
+        began = True
         report.result = await transfer()
         report.seconds["transfer"] = time.perf_counter() - t0
 
@@ -92,13 +105,32 @@ async def update_weights(
             "update_weight_version",
             lambda e: e.update_weight_version(report.version, abort_all_requests=False),
         )
+        settled = True
         await step("continue_generation", lambda e: e.continue_generation())
     except BaseException as exc:
         still_open = [e for e in engines if id(e) in opened]
         if still_open:
             await _cleanup(exc, still_open, lambda e: e.end_weight_update())
-        if resume_on_failure:
+        if not began or settled:  # the weights are the version the engines report
             await _cleanup(exc, engines, lambda e: e.continue_generation())
+        elif resume_on_failure:
+            what = (
+                f"resuming generation on {len(engines)} engine(s) whose weights may be partly "
+                f"version {report.version} while they report the previous version "
+                f"(resume_on_failure=True)"
+            )
+            log.warning(what)
+            warnings.warn(what, RuntimeWarning, stacklevel=2)
+            exc.add_note(what)
+            await _cleanup(exc, engines, lambda e: e.continue_generation())
+        else:
+            what = (
+                f"generation left paused on {len(engines)} engine(s): their weights may be "
+                f"partly version {report.version} while they report the previous version; "
+                f"update them again, or call continue_generation() to serve them as they are"
+            )
+            log.warning(what)
+            exc.add_note(what)
         raise
     report.paused_s = time.perf_counter() - t_pause
     return report
