@@ -17,12 +17,26 @@ from weightwire.protocol import PROTOCOL_VERSION
 from weightwire.protocol.errors import (
     ErrorCode,
     PlanError,
+    ProtocolError,
     RegistrationError,
     VersionError,
     WeightwireError,
 )
-from weightwire.protocol.local import DeclareSources, Hello
-from weightwire.protocol.tensors import Box, SourceTensor
+from weightwire.protocol.frames import Codec
+from weightwire.protocol.local import (
+    AbortVersion,
+    BeginVersion,
+    BucketReady,
+    DeclareDestinations,
+    DeclareSources,
+    Error,
+    GetPlan,
+    Hello,
+    LocalMessage,
+    Ping,
+    RegisterRegion,
+)
+from weightwire.protocol.tensors import Box, DestTensor, Fp8BlockQuant, Piece, SourceTensor
 
 W = torch.arange(64, dtype=torch.float32).reshape(8, 8)
 
@@ -226,3 +240,94 @@ def test_malformed_and_oversized_messages(cluster: LocalCluster) -> None:
     s.close()
     assert fetch(cluster.daemons[0].socket)["node"] == "host0"
     healthy_sync(cluster, "after-garbage")
+
+
+def test_small_bad_inputs_are_invalid_not_internal(cluster: LocalCluster) -> None:
+    """Each of these once got `internal` or the wrong code: a NUL in a region path, trainer
+    requests from an engine session, a bucket of a version never begun, an FP8 recipe with
+    block 0, a source shape of 2^62 elements. Each is now refused as what it is."""
+    sock = cluster.daemons[0].socket
+    with DaemonConnection(sock) as eng:
+        eng.request(Hello(protocol=PROTOCOL_VERSION, role="engine", rank=0, world_size=1, job="b"))
+        with pytest.raises(RegistrationError) as e1:
+            eng.request(RegisterRegion(path="/dev/shm/weightwire.1.x\0y", length=4096))
+        assert e1.value.code is ErrorCode.INVALID and "NUL" in e1.value.message
+        for msg in (
+            BeginVersion(version=1, plan_hash="x"),
+            BucketReady(version=1, bucket=0),
+            AbortVersion(version=1, reason="x"),
+            GetPlan(timeout_s=1),
+        ):
+            with pytest.raises(WeightwireError) as e2:
+                eng.request(msg)
+            assert e2.value.code is ErrorCode.INVALID, (msg, e2.value)
+            assert "engine session" in e2.value.message
+        q = Piece(source="w", box=Box.full((256, 256)), dst_offset=0, transform=Fp8BlockQuant(0))
+        dest = DestTensor(name="w", dtype="float8_e4m3fn", shape=(256, 256), region=1, offset=0)
+        with pytest.raises(WeightwireError) as e3:
+            eng.request(DeclareDestinations(tensors=(msgspec.structs.replace(dest, pieces=(q,)),)))
+        assert e3.value.code is ErrorCode.INVALID and "block" in e3.value.message
+    with DaemonConnection(sock) as tr:
+        tr.request(Hello(protocol=PROTOCOL_VERSION, role="trainer", rank=0, world_size=1, job="b"))
+        with pytest.raises(WeightwireError) as e4:
+            tr.request(BucketReady(version=3, bucket=0))
+        assert e4.value.code is ErrorCode.INVALID and "never begun" in e4.value.message
+        huge = {"name": "x", "dtype": "float32", "shape": [1 << 31] * 2}
+        frames = [
+            b"declare_sources",
+            msgspec.msgpack.encode({"type": "declare_sources", "req": 5, "tensors": [huge]}),
+        ]
+        hello = {"type": "hello", "protocol": PROTOCOL_VERSION, "role": "trainer", "rank": 0}
+        s = raw_socket(sock)
+        s.send_multipart([b"hello", msgspec.msgpack.encode({**hello, "world_size": 1, "job": "c"})])
+        s.recv_multipart()
+        s.send_multipart(frames)
+        reply, _ = Codec(LocalMessage).decode(s.recv_multipart())
+        s.close()
+        assert isinstance(reply, Error) and reply.req == 5, reply
+        assert reply.code == "invalid" and "2^48" in reply.message, reply
+    assert fetch(sock)["node"] == "host0"
+    healthy_sync(cluster, "after-small-bad-inputs")
+
+
+def test_oversized_messages_get_a_too_large_error_and_a_throttled_log_line(
+    cluster: LocalCluster,
+) -> None:
+    """Messages far over max_message_bytes (4 MiB here) were cut off by ZeroMQ: no reply,
+    no log line. Now each is answered, and the log says so once per interval."""
+    d = cluster.daemons[0]
+    s = raw_socket(d.socket)
+    codec = Codec(LocalMessage)
+    big = b"x" * (20 << 20)
+
+    def bad_lines() -> list[dict[str, object]]:
+        return [r for r in d.logs() if r.get("event") == "bad local message"]
+
+    time.sleep(5.2)  # past the interval of any earlier bad message's line
+    before = len(bad_lines())
+    for i in range(5):
+        s.send_multipart([b"ping", msgspec.msgpack.encode({"type": "ping", "req": i + 1}), big])
+        reply, _ = codec.decode(s.recv_multipart())
+        assert isinstance(reply, Error) and reply.req == i + 1, reply
+        assert reply.code == "too_large" and "exceeds the limit of 4194304" in reply.message, reply
+    lines = bad_lines()
+    assert len(lines) == before + 1 and lines[-1]["code"] == "too_large", lines[before:]
+    time.sleep(5.2)
+    s.send_multipart([b"ping", msgspec.msgpack.encode({"type": "ping", "req": 9}), big])
+    reply, _ = codec.decode(s.recv_multipart())
+    assert isinstance(reply, Error) and reply.code == "too_large"
+    s.close()
+    lines = bad_lines()
+    assert len(lines) == before + 2 and lines[-1].get("suppressed") == 4, lines[before:]
+    # the client library knows the limit from Welcome and refuses before sending
+    with DaemonConnection(d.socket) as c:
+        c.request(Hello(protocol=PROTOCOL_VERSION, role="trainer", rank=0, world_size=1, job="o"))
+        many = tuple(
+            SourceTensor(name=f"{i:04d}" + "n" * 1000, dtype="float32", shape=(4,))
+            for i in range(5000)
+        )
+        with pytest.raises(ProtocolError) as err:
+            c.request(DeclareSources(tensors=many))
+        assert err.value.code is ErrorCode.TOO_LARGE and "4194304" in err.value.message
+        c.request(Ping())
+    healthy_sync(cluster, "after-oversized")

@@ -1,0 +1,67 @@
+"""Counting immediates at a destination: every version a rank began hears how it ended."""
+
+from __future__ import annotations
+
+from weightwire.daemon.completion import RankCompletion
+from weightwire.protocol.errors import ErrorCode
+from weightwire.protocol.local import VersionComplete, VersionFailed
+from weightwire.protocol.plan import Expect, version_low
+
+
+def rank() -> tuple[RankCompletion, list[VersionComplete | VersionFailed]]:
+    told: list[VersionComplete | VersionFailed] = []
+    rc = RankCompletion(
+        job="j",
+        rank=0,
+        expect=Expect(rank=0, slot=0, count=2, nbytes=64, sources=("a", "b")),
+        plan_hash="p",
+        notify=lambda job, r, msg: told.append(msg),
+    )
+    return rc, told
+
+
+def test_a_version_overtaken_by_a_later_one_is_reported_failed() -> None:
+    rc, told = rank()
+    rc.on_start(5, "a")
+    rc.on_imm(version_low(5))  # one of its two writes
+    rc.on_start(6, "b")
+    rc.on_imm(version_low(6))
+    rc.on_imm(version_low(6))
+    assert [(type(m).__name__, m.version) for m in told] == [
+        ("VersionComplete", 6),
+        ("VersionFailed", 5),
+    ]
+    failed = told[1]
+    assert isinstance(failed, VersionFailed)
+    assert failed.code == ErrorCode.ABORTED.value and "superseded by version 6" in failed.message
+    rc.on_imm(version_low(5))  # its last write, late: never completes it
+    rc.fail(5, ErrorCode.PEER_LOST, "late")  # nor fails it twice
+    assert len(told) == 2 and rc.last_complete == 6
+
+
+def test_a_version_announced_after_a_later_one_completed_is_reported_failed() -> None:
+    """Its writes all came, but its start arrived only after version 8 completed: it
+    never completes, and the rank is told so once, however many sources announce it."""
+    rc, told = rank()
+    rc.on_imm(version_low(7))
+    rc.on_imm(version_low(7))
+    rc.on_start(8, "a")
+    rc.on_imm(version_low(8))
+    rc.on_imm(version_low(8))
+    rc.on_start(7, "a")
+    rc.on_start(7, "b")
+    rc.on_start(8, "b")  # the second source of a completed version: nothing to say
+    assert [(type(m).__name__, m.version) for m in told] == [
+        ("VersionComplete", 8),
+        ("VersionFailed", 7),
+    ]
+    assert version_low(7) not in rc.current
+
+
+def test_an_abort_after_completion_changes_nothing() -> None:
+    rc, told = rank()
+    rc.on_start(3, "a")
+    rc.on_imm(version_low(3))
+    rc.on_imm(version_low(3))
+    rc.fail(3, ErrorCode.ABORTED, "b failed elsewhere")
+    assert [type(m).__name__ for m in told] == ["VersionComplete"]
