@@ -21,7 +21,7 @@ import torch
 from weightwire.cli.localcluster import LocalCluster
 from weightwire.cli.status import fetch
 from weightwire.client import Engine, Trainer
-from weightwire.protocol.errors import PeerLostError, WeightwireError
+from weightwire.protocol.errors import PeerLostError, PlanError, WeightwireError
 
 from .conftest import FAST, NETNS, NETNS_WHY
 from .ranks.big_trainer import COLS, ROWS, weights
@@ -95,6 +95,42 @@ def test_engine_daemon_killed_mid_transfer_then_back(faults: LocalCluster) -> No
     tr.publish(3, {"w": weights(3)})
     eng.wait(3, timeout_s=30)
     assert torch.equal(dst, weights(3))
+    tr.close()
+    eng.close()
+
+
+def test_engine_daemon_hung_mid_transfer_is_a_lost_peer(faults: LocalCluster) -> None:
+    """A hung peer (SIGSTOP, not a crash: its sockets stay open) fails the version with
+    PeerLostError naming it, as a dead one does, not PlanError(plan_changed) because its
+    plan was withdrawn; once it runs again, the next version lands bitwise."""
+    tr, eng, dst = pair(faults, "hang-engine-daemon")
+    tr.publish(1, {"w": weights(1)})
+    eng.wait(1)
+    pending = publish_in_background(tr, 2, weights(2))
+    time.sleep(0.7)
+    stopped = time.time()
+    faults.daemons[2].proc.send_signal(signal.SIGSTOP)
+    try:
+        pending["thread"].join(20)  # type: ignore[attr-defined]
+    finally:
+        time.sleep(max(0.0, stopped + HEARTBEAT_TIMEOUT + 1.0 - time.time()))
+        faults.daemons[2].proc.send_signal(signal.SIGCONT)
+    err = pending.get("error")
+    assert isinstance(err, PeerLostError), pending
+    assert "host2" in str(err), err
+    assert pending["t"] - stopped <= HEARTBEAT_TIMEOUT + 1.0  # type: ignore[operator]
+    deadline = time.time() + 30
+    version = 3
+    while True:  # the plan comes back once host2 answers heartbeats again
+        try:
+            tr.publish(version, {"w": weights(version)})
+            break
+        except (PeerLostError, PlanError) as exc:
+            assert time.time() < deadline, f"no version landed after the peer came back: {exc}"
+            version += 1
+            time.sleep(0.2)
+    eng.wait(version, timeout_s=30)
+    assert torch.equal(dst, weights(version))
     tr.close()
     eng.close()
 
