@@ -94,6 +94,7 @@ class Report:
     options: dict[str, Any]
     timings: Timings
     wall_s: float = 0.0
+    caveats: list[str] = field(default_factory=list)  # plan.rules.caveats of the layouts
 
     def as_json(self, top: int) -> dict[str, Any]:
 
@@ -130,6 +131,7 @@ class Report:
             "timings_s": {k: round(v, 3) for k, v in self.timings.phases.items()},
             "cpu_s": {k: round(v, 3) for k, v in self.timings.cpu.items()},
             "wall_s": round(self.wall_s, 3),
+            "caveats": self.caveats,
         }
 
 
@@ -177,6 +179,7 @@ def run_plan(
 
     from weightwire.plan.bound import bound_of, layout_of, received_bytes
     from weightwire.plan.planner import PlanOptions, plan
+    from weightwire.plan.rules import caveats
     from weightwire.plan.simulate import simulate
 
     dest = DTYPES[dtype]
@@ -225,6 +228,7 @@ def run_plan(
         "sim_rel_tol": rel_tol,
     }
     report = Report(model, topo, dtype, bound, sim, flows, opts, timings)
+    report.caveats = caveats(config, layout_of(config, topo.tp, 0, topo.ep, dest))
     report.wall_s = time.perf_counter() - t_start
     return report
 

@@ -41,4 +41,5 @@ def render(j: Mapping[str, Any]) -> str:
         + ", ".join(f"{k} {v:.1f} s" for k, v in j["timings_s"].items())
         + f"; {j['wall_s']:.1f} s in all ({sum(j['cpu_s'].values()):.1f} s CPU)",
     ]
+    lines += [f"warning         {c}" for c in j.get("caveats", ())]
     return "\n".join(lines)

@@ -16,7 +16,14 @@ from dataclasses import dataclass, field
 import msgspec
 import structlog
 
-from weightwire.plan.planner import EngineRank, PlanOptions, TrainerRank, plan, resolve_recipes
+from weightwire.plan.planner import (
+    EngineRank,
+    PlanOptions,
+    TrainerRank,
+    caveats_of,
+    plan,
+    resolve_recipes,
+)
 from weightwire.protocol import PROTOCOL_VERSION
 from weightwire.protocol.errors import ErrorCode, PlanError, WeightwireError
 from weightwire.protocol.peer import (
@@ -171,6 +178,9 @@ class Coordinator:
         new_hash = plans[next(iter(plans))].plan_hash
         if new_hash != job.plan_hash:
             job.assigned = {}
+        if new_hash != job.plan_hash:
+            for caveat in caveats_of(engines):
+                log.warning("plan caveat", job=job.name, plan=new_hash, caveat=caveat)
         job.plan_hash = new_hash
         writes = sum(s.write_count for p in plans.values() for s in p.sends)
         log.info(

@@ -79,6 +79,20 @@ def resolve_recipes(engines: list[EngineRank]) -> list[EngineRank]:
     return out
 
 
+def caveats_of(engines: list[EngineRank]) -> list[str]:
+    """The rules' caveats (`rules.caveats`) for every engine layout of a job, each once."""
+    from .rules import caveats
+
+    out: dict[str, None] = {}
+    for e in engines:
+        if e.layout is not None and e.layout.model:
+            try:
+                out.update(dict.fromkeys(caveats(e.layout.model, e.layout)))
+            except PlanError:
+                continue  # resolving the recipes reports what is wrong with the layout
+    return list(out)
+
+
 def is_expert(name: str) -> bool:
     return ".experts." in name
 

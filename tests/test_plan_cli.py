@@ -110,3 +110,17 @@ def test_bad_arguments(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> No
     three = ["--trainers", "2", "--engines", "1x3", "--nic-gbps", "100", "--dtype", "bf16"]
     assert main(["plan", "--model", str(MODELS / "qwen3-8b.json"), *three]) == 1
     assert "divisible" in capsys.readouterr().err
+
+
+def test_llama_block_fp8_gets_a_warning(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from .rulesref import CONFIGS
+
+    model = tmp_path / "llama-fp8.json"
+    model.write_text(json.dumps(CONFIGS["llama-fp8"]))
+    args = ["--model", str(model), "--trainers", "2", "--engines", "1x2", "--nic-gbps", "100"]
+    assert main(["plan", *args, "--dtype", "fp8"]) == 0
+    out = capsys.readouterr().out
+    assert "warning" in out and "weight_scale_inv" in out, out
+    j = run_json(capsys, *args, "--dtype", "fp8")
+    assert len(j["caveats"]) == 1 and "Llama" in j["caveats"][0]
+    assert run_json(capsys, *args, "--dtype", "bf16")["caveats"] == []

@@ -21,7 +21,7 @@ from weightwire.protocol.tensors import Box, DestTensor
 
 from .hfweights import random_hf
 from .planlib import engine, execute, trainer
-from .rulesref import CONFIGS, reference
+from .rulesref import CONFIGS, FP8Q, reference
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -331,3 +331,25 @@ def test_layout_errors() -> None:
         hf_tensors(dict(cfg, mlp_only_layers=[0]))
     with pytest.raises(PlanError, match=r"num_attention_heads \(8\) is not divisible by 3"):
         engine_tensors(CONFIGS["qwen3"], EngineLayout(tp_size=3))
+
+
+def test_llama_block_fp8_is_warned_about_at_plan_time() -> None:
+    """SGLang 0.5.23's Llama loader drops block-FP8 scales: the rules say so for that
+    family and layout only (the recipes themselves are right: the bitwise cases above)."""
+    from weightwire.plan.rules import LLAMA_FP8_SCALES, caveats
+
+    def lay(cfg: dict[str, Any], dest: str) -> EngineLayout:
+        return EngineLayout(tp_size=2, tp_rank=0, dest_dtype=dest, model=cfg)  # type: ignore[arg-type]
+
+    llama, fp8_config = CONFIGS["llama-fp8"], dict(CONFIGS["llama-fp8"], quantization_config=FP8Q)
+    assert caveats(llama, lay(llama, "fp8")) == [LLAMA_FP8_SCALES]
+    assert caveats(fp8_config, lay(fp8_config, "")) == [LLAMA_FP8_SCALES]  # as the config says
+    assert "weight_scale_inv" in LLAMA_FP8_SCALES and "weight_scale" in LLAMA_FP8_SCALES
+    for cfg, dest in (
+        (llama, ""),
+        (llama, "bfloat16"),
+        (fp8_config, "bfloat16"),
+        (CONFIGS["qwen3-fp8"], "fp8"),
+        (CONFIGS["deepseek-v3-fp8"], ""),
+    ):
+        assert caveats(cfg, lay(cfg, dest)) == [], (cfg["model_type"], dest)

@@ -8,6 +8,8 @@ The public API (other modules build on exactly these names):
   (SGLang names), each with its recipe (pieces from HF tensors).
 - `resolve(declared, layout)`: fills in the pieces of declared destination tensors that
   left them to the rules; raises PlanError listing every name it cannot map.
+- `caveats(config, layout)`: what is known to go wrong on the engine side for this model
+  and layout although the recipes are right; the coordinator and `weightwire plan` warn.
 
 Families (`family_of`): Llama, Qwen2, Qwen3 (`dense.py`), Qwen3-MoE (`qwen3_moe.py`),
 DeepSeek-V3 / Kimi-K2 (`deepseek.py`); experts in `moe.py`, boxes and FP8 in `common.py`.
@@ -126,6 +128,29 @@ def resolve(declared: Sequence[DestTensor], layout: EngineLayout) -> tuple[DestT
             code=codes.pop() if len(codes) == 1 else ErrorCode.PLAN,
         )
     return tuple(out)
+
+
+LLAMA_FP8_SCALES = (
+    "Llama with block-FP8 weights: SGLang 0.5.23's LlamaForCausalLM.load_weights renames "
+    "weight_scale_inv to weight_scale, which block-FP8 layers lack, so SGLang's own loader "
+    "drops those scales. weightwire writes the right weight_scale_inv into the engine, "
+    "but nothing of SGLang checks them: they are not compared with SGLang's load_weights "
+    "(which leaves them unset), and a replica-mode trainer built with SGLang's loader "
+    "would send unset scales"
+)
+
+
+def caveats(config: Mapping[str, Any], layout: EngineLayout) -> list[str]:
+    """Known engine-side limits for this model and layout, to be warned about at plan time
+    (SGLang 0.5.23; scripts/SGLANG_NOTES.md)."""
+    from .common import fp8_block
+
+    out = []
+    if family_of(config, layout.family) == "llama":
+        dest = layout.dest_dtype.removeprefix("torch.")
+        if dest == "fp8" or (dest == "" and fp8_block(config) is not None):
+            out.append(LLAMA_FP8_SCALES)
+    return out
 
 
 def family_of(config: Mapping[str, Any], hint: str = "") -> str:
