@@ -107,6 +107,27 @@ _BY_CODE: dict[ErrorCode, type[WeightwireError]] = {
 }
 
 
+RETRYABLE: frozenset[ErrorCode] = frozenset(
+    {
+        ErrorCode.PEER_LOST,
+        ErrorCode.TRANSFER,
+        ErrorCode.ABORTED,
+        ErrorCode.TIMEOUT,
+        ErrorCode.PLAN_CHANGED,
+        ErrorCode.NOT_READY,
+    }
+)
+"""Codes of failures that pass: a peer lost or hung, a failed write, a version aborted
+elsewhere, a timeout, a plan being remade. Publishing again (the next version number) may
+succeed. Every other code needs something changed first (registrations, the plan's
+inputs, the version number, memory)."""
+
+
+def retryable(exc: BaseException) -> bool:
+    """Whether publishing again, unchanged but for the version number, may succeed."""
+    return isinstance(exc, WeightwireError) and exc.code in RETRYABLE
+
+
 def error_from_code(code: str, message: str) -> WeightwireError:
     """The exception for a wire error code; unknown codes become a plain WeightwireError."""
     try:
