@@ -15,6 +15,7 @@ from weightwire.protocol.errors import (
     RegionError,
     VersionError,
     error_from_code,
+    retryable,
 )
 from weightwire.protocol.frames import Codec
 from weightwire.protocol.plan import (
@@ -236,6 +237,41 @@ def test_error_codes_become_typed_exceptions() -> None:
     assert isinstance(error_from_code("version_backwards", "x"), VersionError)
     unknown = error_from_code("from_the_future", "x")
     assert "from_the_future" in str(unknown)
+    assert isinstance(error_from_code("no_space", "x"), RegionError)
+
+
+def test_what_a_caller_retries() -> None:
+    """Failures that pass (a lost or hung peer, a failed or aborted write, a timeout, a
+    plan being remade) are retryable; bad input and impossible plans are not."""
+    for code in ("peer_lost", "transfer", "aborted", "timeout", "plan_changed", "not_ready"):
+        assert retryable(error_from_code(code, "x")), code
+    for code in ("invalid", "plan", "version_backwards", "no_space", "out_of_bounds", "internal"):
+        assert not retryable(error_from_code(code, "x")), code
+    assert not retryable(RuntimeError("x"))
+
+
+def test_tensor_sizes_and_fp8_blocks_are_checked_on_decode() -> None:
+    codec = Codec(L.LocalMessage)
+    enc = msgspec.msgpack.encode
+    huge = {"name": "w", "dtype": "float32", "shape": [1 << 31, 1 << 31]}
+    _rejects(
+        codec,
+        [b"declare_sources", enc({"type": "declare_sources", "tensors": [huge]})],
+        ErrorCode.INVALID,
+        "2^48",
+    )
+    for transform in ({"type": "fp8_quant", "block": 0}, {"type": "fp8_scale", "block": -1}):
+        piece = {"source": "w", "box": {"offsets": [0], "sizes": [4]}, "dst_offset": 0}
+        dest = {
+            "name": "w",
+            "dtype": "float32",
+            "shape": [4],
+            "region": 1,
+            "offset": 0,
+            "pieces": [{**piece, "transform": transform}],
+        }
+        msg = {"type": "declare_destinations", "tensors": [dest]}
+        _rejects(codec, [b"declare_destinations", enc(msg)], ErrorCode.INVALID, "block")
 
 
 def test_strided_writes_are_checked_on_decode() -> None:
