@@ -23,7 +23,7 @@ import zmq.asyncio
 
 from weightwire.protocol import PROTOCOL_VERSION, check_protocol
 from weightwire.protocol.errors import ErrorCode, ProtocolError, WeightwireError
-from weightwire.protocol.frames import Codec, request_id
+from weightwire.protocol.frames import HARD_LIMIT_FACTOR, Codec, request_id
 from weightwire.protocol.local import (
     AbortVersion,
     BeginVersion,
@@ -54,10 +54,6 @@ if TYPE_CHECKING:
     from .node import Daemon
 
 log = structlog.get_logger("weightwire.daemon.local")
-
-HARD_LIMIT_FACTOR = 16
-"""Messages up to this many times `max_message_bytes` are received and answered with a
-`too_large` Error; larger ones are cut off by ZeroMQ itself (the connection is dropped)."""
 
 
 def _remove_stale_socket(path: str) -> None:

@@ -18,8 +18,10 @@ import zmq
 import zmq.asyncio
 
 from weightwire.protocol.errors import PeerLostError, ProtocolError, TimeoutError_
-from weightwire.protocol.frames import Codec
+from weightwire.protocol.frames import HARD_LIMIT_FACTOR, Codec
 from weightwire.protocol.peer import PeerError, PeerMessage, PeerMsg
+
+from .lograte import Throttled
 
 log = structlog.get_logger("weightwire.daemon.peers")
 
@@ -69,12 +71,13 @@ class PeerMesh:
     _endpoints: dict[str, tuple[str, bytes | None]] = field(default_factory=dict)
     _pending: dict[int, asyncio.Future[PeerMessage]] = field(default_factory=dict)
     _reqs: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+    _bad: Throttled = field(default_factory=Throttled)  # one line per interval, with a count
 
     def bind(self, address: str, advertise_host: str) -> str:
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.codec.max_bytes * 2)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.codec.max_bytes * HARD_LIMIT_FACTOR)
         self.security.server(sock)
         sock.bind(address)
         real = sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -161,7 +164,13 @@ class PeerMesh:
             except Exception as exc:  # nothing a peer sends may end this loop
                 if not isinstance(exc, ProtocolError):
                     exc = ProtocolError(repr(exc))
-                log.warning("bad peer message", peer=sender, code=exc.code.value, error=exc.message)
+                self._bad.emit(
+                    log.warning,
+                    "bad peer message",
+                    peer=sender,
+                    code=exc.code.value,
+                    error=exc.message,
+                )
                 self.send_soon(sender, PeerError(code=exc.code.value, message=exc.message))
                 continue
             try:

@@ -16,6 +16,10 @@ from .errors import ErrorCode, ProtocolError
 T = TypeVar("T")
 
 DEFAULT_MAX_BYTES = 16 << 20
+HARD_LIMIT_FACTOR = 16
+"""Sockets take messages up to this many times their codec's `max_bytes` (and answer them
+with a `too_large` error); larger ones ZeroMQ cuts off (MAXMSGSIZE) by dropping the
+connection, so that no peer can make a daemon buffer without bound."""
 
 
 def tag_of(msg: msgspec.Struct) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import msgspec
@@ -331,3 +333,50 @@ def test_oversized_messages_get_a_too_large_error_and_a_throttled_log_line(
         assert err.value.code is ErrorCode.TOO_LARGE and "4194304" in err.value.message
         c.request(Ping())
     healthy_sync(cluster, "after-oversized")
+
+
+def test_oversized_peer_messages_are_logged() -> None:
+    """An authenticated peer's message far over max_message_bytes was cut off by ZeroMQ
+    without a trace; now it is refused with a log line (once per interval)."""
+    from .conftest import FAST, NETNS
+
+    c = LocalCluster(hosts=1, use_netns=NETNS, extra=FAST)
+    c.keys("probe")  # a peer the daemon trusts, with a name of its own
+    c.start()
+    try:
+        d = c.daemons[0]
+        sender = subprocess.run(
+            [*c.prefix(0), sys.executable, "-c", OVERSIZED_PEER, d.endpoint,
+             str(c.workdir / "keys" / "probe" / "probe.key_secret"), c.coordinator_key()],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert sender.returncode == 0, sender.stderr
+        deadline = time.monotonic() + 10
+        lines: list[dict[str, object]] = []
+        while not lines and time.monotonic() < deadline:
+            time.sleep(0.1)
+            lines = [
+                r
+                for r in d.logs()
+                if r.get("event") == "bad peer message" and r.get("code") == "too_large"
+            ]
+        assert lines and "exceeds the limit of 4194304" in str(lines[-1]["error"]), d.log_path
+        assert lines[-1]["peer"] == "probe"
+        assert fetch(d.socket)["node"] == "host0"
+    finally:
+        assert c.stop() == [0]
+
+
+OVERSIZED_PEER = """
+import sys, time, zmq, zmq.auth
+endpoint, secret_file, server_key = sys.argv[1:4]
+public, secret = zmq.auth.load_certificate(secret_file)
+s = zmq.Context.instance().socket(zmq.DEALER)
+s.setsockopt(zmq.LINGER, 2000)
+s.setsockopt(zmq.IDENTITY, b"probe")
+s.curve_publickey, s.curve_secretkey, s.curve_serverkey = public, secret, server_key.encode()
+s.connect(endpoint)
+s.send_multipart([b"heartbeat", b"\\x80", b"x" * (20 << 20)])
+time.sleep(1.0)
+s.close()
+"""
