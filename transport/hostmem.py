@@ -150,8 +150,9 @@ def create_shared(
 def open_shared(path: str, length: int, directory: str = SHM_DIR) -> SharedFile:
     """Map a rank's shared file; the file must be in `directory` and hold `length` bytes.
 
-    Its pages are reserved here too (a no-op for a file `create_shared` made), so that a
-    sparse file from a rank can never bring the daemon down when a write lands in it.
+    A sparse file (fewer blocks allocated than `length`: not made by `create_shared`) has
+    its pages reserved here, so that it can never bring the daemon down when a write lands
+    in it; one whose pages are all there costs one fstat.
     """
     if "\0" in path:
         raise RegistrationError(f"region file {path!r} contains a NUL byte", code=ErrorCode.INVALID)
@@ -172,7 +173,8 @@ def open_shared(path: str, length: int, directory: str = SHM_DIR) -> SharedFile:
                 f"region file {path!r} has {size} bytes, {length} were declared",
                 code=ErrorCode.OUT_OF_BOUNDS,
             )
-        reserve(fd, real, length)
+        if os.fstat(fd).st_blocks * 512 < length:  # sparse: not made by create_shared
+            reserve(fd, real, length)
         m = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     except BaseException:
         os.close(fd)
