@@ -75,6 +75,8 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError(
                 'no coordinator: set `coordinator = "tcp://HOST:PORT"` or `is_coordinator = true`'
             )
+        if not self.region_dir.startswith("/") or "\0" in self.region_dir:
+            raise ConfigError(f"region_dir {self.region_dir!r} must be an absolute path")
         if self.heartbeat_timeout_s <= 2 * self.heartbeat_interval_s:
             raise ConfigError(
                 f"heartbeat_timeout_s ({self.heartbeat_timeout_s}) must exceed twice "

@@ -178,7 +178,6 @@ class Coordinator:
         new_hash = plans[next(iter(plans))].plan_hash
         if new_hash != job.plan_hash:
             job.assigned = {}
-        if new_hash != job.plan_hash:
             for caveat in caveats_of(engines):
                 log.warning("plan caveat", job=job.name, plan=new_hash, caveat=caveat)
         job.plan_hash = new_hash
