@@ -33,3 +33,17 @@ def test_a_llama_block_fp8_plan_is_logged_with_its_caveat(cluster: LocalCluster)
     finally:
         tr.close()
         eng.close()
+
+
+def test_a_llama_block_fp8_replica_warns_where_it_is_built(caplog) -> None:  # type: ignore[no-untyped-def]
+    """Replica-mode engines declare explicit recipes, so the coordinator never sees the
+    model: the replica says it (SGLang itself is not needed to get that far)."""
+    from weightwire.adapters.sglang.replica import _warn_caveats
+
+    from .rulesref import FP8Q
+
+    with caplog.at_level("WARNING", logger="weightwire.adapters.sglang.replica"):
+        _warn_caveats(dict(CONFIGS["llama-fp8"], quantization_config=FP8Q), 2, 1)
+        _warn_caveats(dict(CONFIGS["qwen3-fp8"], quantization_config=FP8Q), 2, 1)
+        _warn_caveats(CONFIGS["llama"], 2, 1)
+    assert [r.getMessage() for r in caplog.records] == [f"replica of llama: {LLAMA_FP8_SCALES}"]

@@ -119,6 +119,7 @@ class SGLangReplica:
                 f"weightwire trainer world the ranks that hold one (at most {tp_size})",
                 code=ErrorCode.INVALID,
             )
+        _warn_caveats(hf_config, tp_size, ep_size)
         self.layouts: list[ReplicaLayout] = []
         self._pinned: list[int] = []
         self._checked = False
@@ -261,3 +262,19 @@ def _pin(tensors: list[torch.Tensor]) -> int | None:
         )
         return None
     return base
+
+
+def _warn_caveats(hf_config: Mapping[str, Any], tp_size: int, ep_size: int) -> None:
+    """The rules' plan-time caveats for this model, said where a replica is built: its
+    engines declare explicit recipes, so the coordinator cannot see the model."""
+    from weightwire.plan.rules import caveats
+    from weightwire.protocol.errors import PlanError
+    from weightwire.protocol.local import EngineLayout
+
+    layout = EngineLayout(tp_size=tp_size, ep_size=ep_size, model=dict(hf_config))  # type: ignore[arg-type]
+    try:
+        found = caveats(hf_config, layout)
+    except PlanError:
+        return  # a model the rules do not cover: nothing known about it
+    for caveat in found:
+        log.warning("replica of %s: %s", hf_config.get("model_type", "?"), caveat)
