@@ -47,9 +47,13 @@ def render(s: dict[str, Any]) -> str:
         lines.append(f"  plan of job {job!r} IMPOSSIBLE: {problem}")
     for p in s["publishing"]:
         frac = p["bytes_done"] / p["bytes_total"] if p["bytes_total"] else 0.0
+        ring = p.get("staging_buckets", 0)
+        staging = f"ring of {ring}" if ring else "whole send"
         lines.append(
             f"  trainer rank {p['rank']}: version {p['version']} {p['state']} "
-            f"{frac:6.1%} of {_gb(p['bytes_total'])} (buckets {p['buckets_posted']}/{p['buckets']})"
+            f"{frac:6.1%} of {_gb(p['bytes_total'])} "
+            f"(buckets {p['buckets_posted']}/{p['buckets']}; "
+            f"staging {_gb(p.get('staging_bytes', 0))}, {staging})"
         )
     for r in s["receiving"]:
         cur = ", ".join(f"v{i['version']} {i['fraction']:.1%}" for i in r["in_progress"]) or "idle"

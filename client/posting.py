@@ -40,6 +40,12 @@ class Poster:
         self._pending.append((bucket, event))
         self._send(wait=False)
 
+    def flush(self, bucket: int) -> None:
+        """Post every packed bucket up to and including `bucket`, waiting for their events
+        (before waiting for `bucket` to land: the daemon must have been told of it)."""
+        while any(b == bucket for b, _ in self._pending):
+            self._send(wait=True)
+
     def finish(self) -> None:
         """Every bucket is queued: post the rest as they complete."""
         while self._pending:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 import time
 from collections.abc import Mapping
@@ -25,25 +24,26 @@ from weightwire.protocol.errors import (
 from weightwire.protocol.local import (
     AbortVersion,
     BeginVersion,
+    BucketsLanded,
     DeclareSources,
     GetPlan,
     LocalMessage,
     PlanReply,
     PublishResult,
     RegionRegistered,
-    RegisterRegion,
 )
-from weightwire.protocol.plan import RankPlan
+from weightwire.protocol.plan import RankPlan, StagingRing, staging_ring
 from weightwire.protocol.tensors import SourceTensor
-from weightwire.transport.hostmem import SharedFile, create_shared
 
-from . import cuda
 from .connection import expect
 from .dtypes import name_of
-from .layouts import Full, Layout, local_box
+from .layouts import Full, Layout, Part, local_box
+from .modules import Rename, local_of, module_shards
 from .pack import Packer
 from .posting import BucketTimes, Poster, PublishStats
 from .rank import RankClient
+from .ring import Landed, SlotOps
+from .sources import SourceRegions
 from .staging import Staging
 
 
@@ -66,12 +66,22 @@ class Trainer(RankClient):
         timeout_s: float = 300.0,
         device: int | None = None,
         staging: Literal["auto", "gpu", "cpu"] = "auto",
+        staging_buckets: int = 4,
     ) -> None:
         """`staging`: where buckets are packed. "gpu" (the default when the tensors are on a
         GPU) keeps everything on the device; "cpu" is the pinned CPU replica in the
-        engines' layout (host memory the daemon sends from, e.g. over tcp or RDMA)."""
+        engines' layout (host memory the daemon sends from, e.g. over tcp or RDMA).
+
+        `staging_buckets`: staging is a ring of this many bucket slots; bucket k is packed
+        into slot k mod N once every write of the bucket packed there before it has finished.
+        0 stages the whole send (as much memory as this rank sends). A plan with no more
+        buckets than that is staged whole either way."""
+        if staging_buckets < 0:
+            raise ValueError(f"staging_buckets must be >= 0, got {staging_buckets}")
         self.placement = staging
+        self.staging_buckets = staging_buckets
         self._results: dict[int, Future[PublishResult]] = {}
+        self._landed: dict[int, Landed] = {}
         self._lock = threading.Lock()
         super().__init__(
             "trainer",
@@ -85,10 +95,11 @@ class Trainer(RankClient):
         self._tensors: dict[str, _Registered] = {}
         self._plan: RankPlan | None = None
         self._staging: Staging | None = None
-        self._sources: list[tuple[int, SharedFile, torch.Tensor]] = []  # (region, file, bytes)
-        # allocation base -> (region, size, its registration)
-        self._gpu_sources: dict[int, tuple[int, int, RegisterRegion]] = {}
+        self._source_regions = SourceRegions(self._conn, rank)
         self._packer = Packer()
+        self._slot_ops = SlotOps()
+        self._ring: tuple[tuple[str, int], StagingRing] | None = None  # of (plan, slots)
+        self._module_params: dict[str, torch.Tensor] = {}  # name -> DTensor (register_module)
 
     # --- registration --------------------------------------------------------
 
@@ -101,61 +112,7 @@ class Trainer(RankClient):
         engines straight from here: no packing, no staging copy (the CPU-replica way). Keep
         them unchanged while a publish runs.
         """
-        placed, offset = [], 0
-        for name, (shape, dtype) in specs.items():
-            offset = -(-offset // 256) * 256
-            placed.append((name, shape, dtype, offset))
-            offset += math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        shared = create_shared(
-            max(offset, 1),
-            purpose=f"sources-r{self.rank}",
-            gid=self._conn.socket_gid,
-            directory=self._conn.region_dir,
-        )
-        try:
-            region = expect(
-                self._conn.request(
-                    RegisterRegion(path=shared.path, length=shared.length, purpose="sources")
-                ),
-                RegionRegistered,
-            ).region
-        except BaseException:
-            shared.unlink()
-            shared.close()
-            raise
-        raw = torch.frombuffer(shared.map, dtype=torch.uint8)
-        self._sources.append((region, shared, raw))
-        out = {}
-        for name, shape, dtype, off in placed:
-            n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-            out[name] = raw[off : off + n].view(dtype).view(shape)
-        return out
-
-    def _region_of(self, t: torch.Tensor, zero_copy: bool = False) -> tuple[int, int]:
-        """(region, byte offset) of a tensor allocated by `allocate`, or, with `zero_copy`,
-        of a GPU tensor in its allocation (registered on first use); else (-1, 0)."""
-        if not t.is_contiguous():
-            return -1, 0
-        if t.is_cuda:
-            return self._gpu_region_of(t) if zero_copy else (-1, 0)
-        if t.device.type != "cpu":
-            return -1, 0
-        for region, _, raw in self._sources:
-            base = raw.data_ptr()
-            if base <= t.data_ptr() and t.data_ptr() + t.nbytes <= base + raw.numel():
-                return region, t.data_ptr() - base
-        return -1, 0
-
-    def _gpu_region_of(self, t: torch.Tensor) -> tuple[int, int]:
-        base, size = cuda.allocation_of(t)
-        known = self._gpu_sources.get(base)
-        if known is None:
-            request = RegisterRegion(
-                length=size, purpose="sources", kind="gpu", cuda=cuda.region_of(t, base=base)
-            )
-            region = expect(self._conn.request(request), RegionRegistered).region
-            known = self._gpu_sources[base] = (region, size, request)
-        return known[0], t.data_ptr() - base
+        return self._source_regions.allocate(specs)
 
     def register(
         self,
@@ -181,7 +138,7 @@ class Trainer(RankClient):
             lay = layout.get(name, Full()) if isinstance(layout, Mapping) else (layout or Full())
             shape = tuple((global_shapes or {}).get(name, tuple(t.shape)))
             box = local_box(lay, shape, tuple(t.shape))
-            region, offset = self._region_of(t, zero_copy)
+            region, offset = self._source_regions.region_of(t, zero_copy)
             spec = SourceTensor(
                 name=name,
                 dtype=name_of(t.dtype),
@@ -199,6 +156,38 @@ class Trainer(RankClient):
         for spec in specs:
             self._tensors[spec.name] = _Registered(tensors[spec.name], spec)
         self._plan = None
+
+    def register_module(
+        self, module: torch.nn.Module, rename: Rename | None = None, *, zero_copy: bool = False
+    ) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Register a module's parameters as this rank holds them (FSDP2 DTensors: the box
+        each local shard is, from its mesh and placements; plain parameters: whole).
+
+        HF names are the parameter names without torch's wrapper parts (`_orig_mod.`, ...),
+        passed through `rename` when given (return None to leave a parameter out). Each
+        publish reads the parameters' local tensors as they are then. A placement that gives
+        no box of the global tensor raises RegistrationError naming the parameter; nothing
+        is registered then. Returns {HF name: (offsets, sizes)} of what was registered.
+        """
+        shards = module_shards(module, rename)
+        self.register(
+            {s.name: s.local for s in shards},
+            layout={s.name: Part(s.box.offsets, s.box.sizes) for s in shards},
+            global_shapes={s.name: s.shape for s in shards},
+            zero_copy=zero_copy,
+        )
+        self._module_params.update({s.name: s.param for s in shards})
+        return {s.name: (s.box.offsets, s.box.sizes) for s in shards}
+
+    def _module_tensors(self) -> dict[str, torch.Tensor]:
+        """The module parameters' local tensors that are no longer the ones registered (the
+        parameter was given new storage since)."""
+        out = {}
+        for name, param in self._module_params.items():
+            local, reg = local_of(param), self._tensors[name].tensor
+            if local is not reg and (local.data_ptr(), local.shape) != (reg.data_ptr(), reg.shape):
+                out[name] = local
+        return out
 
     # --- publishing ----------------------------------------------------------
 
@@ -226,10 +215,24 @@ class Trainer(RankClient):
                 return r.tensor.device
         return torch.device("cpu")
 
+    def ring(self, plan: RankPlan | None = None) -> StagingRing:
+        """Where this rank packs `plan`'s buckets (default: its current plan): the ring's
+        slots (0: the whole send) and the staging memory it takes (`nbytes`)."""
+        plan = plan or self.plan()
+        key = (plan.plan_hash, self.staging_buckets)
+        if self._ring is None or self._ring[0] != key:
+            self._ring = (key, staging_ring(plan, self.staging_buckets))
+        return self._ring[1]
+
+    @property
+    def staging_bytes(self) -> int:
+        """Staging memory this rank holds now (0 before `prepare`)."""
+        return self._staging.nbytes if self._staging is not None else 0
+
     def _ensure_staging(self, plan: RankPlan) -> torch.Tensor | None:
-        if not plan.staging_bytes:  # everything is written from zero-copy sources
+        need = self.ring(plan).nbytes
+        if not need:  # everything is written from zero-copy sources
             return None
-        need = plan.staging_bytes
         if self._staging is None or self._staging.nbytes < need:
             device = self._device()
             placement = self.placement
@@ -257,34 +260,51 @@ class Trainer(RankClient):
         shape); by default the registered tensors are read as they are now.
         """
         t0 = time.perf_counter()
+        if self._module_params:
+            tensors = {**self._module_tensors(), **(tensors or {})}
         current = self._current(tensors)
         for attempt in range(3):
             plan = self.plan()
             staging = self._ensure_staging(plan)
+            ring = self.ring(plan)
             try:
-                self._conn.request(BeginVersion(version=version, plan_hash=plan.plan_hash))
+                self._conn.request(
+                    BeginVersion(
+                        version=version, plan_hash=plan.plan_hash, staging_buckets=ring.slots
+                    )
+                )
                 break
             except PlanError as exc:  # a new plan is coming (a peer restarted, ranks changed)
                 if exc.code not in (ErrorCode.PLAN_CHANGED, ErrorCode.NOT_READY) or attempt == 2:
                     raise
                 self._plan = None
         fut: Future[PublishResult] = Future()
+        landed = Landed()
         with self._lock:
             self._results[version] = fut
+            self._landed[version] = landed
         poster = Poster(self._conn, version)
         pack_s = 0.0
+        what = f"version {version} of trainer rank {self.rank}"
         try:
             try:
                 for bucket in plan.buckets:
+                    reuse = ring.reuse[bucket.index]
+                    if reuse >= 0:  # wait until the bucket packed in this slot has landed
+                        poster.flush(reuse)
+                        if not landed.wait(reuse, self.timeout_s, what):
+                            break  # the version failed: its result says why
                     p0 = time.perf_counter()
                     started = time.time()
                     if bucket.packs:
                         assert staging is not None
-                        self._packer.pack_bucket(bucket.packs, current, staging)
+                        ops = self._slot_ops.of(plan, ring, bucket)
+                        self._packer.pack_bucket(ops, current, staging)
                     device = staging.device if staging is not None else self._device()
                     poster.post(bucket.index, device, started)
                     pack_s += time.perf_counter() - p0
-                poster.finish()
+                else:
+                    poster.finish()
             except Exception as exc:
                 poster.abandon()
                 self._abort(version, f"packing failed on trainer rank {self.rank}: {exc!r}")
@@ -298,6 +318,7 @@ class Trainer(RankClient):
         finally:
             with self._lock:
                 self._results.pop(version, None)
+                self._landed.pop(version, None)
         if not result.ok:
             raise error_from_code(result.code, f"version {version}: {result.message}")
         times = tuple(
@@ -358,11 +379,19 @@ class Trainer(RankClient):
             self._conn.request(AbortVersion(version=version, reason=reason), timeout_s=5)
 
     def _on_notify(self, msg: LocalMessage) -> None:
-        if isinstance(msg, PublishResult):
+        if isinstance(msg, BucketsLanded):
+            with self._lock:
+                landed = self._landed.get(msg.version)
+            if landed is not None:
+                landed.add(msg.buckets)
+        elif isinstance(msg, PublishResult):
             with self._lock:
                 fut = self._results.get(msg.version)
+                landed = self._landed.get(msg.version)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
+            if landed is not None:
+                landed.end()
 
     def _replay(self) -> None:
         """The daemon restarted: register everything again, on a fresh session."""
@@ -380,14 +409,7 @@ class Trainer(RankClient):
     def _reregister_sources(self) -> None:
         """Zero-copy source regions again (the new daemon numbers them anew), and the
         tensor specs pointed at their new ids."""
-        renamed: dict[int, int] = {}
-        for i, (old, shared, raw) in enumerate(self._sources):
-            request = RegisterRegion(path=shared.path, length=shared.length, purpose="sources")
-            renamed[old] = expect(self._conn.request(request), RegionRegistered).region
-            self._sources[i] = (renamed[old], shared, raw)
-        for base, (old, size, request) in list(self._gpu_sources.items()):
-            renamed[old] = expect(self._conn.request(request), RegionRegistered).region
-            self._gpu_sources[base] = (renamed[old], size, request)
+        renamed = self._source_regions.register_again()
         for reg in self._tensors.values():
             if reg.spec.region in renamed:
                 reg.spec = msgspec.structs.replace(reg.spec, region=renamed[reg.spec.region])
@@ -396,15 +418,16 @@ class Trainer(RankClient):
         super()._fail_pending(exc)
         with self._lock:
             pending = list(self._results.values())
+            ends = list(self._landed.values())
         for fut in pending:
             if not fut.done():
                 fut.set_exception(exc)
+        for landed in ends:
+            landed.end()
 
     def close(self) -> None:
         super().close()
         if self._staging is not None:
             self._staging.close()
             self._staging = None
-        for _, shared, _ in self._sources:
-            shared.unlink()
-        self._sources.clear()
+        self._source_regions.close()

@@ -195,9 +195,9 @@ class LocalServer:
                 self.send(identity, Ok(req=msg.req, detail=f"{len(tensors)} tensors"))
             case GetPlan(timeout_s=timeout_s):
                 self._spawn(identity, msg.req, d.plan_for(session, msg.req, timeout_s))
-            case BeginVersion(version=version, plan_hash=plan_hash):
+            case BeginVersion(version=version, plan_hash=plan_hash, staging_buckets=slots):
                 self._spawn(
-                    identity, msg.req, d.begin_version(session, msg.req, version, plan_hash)
+                    identity, msg.req, d.begin_version(session, msg.req, version, plan_hash, slots)
                 )
             case BucketReady(version=version, bucket=bucket, more=more):
                 d.publisher(session).bucket_ready(version, (bucket, *more))

@@ -2,7 +2,8 @@
 
 A rank's publish never waits for another rank. Bucket b's writes are posted the
 moment the rank says it is packed; the rank is told when every write of the version
-has landed, or the first cause of failure.
+has landed, or the first cause of failure. A rank that packs into a ring of staging slots
+is also told as each bucket's writes have all finished (its slot is free again).
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from weightwire.protocol.errors import (
     VersionError,
     WeightwireError,
 )
-from weightwire.protocol.local import PublishResult
-from weightwire.protocol.plan import RankPlan, WriteOp, encode_imm
+from weightwire.protocol.local import BucketsLanded, PublishResult
+from weightwire.protocol.plan import RankPlan, StagingRing, WriteOp, encode_imm, staging_ring
 from weightwire.protocol.regions import RegionDescriptor
 from weightwire.transport.base import LocalRegion, Prepared, Transport, WriteRequest
 
@@ -61,6 +62,7 @@ class Run:
     version: int
     plan: RankPlan
     staging: LocalRegion | None
+    ring: StagingRing
     posted: set[int] = field(default_factory=set)
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     started: float = field(default_factory=time.monotonic)
@@ -79,7 +81,7 @@ class Publisher:
     job: str
     rank: int
     pick: PickTransport
-    reply: Callable[[PublishResult], None]
+    reply: Callable[[PublishResult | BucketsLanded], None]
     announce: Callable[[int, str, str, set[str]], None]
     """announce(version, "start"|"abort", message, destination nodes)."""
     source_region: Callable[[int], LocalRegion]
@@ -90,7 +92,8 @@ class Publisher:
     run: Run | None = None
     previous: Run | None = None  # the last run of an earlier session of this rank
     _regions: dict[tuple[str, int], RegionDescriptor] = field(default_factory=dict)
-    _cache: dict[int, _Cached] = field(default_factory=dict)  # prepared writes, by bucket
+    _cache: dict[tuple[int, int], _Cached] = field(default_factory=dict)  # by (bucket, slot)
+    _rings: dict[int, StagingRing] = field(default_factory=dict)  # this plan's, by slots
 
     def set_plan(
         self, plan: RankPlan | None, reason: str = "", code: ErrorCode = ErrorCode.PLAN_CHANGED
@@ -105,12 +108,23 @@ class Publisher:
         self.plan = plan
         self._regions = {(r.node, r.id): r for r in plan.regions} if plan else {}
         self._cache.clear()
+        self._rings.clear()
+
+    def ring(self, slots: int) -> StagingRing:
+        """The plan's staging ring of `slots` slots (0: the whole send)."""
+        assert self.plan is not None
+        ring = self._rings.get(slots)
+        if ring is None:
+            if len(self._rings) >= 8:  # a rank that keeps changing its ring: keep a few
+                self._rings.clear()
+            ring = self._rings[slots] = staging_ring(self.plan, slots)
+        return ring
 
     @property
     def destinations(self) -> set[str]:
         return {r.node for r in self.plan.regions} if self.plan else set()
 
-    def begin(self, version: int, plan_hash: str) -> None:
+    def begin(self, version: int, plan_hash: str, staging_buckets: int = 0) -> None:
         if self.plan is None:
             raise PlanError("this rank has no plan yet", code=ErrorCode.NOT_READY)
         if plan_hash != self.plan.plan_hash:
@@ -123,10 +137,12 @@ class Publisher:
                 f"version {version} does not follow version {self.last_version} of trainer "
                 f"rank {self.rank}: versions only go forwards"
             )
-        staging_ok = self.staging is not None and self.staging.length >= self.plan.staging_bytes
-        if self.plan.staging_bytes and not staging_ok:
+        ring = self.ring(staging_buckets)
+        staging_ok = self.staging is not None and self.staging.length >= ring.nbytes
+        if ring.nbytes and not staging_ok:
+            slots = f" ({ring.slots} slots)" if ring.slots else ""
             raise PlanError(
-                f"the plan needs a staging region of {self.plan.staging_bytes} bytes; "
+                f"the plan needs a staging region of {ring.nbytes} bytes{slots}; "
                 f"register one first",
                 code=ErrorCode.NOT_READY,
             )
@@ -136,7 +152,7 @@ class Publisher:
                     f"version {run.version} still has writes in flight", code=ErrorCode.NOT_READY
                 )
         self.last_version = version
-        self.run = Run(version=version, plan=self.plan, staging=self.staging)
+        self.run = Run(version=version, plan=self.plan, staging=self.staging, ring=ring)
         self.announce(version, "start", "", self.destinations)
         if not self.plan.buckets:
             self._finish(self.run)
@@ -198,8 +214,10 @@ class Publisher:
 
     async def _prepared(self, run: Run, bucket: int) -> list[_Part]:
         """The bucket's writes prepared on their transports: once per plan, again only when
-        a route's transport, source or destination region is not the one prepared for."""
-        cached = self._cache.get(bucket)
+        a route's transport, source or destination region is not the one prepared for. With
+        a staging ring, per (bucket, slot): its staging writes read from the bucket's slot."""
+        slot, shift = run.ring.slot[bucket], run.ring.shift[bucket]
+        cached = self._cache.get((bucket, slot))
         if cached is not None and cached.plan is run.plan:
             for key, route in cached.routes:
                 now = await self._route(run, key)
@@ -215,7 +233,7 @@ class Publisher:
             transport, src, dst = route
             req = WriteRequest(
                 src,
-                w.src_offset,
+                w.src_offset + shift if w.src_region < 0 else w.src_offset,
                 dst,
                 w.dst_offset,
                 w.length,
@@ -235,7 +253,7 @@ class Publisher:
             )
             for transport, items in groups.items()
         ]
-        self._cache[bucket] = _Cached(run.plan, tuple(routes.items()), parts)
+        self._cache[(bucket, slot)] = _Cached(run.plan, tuple(routes.items()), parts)
         return parts
 
     async def _post(self, run: Run, buckets: tuple[int, ...]) -> None:
@@ -261,6 +279,8 @@ class Publisher:
             run.bytes_done += part.nbytes
             run.writes_done += len(part.slots)
         run.bucket_landed[bucket] = time.time()
+        if run.ring.slots and not run.finished:
+            self.reply(BucketsLanded(version=run.version, buckets=(bucket,)))
 
     def _written(self, run: Run, task: asyncio.Task[None]) -> None:
         run.tasks.discard(task)
@@ -287,6 +307,7 @@ class Publisher:
             writes=run.writes_done,
             seconds=round(seconds, 6),
             gbps=round(run.bytes_done / seconds / 1e9, 3) if seconds > 0 else None,
+            staging_buckets=run.ring.slots,
         )
         self.reply(
             PublishResult(
@@ -366,4 +387,6 @@ class Publisher:
             "bytes_total": total,
             "buckets_posted": len(run.posted) if run else 0,
             "buckets": len(self.plan.buckets) if self.plan else 0,
+            "staging_buckets": run.ring.slots if run else 0,  # 0: the whole send is staged
+            "staging_bytes": run.ring.nbytes if run else 0,
         }

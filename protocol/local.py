@@ -123,8 +123,14 @@ class PlanReply(LocalMsg, frozen=True, tag="plan"):
 
 
 class BeginVersion(LocalMsg, frozen=True, tag="begin_version"):
+    """`staging_buckets` > 0: the rank packs into a ring of that many slots
+    (`protocol.plan.staging_ring`), and is told as each bucket's writes have all finished
+    (`BucketsLanded`), so that it can pack another bucket into that slot. 0: the whole send
+    is staged at the plan's offsets."""
+
     version: Version
     plan_hash: str
+    staging_buckets: NonNeg = 0
 
 
 class BucketReady(LocalMsg, frozen=True, tag="bucket_ready"):
@@ -134,6 +140,14 @@ class BucketReady(LocalMsg, frozen=True, tag="bucket_ready"):
     version: Version
     bucket: NonNeg
     more: tuple[NonNeg, ...] = ()
+
+
+class BucketsLanded(LocalMsg, frozen=True, tag="buckets_landed"):
+    """Every write of these buckets of `version` has finished: their staging slots are free.
+    Sent only to a rank that packs into a ring (`BeginVersion.staging_buckets` > 0)."""
+
+    version: Version
+    buckets: tuple[NonNeg, ...]
 
 
 class AbortVersion(LocalMsg, frozen=True, tag="abort_version"):
@@ -216,6 +230,7 @@ LocalMessage = (
     | PlanReply
     | BeginVersion
     | BucketReady
+    | BucketsLanded
     | AbortVersion
     | PublishResult
     | WaitVersion

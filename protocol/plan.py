@@ -143,3 +143,59 @@ class NodePlan(msgspec.Struct, frozen=True, kw_only=True):
     job: str
     sends: tuple[RankPlan, ...] = ()
     expects: tuple[Expect, ...] = ()
+
+
+RING_ALIGN = 256  # slots start at multiples of this; a bucket keeps its offsets mod it
+
+
+class StagingRing(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a rank's buckets are packed when staging is a ring of `slots` slots.
+
+    Bucket b is packed at its planned staging offsets plus `shift[b]`, in ring slot
+    `slot[b]`, and may be packed only once every write of bucket `reuse[b]` (the bucket that
+    used that slot before it; -1: none) has finished. `slots` = 0 is the whole send: every
+    bucket at its planned offsets, `nbytes` = the plan's staging bytes.
+    """
+
+    slots: NonNeg
+    slot_bytes: NonNeg
+    nbytes: NonNeg
+    shift: tuple[int, ...]
+    slot: tuple[int, ...]
+    reuse: tuple[int, ...]
+
+
+def staging_ring(plan: RankPlan, slots: int) -> StagingRing:
+    """The ring of `slots` slots for `plan` (buckets with staged packs take the slots in
+    turn), or the whole send when `slots` is 0 or a ring would not be smaller."""
+    spans: list[tuple[int, int, int]] = []  # (bucket, base, end) of buckets that stage
+    for b in plan.buckets:
+        if b.packs:
+            lo = min(p.staging_offset for p in b.packs)
+            hi = max(p.staging_offset + p.nbytes for p in b.packs)
+            spans.append((b.index, lo - lo % RING_ALIGN, hi))
+    n = len(plan.buckets)
+    slot_bytes = max((hi - lo for _, lo, hi in spans), default=0)
+    slot_bytes = -(-slot_bytes // RING_ALIGN) * RING_ALIGN
+    if slots <= 0 or slots >= len(spans) or slots * slot_bytes >= plan.staging_bytes:
+        return StagingRing(
+            slots=0,
+            slot_bytes=0,
+            nbytes=plan.staging_bytes,
+            shift=(0,) * n,
+            slot=(-1,) * n,
+            reuse=(-1,) * n,
+        )
+    shift, slot, reuse = [0] * n, [-1] * n, [-1] * n
+    for k, (index, lo, _) in enumerate(spans):
+        slot[index] = k % slots
+        shift[index] = slot[index] * slot_bytes - lo
+        reuse[index] = spans[k - slots][0] if k >= slots else -1
+    return StagingRing(
+        slots=slots,
+        slot_bytes=slot_bytes,
+        nbytes=slots * slot_bytes,
+        shift=tuple(shift),
+        slot=tuple(slot),
+        reuse=tuple(reuse),
+    )

@@ -9,7 +9,8 @@
 # No network there: pyzmq, msgspec and structlog come from the carried .whl/ (git-ignored,
 # see bench/results/README.md); weightwire itself is imported from this working tree.
 #
-# SUITE_STAGES picks stages (default: probe,tests,2x2,2x2-zero-copy,1x1,replica,fp8; e.g. SUITE_STAGES=2x2).
+# SUITE_STAGES picks stages (default: probe,tests,2x2,2x2-zero-copy,1x1,replica,fp8; e.g. SUITE_STAGES=2x2;
+# `rings`, not in the default, compares staging rings of 2 and 4 slots with the whole send).
 # WW_SUITE_CPU=1 runs the same stages without a GPU (tiny model, --device cpu, GPU tests
 # skipped): a self-test of this script, never a measurement.
 set -uo pipefail
@@ -175,6 +176,9 @@ if ((NGPU >= 4)); then
 fi
 if ((NGPU >= 1)); then
     bench 1x1 180 50 --pairs 1x1 --trace "$OUT/$TAG-bench-1x1-trace.json"
+    # opt-in (SUITE_STAGES=rings): the staging ring at 2 and 4 slots against the whole send,
+    # 1x1 (colocated on one GPU), each run verified, ratios in the table and JSON
+    bench rings 480 0 --pairs 1x1 --staging-buckets 0,2,4 --no-baseline
     bench replica 90 0 --replica --layers 8 --versions 2 --trace "$OUT/$TAG-bench-replica-trace.json"
     if ((NGPU >= 4)); then FP8PAIR=2x2; else FP8PAIR=1x1; fi
     bench fp8 100 0 --pairs $FP8PAIR --dest fp8 --layers 8 --versions 2

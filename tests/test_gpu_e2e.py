@@ -72,6 +72,8 @@ def gpu_cluster() -> Iterator[LocalCluster]:
 
 
 def moved(c: LocalCluster, host: int, transport: str) -> int:
+    if host >= len(c.daemons):
+        return 0
     return int(fetch(c.daemons[host].socket)["transports"].get(transport, {}).get("bytes_sent", 0))
 
 
@@ -82,6 +84,7 @@ def sync(
     staging: str,
     trainer_host: int,
     zero_copy: bool = False,
+    staging_buckets: int = 4,
 ) -> dict[str, Any]:
     tg, eg = placement()
     engines, received = [], []
@@ -103,7 +106,8 @@ def sync(
         "tcp0": moved(c, 0, "tcp"),
         "tcp1": moved(c, 1, "tcp"),
     }
-    nbytes, staged = 0, 0
+    nbytes, staged, held, slots = 0, 0, 0, 0
+    waited = True  # with a ring: every bucket packed only after its slot's last one landed
     try:
         for version in (1, 2):
             hf = random_hf(CFG, seed=version)
@@ -122,6 +126,7 @@ def sync(
                         job=job,
                         timeout_s=120,
                         staging=staging,  # type: ignore[arg-type]
+                        staging_buckets=staging_buckets,
                     )
                     tr.register(
                         mine,
@@ -132,6 +137,8 @@ def sync(
                     trainers.append((tr, mine))
                 for tr, _ in trainers:  # every rank registered: the plan, the staging
                     staged += tr.prepare().staging_bytes
+                    held += tr.staging_bytes
+                    slots = max(slots, tr.ring().slots)
             for r, (_, mine) in enumerate(trainers):
                 for n, t in hf.items():
                     step = -(-t.shape[0] // 2)
@@ -159,6 +166,12 @@ def sync(
                 t.join(180)
             assert not errors, errors
             nbytes += sum(s.nbytes for s in stats)
+            if slots:
+                waited = waited and all(
+                    b[k].prepare_start >= b[k - slots].landed > 0
+                    for b in (s.buckets for s in stats)
+                    for k in range(slots, len(b))
+                )
             for r, eng in enumerate(engines):
                 eng.wait(version, 120)
                 want = reference(CFG, hf, 2, r, 1, 128 if dest == "fp8" else None)
@@ -178,6 +191,9 @@ def sync(
     return {
         "bytes": nbytes,
         "staged": staged,
+        "held": held,
+        "slots": slots,
+        "waited": waited,
         "cuda": moved(c, 0, "cuda") - before["cuda"],
         "tcp0": moved(c, 0, "tcp") - before["tcp0"],
         "tcp1": moved(c, 1, "tcp") - before["tcp1"],
@@ -190,6 +206,28 @@ def test_gpu_staging_through_cuda_ipc(gpu_cluster: LocalCluster, dest: str) -> N
     assert got["bytes"] > 0
     assert got["cuda"] == got["bytes"], got  # every byte GPU to GPU by the copy engines
     assert got["tcp0"] == 0, got
+
+
+@pytest.fixture(scope="module")
+def small_buckets() -> Iterator[LocalCluster]:
+    """One daemon, cuda on, planning buckets of 256 KiB: more buckets than ring slots."""
+    c = LocalCluster(hosts=1, extra={**FAST, "bucket-bytes": str(256 << 10), "cuda": "on"})
+    c.start()
+    c.wait_joined()
+    yield c
+    assert c.stop() == [0], f"logs in {c.workdir}"
+
+
+@pytest.mark.parametrize("dest", ["", "fp8"])
+def test_gpu_staging_ring_through_cuda_ipc(small_buckets: LocalCluster, dest: str) -> None:
+    """GPU staging as a ring of 2 bucket slots: every bucket packed into its slot only once
+    the slot's last bucket landed (the copy engines done reading it), all bitwise, and
+    less staging memory than the whole send."""
+    job = f"gpu-ring-{dest or 'bf16'}"
+    got = sync(small_buckets, job, dest, "gpu", trainer_host=0, staging_buckets=2)
+    assert got["slots"] == 2 and got["waited"], got
+    assert got["held"] < got["staged"], got
+    assert got["cuda"] == got["bytes"] > 0, got
 
 
 def test_gpu_zero_copy_sources(gpu_cluster: LocalCluster) -> None:

@@ -102,6 +102,7 @@ LOCAL_SAMPLES = [
     L.PlanReply(plan=RANK_PLAN, req=7),
     L.BeginVersion(version=2**40, plan_hash="abc", req=8),
     L.BucketReady(version=3, bucket=1),
+    L.BucketsLanded(version=3, buckets=(0, 2)),
     L.AbortVersion(version=3, reason="r", req=9),
     L.PublishResult(version=3, ok=False, code="peer_lost", message="gone"),
     L.WaitVersion(version=3, timeout_s=1.0, req=10),

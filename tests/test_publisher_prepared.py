@@ -13,9 +13,10 @@ from tests.conformance.suite import rand
 from tests.test_publisher_posts import publisher
 from tests.test_transport_tcp import TcpKit
 from weightwire.daemon.publisher import Publisher
-from weightwire.protocol.local import PublishResult
-from weightwire.protocol.plan import Bucket, RankPlan, WriteOp, decode_imm
+from weightwire.protocol.local import BucketsLanded, PublishResult
+from weightwire.protocol.plan import Bucket, PackOp, RankPlan, WriteOp, decode_imm
 from weightwire.protocol.regions import RegionDescriptor
+from weightwire.protocol.tensors import Box, Copy
 from weightwire.transport.base import Transport
 
 N = 3 * 65536
@@ -146,5 +147,100 @@ def test_a_failed_bucket_is_reported_after_the_rest_of_its_post_landed() -> None
         ((result, landed),) = seen
         assert not result.ok and "outside region 2" in result.message
         assert landed, "the failure was reported while bucket 1 was still being written"
+
+    uvloop.run(asyncio.wait_for(with_pair(kit, body), 60))
+
+
+def test_a_staging_ring_writes_each_bucket_from_its_slot_prepared_once() -> None:
+    """Four buckets through a ring of two slots: each bucket's writes read from its slot
+    (its planned offsets shifted), are prepared once per (bucket, slot) and reused the next
+    version, and each bucket's end is reported (`BucketsLanded`) so that the rank can pack
+    the next bucket into that slot; without a ring, no such reports."""
+    kit = TcpKit()
+    part = 4096  # each bucket: one pack and one write of `part` bytes
+    n = 4 * part
+
+    def plan(dst: RegionDescriptor) -> RankPlan:
+        return RankPlan(
+            plan_hash="ring",
+            rank=0,
+            staging_bytes=n,
+            buckets=tuple(
+                Bucket(
+                    index=b,
+                    packs=(
+                        PackOp(
+                            source="w",
+                            box=Box.full((part,)),
+                            transform=Copy(),
+                            staging_offset=b * part,
+                            nbytes=part,
+                        ),
+                    ),
+                    writes=(
+                        WriteOp(
+                            src_offset=b * part,
+                            length=part,
+                            dst_node=dst.node,
+                            dst_region=2,
+                            dst_offset=b * part,
+                            slot=7,
+                        ),
+                    ),
+                )
+                for b in range(4)
+            ),
+            regions=(dst,),
+        )
+
+    async def body(p: Pair) -> None:
+        dst, desc = p.region(p.b, 2, n)
+        seen: list[PublishResult | BucketsLanded] = []
+
+        async def pick(*_: object) -> Transport:
+            return p.a.transport
+
+        pub = publisher(seen, pick)  # type: ignore[arg-type]
+        pub.set_plan(plan(desc))
+        ring = pub.ring(2)
+        assert ring.slots == 2 and ring.nbytes == 2 * part
+        staging, _ = p.region(p.a, 1, ring.nbytes)
+        pub.staging = staging
+        prepared = {}
+        for version in (1, 2):
+            data = rand(n, version)
+            pub.begin(version, "ring", 2)
+            for b in range(4):  # pack into the slot once the bucket before in it landed
+                if ring.reuse[b] >= 0:
+                    while not any(
+                        isinstance(m, BucketsLanded)
+                        and m.version == version
+                        and ring.reuse[b] in m.buckets
+                        for m in seen
+                    ):
+                        await asyncio.sleep(0.005)
+                slot = ring.slot[b]
+                kit.fill(staging, slot * part, data[b * part : (b + 1) * part])
+                pub.bucket_ready(version, (b,))
+            await pub.drain(30)
+            assert isinstance(seen[-1], PublishResult) and seen[-1].ok, seen[-1]
+            landed = [m for m in seen if isinstance(m, BucketsLanded) and m.version == version]
+            assert sorted(b for m in landed for b in m.buckets) == [0, 1, 2, 3]
+            assert kit.read(dst, 0, n) == data, f"version {version}"
+            assert set(pub._cache) == {(0, 0), (1, 1), (2, 0), (3, 1)}
+            parts = {k: c.parts for k, c in pub._cache.items()}
+            if prepared:  # the same prepared writes, posted again
+                assert all(parts[k] is prepared[k] for k in parts)
+            prepared = parts
+        seen.clear()
+        big, _ = p.region(p.a, 3, n)  # the whole send: planned offsets, no reports
+        data = rand(n, 3)
+        kit.fill(big, 0, data)
+        pub.staging = big
+        pub.begin(3, "ring")
+        pub.bucket_ready(3, (0, 1, 2, 3))
+        await pub.drain(30)
+        assert [type(m) for m in seen] == [PublishResult] and seen[0].ok
+        assert kit.read(dst, 0, n) == data
 
     uvloop.run(asyncio.wait_for(with_pair(kit, body), 60))

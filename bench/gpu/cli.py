@@ -56,6 +56,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="trainer staging (auto: on the GPU with GPU tensors)",
     )
     p.add_argument(
+        "--staging-buckets",
+        default="4",
+        metavar="N[,N...]",
+        help="trainer staging: a ring of N bucket slots (0: the whole send). Several values "
+        "(e.g. 0,2,4) make one run per value for each pair, each compared with the first",
+    )
+    p.add_argument(
         "--zero-copy",
         action="store_true",
         help="trainers register their GPU tensors zero-copy (the daemon reads their memory "

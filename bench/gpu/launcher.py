@@ -69,12 +69,20 @@ def main(args: Any) -> int:
         head = {"pair": "1x1 replica", "mode": "replica", "trainers": 1, "engines": 1}
         jobs.append((head, lambda: run_replica(args, base_cfg, info, workdir)))
     else:
+        rings = [int(n) for n in str(args.staging_buckets).split(",") if n.strip()] or [4]
         for pair in filter(None, args.pairs.split(",")):
             t, _, e = pair.lower().partition("x")
-            head = {"pair": f"{t}x{e}", "mode": "pair", "trainers": int(t), "engines": int(e)}
-            jobs.append(
-                (head, lambda t=int(t), e=int(e): run_pair(args, base_cfg, t, e, info, workdir))
-            )
+            for n in rings:
+                name = f"{t}x{e}" + (f" ring {n}" if len(rings) > 1 else "")
+                head = {"pair": name, "mode": "pair", "trainers": int(t), "engines": int(e)}
+                jobs.append(
+                    (
+                        head,
+                        lambda t=int(t), e=int(e), n=n, name=name: run_pair(
+                            args, base_cfg, t, e, info, workdir, ring=n, name=name
+                        ),
+                    )
+                )
     for i, (head, job) in enumerate(jobs):
         if Budget.deadline is not None:
             Budget.run_deadline = time.monotonic() + Budget.left() / (len(jobs) - i)

@@ -39,6 +39,7 @@ class TrainerRank(Rank):
             job=args.job,
             timeout_s=args.timeout,
             staging=args.staging,
+            staging_buckets=args.staging_buckets,
         )
         layout = Full() if self.full else Shard(0, self.index, self.T)
         self.tr.register(
@@ -55,7 +56,9 @@ class TrainerRank(Rank):
                 by_engine[w.dst_rank] += w.nbytes
         self.summary = {
             "plan_s": time.perf_counter() - t0,
-            "staging_bytes": plan.staging_bytes,
+            "staging_bytes": self.tr.staging_bytes,  # held: the ring, or the whole send
+            "send_staging_bytes": plan.staging_bytes,  # the whole send's
+            "staging_buckets": self.tr.ring(plan).slots,
             "buckets": len(plan.buckets),
             "packs": sum(len(b.packs) for b in plan.buckets),
             "writes": plan.write_count,

@@ -222,6 +222,36 @@ PRIMARY = (
 )
 
 
+def _rings(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Runs of one pair with different staging rings (`--staging-buckets 0,2,4`): each
+    against the pair's first, as a throughput ratio (its median time over theirs)."""
+    out: list[dict[str, Any]] = []
+    first: dict[tuple[int, int], dict[str, Any]] = {}
+    for r in runs:
+        if "weightwire_s" not in r or "staging_buckets" not in r:
+            continue
+        key = (r["trainers"], r["engines"])
+        base = first.setdefault(key, r)
+        if base is r:
+            continue
+
+        def held(run: dict[str, Any]) -> int:
+            return max((p["staging_bytes"] for p in run.get("trainer_plans", [])), default=0)
+
+        out.append(
+            {
+                "pair": r["pair"],
+                "against": base["pair"],
+                "ratio": base["weightwire_s"] / r["weightwire_s"],
+                "seconds": r["weightwire_s"],
+                "against_seconds": base["weightwire_s"],
+                "staging_bytes": held(r),
+                "against_staging_bytes": held(base),
+            }
+        )
+    return out
+
+
 def finish(result: dict[str, Any]) -> None:
     runs = result["runs"]
     ok = bool(runs)
@@ -230,6 +260,7 @@ def finish(result: dict[str, Any]) -> None:
         if r.get("error") or not v.get("weightwire") or v.get("baseline") is False:
             ok = False
     result["ok"] = ok
+    result["staging_rings"] = _rings(runs)
     primary = next((r for r in runs if "weightwire_s" in r), None)
     if primary is not None:
         result["primary"] = primary["pair"]

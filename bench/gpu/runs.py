@@ -42,9 +42,12 @@ def run_pair(
     engines: int,
     info: dict[str, Any],
     workdir: Path,
+    ring: int = 4,
+    name: str = "",
 ) -> dict[str, Any]:
-    name = f"{trainers}x{engines}"
+    name = name or f"{trainers}x{engines}"
     rec: dict[str, Any] = {"pair": name, "trainers": trainers, "engines": engines, "mode": "pair"}
+    rec["staging_buckets"] = ring
     cuda = args.device == "cuda"
     n = len(info["devices"]["gpus"]) if cuda else trainers + engines
     if cuda and n == 0:
@@ -70,7 +73,7 @@ def run_pair(
     layers, why = fit_layers(base_cfg, args, trainers, engines, budget)
     cfg = {**base_cfg, "num_hidden_layers": layers}
     rec["layers"], rec["layers_why"] = layers, why
-    return _run(args, cfg, rec, tg, eg, baseline, workdir / name, replica=False)
+    return _run(args, cfg, rec, tg, eg, baseline, workdir / name.replace(" ", "-"), replica=False)
 
 
 def run_replica(
@@ -149,11 +152,16 @@ def _run(
         tsock = cluster.daemons[1 if replica else 0].socket
         esock = cluster.daemons[0].socket
         staging = "cpu" if replica else args.staging
+        ring = rec.get("staging_buckets", int(str(args.staging_buckets).split(",")[0]))
         for r in range(T):
             group.spawn(
                 "trainer",
                 r,
-                [*common, "--gpu", str(tg[r]), "--socket", tsock, "--staging", staging],
+                [
+                    *common,
+                    *("--gpu", str(tg[r]), "--socket", tsock, "--staging", staging),
+                    *("--staging-buckets", str(ring)),
+                ],
             )
         for e in range(E):
             group.spawn("engine", e, [*common, "--gpu", str(eg[e]), "--socket", esock])

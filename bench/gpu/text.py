@@ -41,6 +41,12 @@ def render(result: dict[str, Any]) -> str:
     for r in result["runs"]:
         lines.append("")
         lines += _render_run(r, result)
+    for c in result.get("staging_rings", []):
+        lines.append(
+            f"staging {c['pair']}: {c['ratio']:.3f} of {c['against']}'s throughput "
+            f"({c['seconds']:.4f} s vs {c['against_seconds']:.4f} s), staging "
+            f"{_gb(c['staging_bytes'])} GB vs {_gb(c['against_staging_bytes'])} GB per trainer"
+        )
     lines.append("")
     lines.append("ALL VERIFIED" if result["ok"] else "FAILED (see above)")
     return "\n".join(lines)
@@ -148,7 +154,9 @@ def _render_run(r: dict[str, Any], result: dict[str, Any]) -> list[str]:
             "  plan: "
             + "; ".join(
                 f"trainer {p['rank']} {p['writes']} writes, {p['buckets']} buckets, "
-                f"{p['packs']} packs, staging {_gb(p['staging_bytes'])} GB ({p['staging']})"
+                f"{p['packs']} packs, staging {_gb(p['staging_bytes'])} GB ({p['staging']}, "
+                + (f"ring of {p['staging_buckets']}" if p.get("staging_buckets") else "whole send")
+                + ")"
                 for p in tp
             )
         )

@@ -20,8 +20,9 @@ def weights(version: int) -> torch.Tensor:
 
 def main() -> None:
     sock, job = sys.argv[1], sys.argv[2]
+    ring = int(sys.argv[3]) if len(sys.argv) > 3 else 4  # staging slots (0: the whole send)
     w = weights(0)
-    with Trainer(0, 1, socket=sock, job=job, timeout_s=60) as tr:
+    with Trainer(0, 1, socket=sock, job=job, timeout_s=60, staging_buckets=ring) as tr:
         tr.register({"w": w})
         tr.prepare()
         print(json.dumps({"event": "ready", "t": time.time()}), flush=True)

@@ -18,7 +18,7 @@ from .big_trainer import weights
 def main() -> None:
     sock, job = sys.argv[1], sys.argv[2]
     w = weights(1)
-    tr = Trainer(0, 1, socket=sock, job=job, timeout_s=60)
+    tr = Trainer(0, 1, socket=sock, job=job, timeout_s=60, staging_buckets=0)  # whole send
     tr.register({"w": w})
     plan = tr.prepare()
     assert len(plan.buckets) > 1, "the test needs a plan of several buckets"

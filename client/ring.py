@@ -1,0 +1,75 @@
+"""A trainer rank's staging ring: which buckets have landed (their slots are free again),
+and the pack ops of each bucket moved into its slot, made once per (bucket, slot)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import msgspec
+
+from weightwire.protocol.errors import TimeoutError_
+from weightwire.protocol.plan import Bucket, PackOp, RankPlan, StagingRing
+
+
+class Landed:
+    """Buckets of one version whose writes have all finished, as the daemon reports them
+    (`BucketsLanded`), or the version's end (its `PublishResult`), on the connection's
+    thread; the publishing thread waits for a slot here."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._buckets: set[int] = set()
+        self._ended = False
+
+    def add(self, buckets: tuple[int, ...]) -> None:
+        with self._cv:
+            self._buckets.update(buckets)
+            self._cv.notify_all()
+
+    def end(self) -> None:
+        with self._cv:
+            self._ended = True
+            self._cv.notify_all()
+
+    def wait(self, bucket: int, timeout_s: float, what: str) -> bool:
+        """True once `bucket` has landed; False if the version ended first (failed: its
+        result says why). Raises TimeoutError_ after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            while bucket not in self._buckets:
+                if self._ended:
+                    return False
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError_(
+                        f"{what}: bucket {bucket}'s writes did not finish within "
+                        f"{timeout_s:.0f} s, so its staging slot never came free"
+                    )
+                self._cv.wait(left)
+        return True
+
+
+class SlotOps:
+    """Each bucket's pack ops moved into its ring slot: made once per (plan, bucket, shift)
+    and then the same tuple every version, so the packer's batched work (and its CUDA
+    graph) made for it is kept."""
+
+    def __init__(self) -> None:
+        self._plan = ""
+        self._ops: dict[tuple[int, int], tuple[PackOp, ...]] = {}
+
+    def of(self, plan: RankPlan, ring: StagingRing, bucket: Bucket) -> tuple[PackOp, ...]:
+        shift = ring.shift[bucket.index]
+        if not shift:
+            return bucket.packs
+        if plan.plan_hash != self._plan:
+            self._plan, self._ops = plan.plan_hash, {}
+        key = (bucket.index, shift)
+        ops = self._ops.get(key)
+        if ops is None:
+            ops = self._ops[key] = tuple(
+                msgspec.structs.replace(op, staging_offset=op.staging_offset + shift)
+                for op in bucket.packs
+            )
+        return ops

@@ -1,0 +1,101 @@
+"""A trainer rank's zero-copy source memory: host memory from `Trainer.allocate` and GPU
+allocations registered for `register(..., zero_copy=True)`, each a region of the daemon's,
+registered once (and again, renumbered, after a daemon restart)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+
+from weightwire.protocol.local import RegionRegistered, RegisterRegion
+from weightwire.transport.hostmem import SharedFile, create_shared
+
+from . import cuda
+from .connection import DaemonConnection, expect
+
+
+class SourceRegions:
+    def __init__(self, conn: DaemonConnection, rank: int) -> None:
+        self._conn, self._rank = conn, rank
+        self._host: list[tuple[int, SharedFile, torch.Tensor]] = []  # (region, file, bytes)
+        # allocation base -> (region, size, its registration)
+        self._gpu: dict[int, tuple[int, int, RegisterRegion]] = {}
+
+    def allocate(
+        self, specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+    ) -> dict[str, torch.Tensor]:
+        """Tensors in one new shared region (see `Trainer.allocate`)."""
+        placed, offset = [], 0
+        for name, (shape, dtype) in specs.items():
+            offset = -(-offset // 256) * 256
+            placed.append((name, shape, dtype, offset))
+            offset += math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        shared = create_shared(
+            max(offset, 1),
+            purpose=f"sources-r{self._rank}",
+            gid=self._conn.socket_gid,
+            directory=self._conn.region_dir,
+        )
+        try:
+            region = expect(
+                self._conn.request(
+                    RegisterRegion(path=shared.path, length=shared.length, purpose="sources")
+                ),
+                RegionRegistered,
+            ).region
+        except BaseException:
+            shared.unlink()
+            shared.close()
+            raise
+        raw = torch.frombuffer(shared.map, dtype=torch.uint8)
+        self._host.append((region, shared, raw))
+        out = {}
+        for name, shape, dtype, off in placed:
+            n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            out[name] = raw[off : off + n].view(dtype).view(shape)
+        return out
+
+    def region_of(self, t: torch.Tensor, zero_copy: bool = False) -> tuple[int, int]:
+        """(region, byte offset) of a tensor allocated by `allocate`, or, with `zero_copy`,
+        of a GPU tensor in its allocation (registered on first use); else (-1, 0)."""
+        if not t.is_contiguous():
+            return -1, 0
+        if t.is_cuda:
+            return self._gpu_region_of(t) if zero_copy else (-1, 0)
+        if t.device.type != "cpu":
+            return -1, 0
+        for region, _, raw in self._host:
+            base = raw.data_ptr()
+            if base <= t.data_ptr() and t.data_ptr() + t.nbytes <= base + raw.numel():
+                return region, t.data_ptr() - base
+        return -1, 0
+
+    def _gpu_region_of(self, t: torch.Tensor) -> tuple[int, int]:
+        base, size = cuda.allocation_of(t)
+        known = self._gpu.get(base)
+        if known is None:
+            request = RegisterRegion(
+                length=size, purpose="sources", kind="gpu", cuda=cuda.region_of(t, base=base)
+            )
+            region = expect(self._conn.request(request), RegionRegistered).region
+            known = self._gpu[base] = (region, size, request)
+        return known[0], t.data_ptr() - base
+
+    def register_again(self) -> dict[int, int]:
+        """Every region again, with a (restarted) daemon that numbers them anew: old -> new."""
+        renamed: dict[int, int] = {}
+        for i, (old, shared, raw) in enumerate(self._host):
+            request = RegisterRegion(path=shared.path, length=shared.length, purpose="sources")
+            renamed[old] = expect(self._conn.request(request), RegionRegistered).region
+            self._host[i] = (renamed[old], shared, raw)
+        for base, (old, size, request) in list(self._gpu.items()):
+            renamed[old] = expect(self._conn.request(request), RegionRegistered).region
+            self._gpu[base] = (renamed[old], size, request)
+        return renamed
+
+    def close(self) -> None:
+        for _, shared, _ in self._host:
+            shared.unlink()
+        self._host.clear()

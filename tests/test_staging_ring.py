@@ -1,0 +1,192 @@
+"""Bounded staging: a trainer packs into a ring of bucket slots, each reused only once
+every write from it has finished (the daemon reports each bucket's end). Real daemons on
+tcp (own network namespaces when root; the trainer host's link throttled there, so that
+writes are slower than packing and the ring really waits), every byte checked bitwise."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from weightwire.cli.localcluster import LocalCluster
+from weightwire.cli.status import fetch, render
+from weightwire.client import Engine, Trainer
+from weightwire.protocol.errors import WeightwireError
+from weightwire.protocol.plan import Bucket, PackOp, RankPlan, staging_ring
+from weightwire.protocol.tensors import Box, Copy
+
+from .conftest import FAST, NETNS, NETNS_WHY
+from .ranks.big_trainer import COLS, ROWS, weights
+
+HERE = Path(__file__).parent
+BUCKET = 1 << 20
+
+
+def _plan(spans: list[list[tuple[int, int]]]) -> RankPlan:
+    """A plan whose bucket i packs (offset, nbytes) pairs spans[i] (none: zero-copy)."""
+    buckets = tuple(
+        Bucket(
+            index=i,
+            packs=tuple(
+                PackOp(source="w", box=Box.full((n,)), transform=Copy(), staging_offset=o, nbytes=n)
+                for o, n in packs
+            ),
+        )
+        for i, packs in enumerate(spans)
+    )
+    end = max((o + n for packs in spans for o, n in packs), default=0)
+    return RankPlan(plan_hash="h", rank=0, staging_bytes=end, buckets=buckets)
+
+
+def test_ring_geometry() -> None:
+    # five buckets, one zero-copy (no slot), offsets as the planner aligns them (16 B)
+    plan = _plan(
+        [[(0, 1000), (1008, 40)], [(1056, 600)], [], [(1664, 900), (2576, 16)], [(2592, 100)]]
+    )
+    ring = staging_ring(plan, 2)
+    assert ring.slots == 2 and ring.slot_bytes == 1280 and ring.nbytes == 2560
+    assert ring.slot == (0, 1, -1, 0, 1)
+    assert ring.reuse == (-1, -1, -1, 0, 1)  # the bucket that held the slot before
+    for b in plan.buckets:
+        if not b.packs:
+            continue
+        lo, hi = ring.slot[b.index] * ring.slot_bytes, (ring.slot[b.index] + 1) * ring.slot_bytes
+        for op in b.packs:  # inside its slot, and aligned as planned
+            moved = op.staging_offset + ring.shift[b.index]
+            assert lo <= moved and moved + op.nbytes <= hi
+            assert moved % 256 == op.staging_offset % 256
+    # the whole send: asked for, or a ring as large as it
+    for slots in (0, 4, 9):
+        whole = staging_ring(plan, slots)
+        assert whole.slots == 0 and whole.nbytes == plan.staging_bytes
+        assert set(whole.shift) == {0} and set(whole.reuse) == {-1}
+    assert staging_ring(_plan([[], []]), 1).nbytes == 0  # all zero-copy: no staging at all
+
+
+@pytest.fixture(scope="module")
+def ring_cluster() -> Iterator[LocalCluster]:
+    small = {"bucket-bytes": str(BUCKET), "max-write-bytes": str(BUCKET // 4)}
+    c = LocalCluster(hosts=2, use_netns=NETNS, extra={**FAST, **small})
+    c.start()
+    if c.net is not None:
+        c.net.throttle(0, 400)  # 50 MB/s out of the trainers' host
+    c.wait_joined()
+    yield c
+    assert c.stop() == [0, 0], f"logs in {c.workdir}"
+
+
+def publishing(c: LocalCluster, job: str) -> dict[str, object]:
+    return next(p for p in fetch(c.daemons[0].socket)["publishing"] if p["job"] == job)
+
+
+def test_a_send_larger_than_the_ring_lands_bitwise_version_after_version(
+    ring_cluster: LocalCluster,
+) -> None:
+    job = "ring-bitwise"
+    rows = 384  # 6 MiB of float32: 6 buckets through 2 slots
+    dst = torch.zeros(rows, COLS)
+    eng = Engine(0, 1, socket=ring_cluster.daemons[1].socket, job=job, timeout_s=60)
+    eng.register({"w": dst})
+    w = weights(0)[:rows].clone()
+    with Trainer(
+        0, 1, socket=ring_cluster.daemons[0].socket, job=job, timeout_s=60, staging_buckets=2
+    ) as tr:
+        tr.register({"w": w})
+        plan = tr.prepare()
+        ring = tr.ring()
+        assert len(plan.buckets) == 6 and ring.slots == 2
+        assert tr.staging_bytes == ring.nbytes == 2 * ring.slot_bytes
+        assert ring.slot_bytes < BUCKET + 4096 and 3 * tr.staging_bytes < plan.staging_bytes + 8192
+        for version in (1, 2, 3):
+            w.copy_(weights(version)[:rows])
+            stats = tr.publish(version)
+            eng.wait(version)
+            assert torch.equal(dst.view(torch.uint8), w.view(torch.uint8)), f"v{version}"
+            assert stats.nbytes == w.nbytes
+            b = stats.buckets
+            for k in range(2, len(b)):  # packed only after the slot's last bucket landed
+                assert b[k].prepare_start >= b[k - 2].landed > 0, (version, k)
+        status = publishing(ring_cluster, job)
+        assert status["staging_buckets"] == 2 and status["staging_bytes"] == ring.nbytes
+        text = render(fetch(ring_cluster.daemons[0].socket))  # `weightwire status`
+        assert f"staging {ring.nbytes / 1e9:.3f} GB, ring of 2" in text, text
+    eng.close()
+
+
+def test_the_whole_send_when_asked_or_when_the_ring_would_not_be_smaller(
+    ring_cluster: LocalCluster,
+) -> None:
+    job = "ring-whole"
+    dst = torch.zeros(384, COLS)
+    eng = Engine(0, 1, socket=ring_cluster.daemons[1].socket, job=job, timeout_s=60)
+    eng.register({"w": dst})
+    w = weights(5)[:384].clone()
+    with Trainer(
+        0, 1, socket=ring_cluster.daemons[0].socket, job=job, timeout_s=60, staging_buckets=0
+    ) as tr:
+        tr.register({"w": w})
+        plan = tr.prepare()
+        assert tr.ring().slots == 0 and tr.staging_bytes == plan.staging_bytes
+        assert tr.ring(plan).nbytes == plan.staging_bytes
+        tr.staging_buckets = 6  # as many slots as buckets: no ring
+        assert tr.ring().slots == 0
+        tr.publish(1)
+        eng.wait(1)
+        assert torch.equal(dst, w)
+        assert publishing(ring_cluster, job)["staging_buckets"] == 0
+    eng.close()
+
+
+@pytest.mark.skipif(not NETNS, reason=f"needs a throttled link (namespaces): {NETNS_WHY}")
+def test_a_rank_killed_mid_ring_never_completes_and_the_next_one_lands(
+    ring_cluster: LocalCluster,
+) -> None:
+    job = "ring-killed"
+    dst = torch.zeros(ROWS, COLS)
+    eng = Engine(0, 1, socket=ring_cluster.daemons[1].socket, job=job, timeout_s=60)
+    eng.register({"w": dst})
+    done: list[object] = []
+    eng.on_version(done.append)
+    sock = ring_cluster.daemons[0].socket
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
+    cmd = [sys.executable, str(HERE / "ranks" / "big_trainer.py"), sock, job, "2"]
+    doomed = subprocess.Popen(
+        cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+    )
+    assert doomed.stdin is not None and doomed.stdout is not None
+    try:
+        assert json.loads(doomed.stdout.readline())["event"] == "ready"
+        doomed.stdin.write("1\n")
+        doomed.stdin.flush()
+        deadline = time.monotonic() + 30
+        while True:  # 48 buckets, 2 slots, 50 MB/s: the ring is full and waiting
+            p = publishing(ring_cluster, job)
+            if p["version"] == 1 and p["state"] == "writing" and p["buckets_posted"] >= 2:
+                break
+            assert time.monotonic() < deadline, p
+            time.sleep(0.02)
+        assert p["staging_buckets"] == 2 and p["buckets_posted"] < p["buckets"]
+        doomed.send_signal(signal.SIGKILL)
+        doomed.wait(10)
+    finally:
+        if doomed.poll() is None:
+            doomed.kill()
+    with pytest.raises(WeightwireError, match="disconnected mid-version"):
+        eng.wait(1, timeout_s=15)
+    assert not any(getattr(e, "version", None) == 1 for e in done), "version 1 completed"
+    w = weights(2)
+    with Trainer(0, 1, socket=sock, job=job, timeout_s=60, staging_buckets=2) as tr:
+        tr.register({"w": w})
+        tr.publish(2)
+    eng.wait(2, timeout_s=30)
+    assert torch.equal(dst.view(torch.uint8), w.view(torch.uint8))
+    eng.close()
