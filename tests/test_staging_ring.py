@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -190,3 +191,41 @@ def test_a_rank_killed_mid_ring_never_completes_and_the_next_one_lands(
     eng.wait(2, timeout_s=30)
     assert torch.equal(dst.view(torch.uint8), w.view(torch.uint8))
     eng.close()
+
+
+@pytest.mark.skipif(not NETNS, reason=f"needs a throttled link (namespaces): {NETNS_WHY}")
+def test_a_version_failing_mid_ring_ends_the_wait_for_a_slot(ring_cluster: LocalCluster) -> None:
+    """The engine leaves while the trainer waits for a slot: the version fails, and the
+    publish raises at once with the cause instead of waiting out its timeout."""
+    job = "ring-fails"
+    dst = torch.zeros(ROWS, COLS)
+    eng = Engine(0, 1, socket=ring_cluster.daemons[1].socket, job=job, timeout_s=60)
+    eng.register({"w": dst})
+    with Trainer(
+        0, 1, socket=ring_cluster.daemons[0].socket, job=job, timeout_s=60, staging_buckets=2
+    ) as tr:
+        tr.register({"w": weights(1)})
+        tr.prepare()
+        out: dict[str, object] = {}
+
+        def publish() -> None:
+            try:
+                tr.publish(1)
+            except WeightwireError as exc:
+                out["error"], out["t"] = exc, time.monotonic()
+
+        thread = threading.Thread(target=publish)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while True:
+            p = publishing(ring_cluster, job)
+            if p["version"] == 1 and p["state"] == "writing" and p["buckets_posted"] >= 2:
+                break
+            assert time.monotonic() < deadline, p
+            time.sleep(0.02)
+        left = time.monotonic()
+        eng.close()
+        thread.join(30)
+        assert not thread.is_alive() and "error" in out, out
+        assert float(out["t"]) - left < 15, out  # type: ignore[arg-type]
+        assert publishing(ring_cluster, job)["buckets_posted"] < p["buckets"]
