@@ -7,7 +7,10 @@ dimension. The box is read from them the way DTensor lays shards out:
 - `Shard(d)`: the mesh dimension cuts tensor dimension d as `torch.chunk` does (the last
   shards smaller, or empty, when it does not divide);
 - `Replicate()`: every coordinate of the mesh dimension holds the same box (HSDP's
-  replica dimension; a TP dimension for a parameter FSDP shards alone);
+  replica dimension; a TP dimension for a parameter FSDP shards alone). Every replica
+  registers it, and the planner gives each piece (cut to at most a bucket) to the
+  least-loaded rank holding it, so the replicas share the sends; to send from one replica
+  only, create Trainers on its ranks only;
 - `_StridedShard(d, sf)` (FSDP2 over TP on the same tensor dimension): the dimension is cut
   into `sf` pieces first, each piece is chunked over the mesh dimension, and the rank holds
   its chunk of every piece, in order.
