@@ -25,7 +25,7 @@ from weightwire.protocol.errors import PlanError
 
 from .plan_plot import plot
 from .plan_ranks import Topology
-from .plan_report import run_plan
+from .plan_report import Progress, run_plan
 from .plan_text import render
 
 
@@ -59,6 +59,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sim-tol", type=float, default=1e-4, help="simulator event window")
     p.add_argument("--top", type=int, default=5, help="busiest NICs listed")
     p.add_argument("--plot", metavar="FILE.png", help="per-NIC bytes and finish times")
+    p.add_argument(
+        "--progress-after",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="phase lines on stderr once planning has taken S seconds",
+    )
     p.add_argument("--json", action="store_true")
 
 
@@ -75,7 +82,6 @@ def run(args: argparse.Namespace) -> int:
         print("weightwire plan: need trainers >= 1, nic-gbps > 0, ep dividing T", file=sys.stderr)
         return 2
     topo = Topology(args.trainers, replicas, tp, ep, args.nic_gbps)
-    quiet = args.json
     try:
         report = run_plan(
             config,
@@ -88,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
             write_overhead_s=args.write_overhead_us * 1e-6,
             rel_tol=args.sim_tol,
             model=path.stem,
-            progress=None if quiet else lambda m: print(f"... {m}", file=sys.stderr, flush=True),
+            progress=Progress(args.progress_after),
         )
     except PlanError as exc:
         print(f"weightwire plan: {exc}", file=sys.stderr)

@@ -3,13 +3,13 @@ the busiest-NIC bound, and the figures as a JSON object."""
 
 from __future__ import annotations
 
+import gc
 import math
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-from weightwire.protocol.plan import NodePlan
+from typing import TYPE_CHECKING, Any, TextIO
 
 from .plan_ranks import Topology, engine_ranks, trainer_ranks
 
@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # numpy and the planner load only when the command runs
     import numpy as np
 
     from weightwire.plan.bound import Bound
+    from weightwire.plan.compact import PlanSet
     from weightwire.plan.simulate import SimResult
 
 DTYPES = {"fp8": "fp8", "bf16": "bfloat16", "bfloat16": "bfloat16"}
@@ -47,40 +48,53 @@ class Flows:
     nbytes: np.ndarray
     bucket: np.ndarray
     packed: dict[tuple[int, int], float]
-    staging: list[int]  # staging bytes per trainer
+    staging: list[int]  # staging bytes per trainer: today what it stages is its whole send
+    plan_hash: str = ""
 
     @property
     def writes(self) -> int:
         return int(self.src.shape[0])
 
 
-def flows_of(plans: Mapping[str, NodePlan], trainers: int) -> Flows:
+def flows_of(plans: PlanSet, trainers: int) -> Flows:
+    """The writes of a plan as arrays, straight from its columnar form (no NodePlan is made)."""
     import numpy as np
 
-    src: list[int] = []
-    dst: list[int] = []
-    nbytes: list[int] = []
-    bucket: list[int] = []
-    packed: dict[tuple[int, int], float] = {}
+    c = plans.compact
+    p, w = c.packs, c.writes
+    t_rank = np.asarray([t.rank for t in c.trainers], dtype=np.int64)
+    e_rank = np.asarray([e.rank for e in c.engines], dtype=np.int64)
+    b_rank = t_rank[p.b_trainer]
     staging = [0] * trainers
-    for node_plan in plans.values():
-        for rp in node_plan.sends:
-            staging[rp.rank] = rp.staging_bytes
-            for b in rp.buckets:
-                packed[(rp.rank, b.index)] = float(b.nbytes)
-                for w in b.writes:
-                    src.append(rp.rank)
-                    dst.append(w.dst_rank)
-                    nbytes.append(w.nbytes)
-                    bucket.append(b.index)
+    for rank, nbytes in zip(t_rank.tolist(), p.staging.tolist(), strict=True):
+        staging[rank] = nbytes
+    packed = {
+        (r, b): float(n)
+        for r, b, n in zip(b_rank.tolist(), p.b_index.tolist(), p.b_nbytes.tolist(), strict=True)
+    }
     return Flows(
-        src=np.asarray(src, dtype=np.int64),
-        dst=np.asarray(dst, dtype=np.int64),
-        nbytes=np.asarray(nbytes, dtype=np.float64),
-        bucket=np.asarray(bucket, dtype=np.int64),
+        src=b_rank[w.bucket],
+        dst=e_rank[w.engine],
+        nbytes=w.nbytes.astype(np.float64),
+        bucket=p.b_index[w.bucket],
         packed=packed,
         staging=staging,
+        plan_hash=plans.plan_hash,
     )
+
+
+class Progress:
+    """Phase lines on stderr, only once a plan has taken `after_s` (short plans stay quiet)."""
+
+    def __init__(self, after_s: float = 2.0, out: TextIO | None = None) -> None:
+        self.after_s = after_s
+        self.out = out
+        self.t0 = time.perf_counter()
+
+    def __call__(self, msg: str) -> None:
+        elapsed = time.perf_counter() - self.t0
+        if elapsed >= self.after_s:
+            print(f"... {elapsed:5.1f} s  {msg}", file=self.out or sys.stderr, flush=True)
 
 
 @dataclass
@@ -97,6 +111,7 @@ class Report:
     caveats: list[str] = field(default_factory=list)  # plan.rules.caveats of the layouts
 
     def as_json(self, top: int) -> dict[str, Any]:
+        import numpy as np
 
         b, s = self.bound, self.sim
         tb, eb = s.src_bytes, s.dst_bytes
@@ -126,6 +141,8 @@ class Report:
             "pairs": s.pairs,
             "buckets_max": max((k[1] + 1 for k in self.flows.packed), default=0),
             "staging_bytes_max": max(self.flows.staging, default=0),
+            "staging_per_trainer": _stats(np.asarray(self.flows.staging, dtype=np.float64)),
+            "plan_hash": self.flows.plan_hash,
             "simulation_steps": s.steps,
             "options": self.options,
             "timings_s": {k: round(v, 3) for k, v in self.timings.phases.items()},
@@ -174,7 +191,44 @@ def run_plan(
     model: str = "",
     progress: Any = None,
 ) -> Report:
-    """Plan and simulate; raises PlanError when the layout cannot be planned."""
+    """Plan and simulate; raises PlanError when the layout cannot be planned. `progress`
+    is told each phase as it starts. The collector is off meanwhile: everything built
+    lives to the end, and at Kimi-K2's millions of objects its passes cost seconds."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _run_plan(
+            config,
+            topo,
+            dtype,
+            bucket_bytes=bucket_bytes,
+            max_write_bytes=max_write_bytes,
+            bucket_overhead_s=bucket_overhead_s,
+            pack_Bps=pack_Bps,
+            write_overhead_s=write_overhead_s,
+            rel_tol=rel_tol,
+            model=model,
+            progress=progress,
+        )
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _run_plan(
+    config: Mapping[str, Any],
+    topo: Topology,
+    dtype: str,
+    *,
+    bucket_bytes: int,
+    max_write_bytes: int,
+    bucket_overhead_s: float,
+    pack_Bps: float,
+    write_overhead_s: float,
+    rel_tol: float,
+    model: str,
+    progress: Any,
+) -> Report:
     import numpy as np
 
     from weightwire.plan.bound import bound_of, layout_of, received_bytes
@@ -186,6 +240,7 @@ def run_plan(
     timings = Timings()
     t_start = t0 = time.perf_counter()
     say = progress or (lambda _msg: None)
+    say("engine layouts and the bound")
     per_rank = [
         received_bytes(_engine_tensors(config, layout_of(config, topo.tp, r, topo.ep, dest)))
         for r in range(topo.tp)
@@ -198,12 +253,12 @@ def run_plan(
     pieces = sum(len(t.pieces or ()) for e in engines for t in e.tensors)
     say(f"planning: {topo.trainers} trainer ranks x {pieces:,} engine pieces")
     options = PlanOptions(bucket_bytes=bucket_bytes, max_write_bytes=max_write_bytes)
-    plans = plan("plan", trainers, engines, options)
+    plans = plan("plan", trainers, engines, options, progress=say)
     t0 = timings.run("planner", t0)
     flows = flows_of(plans, topo.trainers)
     del plans
     t0 = timings.run("flows", t0)
-    say(f"simulating {flows.writes} writes")
+    say(f"simulating {flows.writes:,} writes")
     sim = simulate(
         flows.src,
         flows.dst,

@@ -31,12 +31,19 @@ def render(j: Mapping[str, Any]) -> str:
             for t in (j["busiest_engines"][:3] + j["busiest_trainers"][:2])
         )
     )
+    st = j["staging_per_trainer"]
+    if st:
+        lines.append(
+            f"staging         per trainer rank (its whole send, staged at once): "
+            f"max {_gb(st['max'])}  median {_gb(st['median'])}  min {_gb(st['min'])}"
+        )
     lines += [
         f"bound           {j['bound_s']:.4f} s  ({j['bound_limited_by']}: busiest engine "
         f"{j['bound_engine_s']:.4f} s, all trainers {j['bound_trainer_s']:.4f} s)",
         f"simulated       {j['simulated_s']:.4f} s  (bucket {j['options']['bucket_mb']:g} MB, "
         f"{j['options']['bucket_overhead_us']:g} us per bucket)",
         f"efficiency      {j['efficiency']:.3f}  (bound / simulated)",
+        f"plan hash       {j['plan_hash']}",
         "took            "
         + ", ".join(f"{k} {v:.1f} s" for k, v in j["timings_s"].items())
         + f"; {j['wall_s']:.1f} s in all ({sum(j['cpu_s'].values()):.1f} s CPU)",

@@ -10,7 +10,7 @@ import asyncio
 import hashlib
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import msgspec
@@ -63,7 +63,7 @@ class Coordinator:
     last_seen: dict[str, float] = field(default_factory=dict)
     jobs: dict[str, Job] = field(default_factory=dict)
     _planning: dict[str, asyncio.Task[None]] = field(default_factory=dict)
-    _plans: dict[str, dict[str, NodePlan]] = field(default_factory=dict)
+    _plans: dict[str, Mapping[str, NodePlan]] = field(default_factory=dict)  # made when sent
 
     # --- membership ----------------------------------------------------------
 
@@ -175,13 +175,13 @@ class Coordinator:
             self._problem(job, exc)
             return
         job.inputs, job.problem = digest, ""
-        new_hash = plans[next(iter(plans))].plan_hash
+        new_hash = plans.plan_hash
         if new_hash != job.plan_hash:
             job.assigned = {}
             for caveat in caveats_of(engines):
                 log.warning("plan caveat", job=job.name, plan=new_hash, caveat=caveat)
         job.plan_hash = new_hash
-        writes = sum(s.write_count for p in plans.values() for s in p.sends)
+        writes = plans.write_count  # counted on the plan's arrays: no node plan is made
         log.info(
             "plan ready",
             job=job.name,
@@ -194,14 +194,15 @@ class Coordinator:
         )
         self._assign(job, plans)
 
-    def _assign(self, job: Job, plans: dict[str, NodePlan] | None) -> None:
+    def _assign(self, job: Job, plans: Mapping[str, NodePlan] | None) -> None:
         if plans is not None:
             self._plans[job.name] = plans
-        for node, node_plan in self._plans.get(job.name, {}).items():
+        plans = self._plans.get(job.name, {})
+        for node in plans:
             member = self.members.get(node)
             if member is None or job.assigned.get(node) == member.incarnation:
                 continue
-            self.send(node, AssignPlan(plan=node_plan))
+            self.send(node, AssignPlan(plan=plans[node]))  # made now, from the plan's arrays
             job.assigned[node] = member.incarnation
 
     def _problem(self, job: Job, exc: WeightwireError) -> None:

@@ -35,11 +35,11 @@ def check_destination(
         return f"{dst.name} [{dst.offset}, +{dst.nbytes}) overruns region {dst.region}"
     key = (dst.name, dst.dtype, dst.shape, dst.pieces)  # engine replicas repeat them
     if key not in memo:
-        memo[key] = _check_pieces(dst, index)
+        memo[key] = check_pieces(dst, index)
     return memo[key]
 
 
-def _check_pieces(dst: DestTensor, index: SourceIndex) -> str | None:
+def check_pieces(dst: DestTensor, index: SourceIndex) -> str | None:
     """The recipe's pieces: known sources, inside them, right dtypes, covering exactly."""
     assert dst.pieces is not None
     spans: list[tuple[int, int]] = []

@@ -88,13 +88,19 @@ class Fabric:
             share[live] = rem[live] / cnt[live]
             level = float(share.min())
             sat = np.flatnonzero(share <= level * (1 + eps))
-            parts = []
-            for r in sat:
-                seg = self.flows_of[self.start[r] : self.start[r + 1]]
-                new = seg[~frozen[seg]]
-                frozen[new] = True
-                parts.append(new)
-            newly = np.concatenate(parts) if len(parts) > 1 else parts[0]
+            lo, hi = self.start[sat], self.start[sat + 1]
+            if sat.shape[0] == 1:
+                seg = self.flows_of[lo[0] : hi[0]]
+            else:  # the flows of every saturated resource at once, each once: a flow
+                n = hi - lo  # whose both ends saturate is taken from its first end
+                at = np.arange(int(n.sum())) + np.repeat(lo - np.cumsum(n) + n, n)
+                seg = self.flows_of[at]
+                saturated = np.zeros(nres, dtype=bool)
+                saturated[sat] = True
+                first_end = self.a[seg]
+                seg = seg[(np.repeat(sat, n) == first_end) | ~saturated[first_end]]
+            newly = seg[~frozen[seg]]
+            frozen[newly] = True
             rates[newly] = level
             gone = np.bincount(self.a[newly], minlength=nres) + np.bincount(
                 self.b[newly], minlength=nres

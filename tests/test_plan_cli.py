@@ -124,3 +124,28 @@ def test_llama_block_fp8_gets_a_warning(capsys: pytest.CaptureFixture[str], tmp_
     j = run_json(capsys, *args, "--dtype", "fp8")
     assert len(j["caveats"]) == 1 and "Llama" in j["caveats"][0]
     assert run_json(capsys, *args, "--dtype", "bf16")["caveats"] == []
+
+
+def test_progress_on_stderr_only_once_slow(capsys: pytest.CaptureFixture[str]) -> None:
+    """Phase lines go to stderr once planning has taken --progress-after seconds (0 here,
+    so every phase shows); with the default 2 s a small plan prints none. The text shows
+    each trainer rank's staging (its whole send) and the plan hash."""
+    args = ["--model", str(MODELS / "qwen3-8b.json"), "--trainers", "3", "--engines", "2x2"]
+    args += ["--nic-gbps", "400", "--dtype", "fp8"]
+    assert main(["plan", *args, "--progress-after", "0"]) == 0
+    fast = capsys.readouterr()
+    phases = [line for line in fast.err.splitlines() if line.startswith("...")]
+    for phase in ("choosing the senders", "laying out staging", "cutting writes", "simulating"):
+        assert any(phase in line for line in phases), (phase, phases)
+    assert main(["plan", *args, "--progress-after", "1000"]) == 0
+    quiet = capsys.readouterr()
+    assert quiet.err == ""
+    assert "staging         per trainer rank (its whole send" in quiet.out
+    j = run_json(capsys, *args)
+    hash_line = next(x for x in quiet.out.splitlines() if x.startswith("plan hash"))
+    assert hash_line.split()[-1] == j["plan_hash"] and len(j["plan_hash"]) == 16
+    staging = j["staging_per_trainer"]
+    assert staging["max"] == j["staging_bytes_max"] > 0
+    # each trainer rank stages what it packs: the bytes it sends, less what another
+    # engine replica receives from the same pack
+    assert 3 * staging["mean"] <= j["bytes_total"]

@@ -324,10 +324,24 @@ def make_ctx(config: Mapping[str, Any], layout: EngineLayout, hf: Sequence[HfTen
         tp=tp,
         rank=rank,
         ep=ep,
-        hf={t.name: t for t in hf},
+        hf=_by_name(hf),
         dtype=dtype,
         block=block,
     )
+
+
+_BY_NAME: dict[int, tuple[Sequence[HfTensor], dict[str, HfTensor]]] = {}
+
+
+def _by_name(hf: Sequence[HfTensor]) -> dict[str, HfTensor]:
+    """A model's HF tensors by name, made once per tensor list (every engine rank of a
+    model resolves from the same one); the dict is only read."""
+    hit = _BY_NAME.get(id(hf))
+    if hit is None or hit[0] is not hf:
+        if len(_BY_NAME) >= 8:
+            _BY_NAME.clear()
+        hit = _BY_NAME[id(hf)] = (hf, {t.name: t for t in hf})
+    return hit[1]
 
 
 def hf_builder(config: Mapping[str, Any], dtype: str) -> tuple[list[HfTensor], Any]:
