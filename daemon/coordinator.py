@@ -67,6 +67,24 @@ class Coordinator:
 
     # --- membership ----------------------------------------------------------
 
+    def binding_refusal(self, m: Member, key: bytes | None) -> str | None:
+        """Why a hello for `m` authenticated with `key` must be refused (None: admit it). The
+        first hello claiming a name binds it to its key for as long as the name is a member;
+        another key claiming it meanwhile is refused, and so is a key that already speaks as
+        another member. Without CURVE (key None) names are claims, unchecked."""
+        if key is None:
+            return None
+        text = key.decode()
+        if m.public_key != text:
+            return f"{m.node} says its key is {m.public_key!r} but authenticated with another"
+        bound = self.members.get(m.node)
+        if bound is not None and bound.public_key != text:
+            return f"{m.node} is a member with another key"
+        holder = next((n for n, b in self.members.items() if b.public_key == text), m.node)
+        if holder != m.node:
+            return f"this key is already member {holder}'s"
+        return None
+
     def on_hello(self, sender: str, hello: PeerHello) -> None:
         m = hello.member
         if hello.protocol != PROTOCOL_VERSION or m.node != sender:

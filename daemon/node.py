@@ -48,6 +48,7 @@ from .config import DaemonConfig
 from .coordinator import Coordinator
 from .dataplane import DataPlane
 from .local import LocalServer
+from .names import Refusal
 from .notify import Notifier
 from .peers import COORDINATOR, PeerMesh
 from .plans import PlanKeeping
@@ -75,7 +76,10 @@ class Daemon(RankService, PlanKeeping, DataPlane):
             self.ctx,
             Codec(PeerMessage, max_bytes=self.cfg.max_message_bytes),
             security,
+            heartbeat_interval_s=self.cfg.heartbeat_interval_s,
+            heartbeat_timeout_s=self.cfg.heartbeat_timeout_s,
         )
+        self.mesh.names.members = self._bindings
         self.authenticator: Any = None
         self.transports: list[Transport] = make_transports(self.cfg)
         self.registry = RegionRegistry(self.node, self.transports, self.cfg.region_dir)
@@ -290,7 +294,13 @@ class Daemon(RankService, PlanKeeping, DataPlane):
 
     # --- peer messages -------------------------------------------------------
 
-    async def on_peer(self, sender: str, msg: PeerMessage) -> None:
+    def _bindings(self) -> dict[str, Member]:
+        """Node name -> member (and so its key): the coordinator's own table where this node
+        coordinates, else the membership the coordinator last sent."""
+        return self.coordinator.members if self.coordinator is not None else self.members
+
+    async def on_peer(self, sender: str, msg: PeerMessage, key: bytes | None = None) -> None:
+        """A message the mesh admitted: `sender` is bound to `key` (see names.py)."""
         if self.coordinator is not None:
             self.coordinator.seen(sender)
         match msg:
@@ -299,6 +309,8 @@ class Daemon(RankService, PlanKeeping, DataPlane):
                     self.mesh.send_soon(
                         sender, PeerError(code="not_coordinator", message=f"{self.node} is not")
                     )
+                elif refusal := self.coordinator.binding_refusal(msg.member, key):
+                    self.mesh.refusals.refused(sender, key, "PeerHello", Refusal(refusal))
                 else:
                     self.mesh.know(sender, msg.member.endpoint, _key(msg.member.public_key))
                     self.coordinator.on_hello(sender, msg)
@@ -331,7 +343,7 @@ class Daemon(RankService, PlanKeeping, DataPlane):
                     if src in rc.expect.sources:
                         rc.fail(version, ErrorCode.ABORTED, f"{src}: {message}")
             case TransportSignal(reply=True):
-                self.mesh.resolve(msg.req, msg)
+                self.mesh.resolve(sender, msg.req, msg)
             case TransportSignal(transport=name, payload=payload):
                 self._spawn(self._answer_signal(sender, msg.req, name, payload))
             case PeerError(code=code, message=message):

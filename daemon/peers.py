@@ -1,14 +1,22 @@
 """The daemon-to-daemon mesh: one ROUTER to receive on, one DEALER per peer to send on.
 
-Every message goes out on the sender's DEALER to the receiver's ROUTER, whose routing
-id is the sender's node name, so the receiver always knows who spoke. Liveness is
-the time since the last message from a node (heartbeats keep it fresh).
+Every message goes out on the sender's DEALER to the receiver's ROUTER. The routing id
+(NAME/NONCE) says which node the sender claims to be; the CURVE key its connection
+authenticated with says who it is, and `Names` decides whether the two agree before the
+message is acted on (see names.py). Liveness is the time since the last accepted message
+from a node (heartbeats keep it fresh).
+
+Connections are kept honest by ZeroMQ itself: ZMTP heartbeats close a connection that
+went silent (a link that went down leaves TCP retransmitting with exponential backoff for
+minutes), and reconnection is retried at a bounded interval, so a node is back within
+about a second of its link returning, however long it was away.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -22,10 +30,15 @@ from weightwire.protocol.frames import HARD_LIMIT_FACTOR, Codec
 from weightwire.protocol.peer import PeerError, PeerMessage, PeerMsg
 
 from .lograte import Throttled
+from .names import Names, RefusalLog, claimed_name, routing_id
 
 log = structlog.get_logger("weightwire.daemon.peers")
 
-Handler = Callable[[str, PeerMessage], Awaitable[None]]
+Handler = Callable[[str, PeerMessage, bytes | None], Awaitable[None]]  # name, message, key
+
+RECONNECT_IVL_MS = 100  # first retry after a connection is lost
+RECONNECT_IVL_MAX_MS = 500  # retries back off up to this, never further
+CONNECT_TIMEOUT_MS = 1000  # a connect attempt into a dead link is given up after this
 
 COORDINATOR = "@coordinator"  # the mesh's name for the coordinator until it says its own
 
@@ -64,20 +77,36 @@ class PeerMesh:
     ctx: zmq.asyncio.Context
     codec: Codec[PeerMessage]
     security: Security = field(default_factory=Security)
+    heartbeat_interval_s: float = 0.5  # ZMTP PINGs on every connection
+    heartbeat_timeout_s: float = 2.5  # a connection silent this long after a PING is closed
     endpoint: str = ""
+    names: Names = field(init=False)
+    refusals: RefusalLog = field(default_factory=RefusalLog)
+    nonce: str = field(default_factory=lambda: secrets.token_hex(8))
     last_seen: dict[str, float] = field(default_factory=dict)
     _router: zmq.asyncio.Socket | None = None
     _dealers: dict[tuple[str, bytes | None], zmq.asyncio.Socket] = field(default_factory=dict)
     _endpoints: dict[str, tuple[str, bytes | None]] = field(default_factory=dict)
-    _pending: dict[int, asyncio.Future[PeerMessage]] = field(default_factory=dict)
+    _pending: dict[int, tuple[str, asyncio.Future[PeerMessage]]] = field(default_factory=dict)
     _reqs: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     _bad: Throttled = field(default_factory=Throttled)  # one line per interval, with a count
+
+    def __post_init__(self) -> None:
+        self.names = Names(curve=self.security.curve, coordinator_key=self.security.coordinator_key)
+
+    def _keepalive(self, sock: zmq.asyncio.Socket) -> None:
+        ivl = max(100, int(self.heartbeat_interval_s * 1000))
+        timeout = max(ivl, int(self.heartbeat_timeout_s * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_IVL, ivl)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout)
+        sock.setsockopt(zmq.HEARTBEAT_TTL, timeout)  # the other end closes it too
 
     def bind(self, address: str, advertise_host: str) -> str:
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         sock.setsockopt(zmq.MAXMSGSIZE, self.codec.max_bytes * HARD_LIMIT_FACTOR)
+        self._keepalive(sock)
         self.security.server(sock)
         sock.bind(address)
         real = sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -108,8 +137,12 @@ class PeerMesh:
         endpoint, key = target
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IDENTITY, self.node.encode())
+        sock.setsockopt(zmq.IDENTITY, routing_id(self.node, self.nonce))
         sock.setsockopt(zmq.SNDHWM, 10000)
+        sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+        sock.setsockopt(zmq.CONNECT_TIMEOUT, CONNECT_TIMEOUT_MS)
+        self._keepalive(sock)
         self.security.client(sock, key)
         sock.connect(endpoint)
         self._dealers[target] = sock
@@ -135,7 +168,7 @@ class PeerMesh:
 
         req = next(self._reqs)
         fut: asyncio.Future[PeerMessage] = asyncio.get_running_loop().create_future()
-        self._pending[req] = fut
+        self._pending[req] = (node, fut)
         try:
             await self.send(node, msgspec.structs.replace(msg, req=req))
             return await asyncio.wait_for(fut, timeout_s)
@@ -146,9 +179,10 @@ class PeerMesh:
         finally:
             self._pending.pop(req, None)
 
-    def resolve(self, req: int, msg: PeerMessage) -> bool:
-        fut = self._pending.get(req)
-        if fut is None or fut.done():
+    def resolve(self, sender: str, req: int, msg: PeerMessage) -> bool:
+        """Answer request `req` with `msg`, if `sender` is the node it was asked of."""
+        node, fut = self._pending.get(req, ("", None))
+        if fut is None or fut.done() or node != sender:
             return False
         fut.set_result(msg)
         return True
@@ -157,8 +191,8 @@ class PeerMesh:
         assert self._router is not None
         while True:
             frames = await self._router.recv_multipart(copy=False)
-            sender = bytes(frames[0].buffer).decode(errors="replace")
-            self.last_seen[sender] = time.monotonic()
+            sender = claimed_name(bytes(frames[0].buffer))
+            key = _authenticated_key(frames[0]) if self.security.curve else None
             try:
                 msg, _ = self.codec.decode(frames[1:])
             except Exception as exc:  # nothing a peer sends may end this loop
@@ -171,14 +205,24 @@ class PeerMesh:
                     code=exc.code.value,
                     error=exc.message,
                 )
-                self.send_soon(sender, PeerError(code=exc.code.value, message=exc.message))
+                if self.names.speaks_as(sender, key):  # never answer a forger's victim
+                    self.send_soon(sender, PeerError(code=exc.code.value, message=exc.message))
                 continue
+            refusal = self.names.refusal(sender, key, msg)
+            if refusal is not None:
+                self.refusals.refused(sender, key, type(msg).__name__, refusal)
+                continue
+            self.last_seen[sender] = time.monotonic()
             try:
-                await handle(sender, msg)
+                await handle(sender, msg, key)
             except Exception:
                 log.exception(
                     "peer message handler failed", peer=sender, message=type(msg).__name__
                 )
+
+    def public_key(self, node: str) -> bytes | None:
+        """The z85 CURVE key bound to `node` (None: not a member known here, or no CURVE)."""
+        return self.names.key_of(node)
 
     def alive(self, node: str, timeout_s: float) -> bool:
         seen = self.last_seen.get(node)
@@ -190,6 +234,15 @@ class PeerMesh:
         self._dealers.clear()
         if self._router is not None:
             self._router.close(linger=0)
-        for fut in self._pending.values():
+        for _, fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(PeerLostError("daemon shutting down"))
+
+
+def _authenticated_key(frame: zmq.Frame) -> bytes | None:
+    """The z85 CURVE public key the sender's connection authenticated with (the ZAP user id)."""
+    try:
+        user = frame.get("User-Id")
+    except zmq.ZMQError:
+        return None
+    return user.encode() if isinstance(user, str) and user else None

@@ -11,6 +11,7 @@ import zmq
 import zmq.asyncio
 import zmq.auth
 from zmq.auth.asyncio import AsyncioAuthenticator
+from zmq.utils import z85
 
 from .config import ConfigError, DaemonConfig
 from .peers import Security
@@ -81,12 +82,18 @@ class AllowList:
         return False
 
 
-def start_authenticator(
-    ctx: zmq.asyncio.Context, security: Security
-) -> AsyncioAuthenticator | None:
+class KeyAuthenticator(AsyncioAuthenticator):
+    """ZAP handler whose user id is the peer's z85 public key: every message a peer sends
+    carries it (`User-Id` metadata), and names.py binds node names to it."""
+
+    def curve_user_id(self, client_public_key: bytes) -> str:
+        return z85.encode(client_public_key).decode("ascii")
+
+
+def start_authenticator(ctx: zmq.asyncio.Context, security: Security) -> KeyAuthenticator | None:
     if not security.curve:
         return None
-    auth = AsyncioAuthenticator(ctx)
+    auth = KeyAuthenticator(ctx)
     auth.start()
     auth.configure_curve_callback(domain="*", credentials_provider=AllowList(security.allowed))
     return auth

@@ -1,0 +1,210 @@
+"""A node's name is bound to its CURVE key. An insider (a key every daemon allows) that speaks
+under another node's name, or sends what only the coordinator may send, is refused and logged,
+never acted on: real daemons in network namespaces, CURVE on, a real version in flight."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+import zmq.auth
+
+from weightwire.cli.localcluster import LocalCluster
+from weightwire.cli.status import fetch
+from weightwire.protocol import PROTOCOL_VERSION
+from weightwire.protocol.peer import (
+    Heartbeat,
+    Member,
+    Membership,
+    PeerHello,
+    PeerMsg,
+    VersionAbort,
+)
+
+from .conftest import FAST, NETNS, NETNS_WHY
+from .ranks.big_trainer import weights
+from .test_faults import MB, pair, publish_in_background
+
+pytestmark = pytest.mark.skipif(not NETNS, reason=f"identity tests need namespaces: {NETNS_WHY}")
+HERE = Path(__file__).parent
+REFUSED = "peer message refused"
+
+
+@pytest.fixture(scope="module")
+def hosts() -> Iterator[LocalCluster]:
+    """host0 coordinates; host1 runs the trainer (link throttled, so a version lasts seconds);
+    host2 the engine. The key "insider" is in every daemon's allowed keys, but no daemon has it."""
+    c = LocalCluster(hosts=3, use_netns=True, extra={**FAST, **MB})
+    c.keys("insider")
+    c.start()
+    assert c.net is not None
+    c.net.throttle(1, 100)
+    c.wait_joined()
+    yield c
+    assert c.stop() == [0, 0, 0], f"logs in {c.workdir}"
+
+
+def public_key(c: LocalCluster, node: str) -> str:
+    public, _ = zmq.auth.load_certificate(str(c.workdir / "keys" / "public" / f"{node}.key"))
+    return public.decode()
+
+
+def insider(
+    c: LocalCluster, *, key: str, victim: int, claim: str, msgs: list[PeerMsg], hold_s: float
+) -> subprocess.Popen[str]:
+    """Start the insider (from host2's namespace) and return once its messages are sent."""
+    target = c.daemons[victim]
+    argv = [
+        *c.prefix(2),
+        sys.executable,
+        "-m",
+        "tests.ranks.insider",
+        f"--endpoint={target.endpoint}",
+        f"--server-key={public_key(c, target.node)}",
+        f"--key-file={c.workdir / 'keys' / key / f'{key}.key_secret'}",
+        f"--identity={claim}",
+        f"--hold={hold_s}",
+        *(msgspec.json.encode(m).decode() for m in msgs),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env, cwd=HERE.parent)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line and json.loads(line)["event"] == "sent", f"the insider did not send: {line!r}"
+    return proc
+
+
+def refusals(c: LocalCluster, host: int) -> list[dict[str, object]]:
+    return [e for e in c.daemons[host].logs() if e.get("event") == REFUSED]
+
+
+@pytest.mark.parametrize("key", ["insider", "host2"])
+def test_heartbeat_under_the_coordinators_name_is_refused(hosts: LocalCluster, key: str) -> None:
+    """One Heartbeat under the coordinator's name, from an allowed key (a member's, or one no
+    member has), with the insider's connection held open: the victim stays joined throughout,
+    the coordinator keeps it as a member, and a version it publishes meanwhile lands bitwise."""
+    job = f"coordinator-name-{key}"
+    tr, eng, dst = pair(hosts, job)
+    tr.publish(1, {"w": weights(1)})
+    eng.wait(1)
+    before = len(refusals(hosts, 1))
+    pending = publish_in_background(tr, 2, weights(2))
+    forged = Heartbeat(node="host0", incarnation="forged")
+    proc = insider(hosts, key=key, victim=1, claim="host0", msgs=[forged], hold_s=6.0)
+    seen: list[tuple[object, list[str]]] = []
+    deadline = time.monotonic() + 6.0
+    while time.monotonic() < deadline:
+        coordinator = fetch(hosts.daemons[1].socket)["coordinator"]
+        members = (fetch(hosts.daemons[0].socket).get("coordination") or {}).get("members", [])
+        seen.append((coordinator, members))
+        time.sleep(0.1)
+    assert proc.wait(15) == 0
+    off = [s for s in seen if s[0] != "host0" or "host1" not in s[1]]
+    assert not off, f"host1 was cut off the coordinator {len(off)} of {len(seen)} times: {off[:3]}"
+    pending["thread"].join(30)  # type: ignore[attr-defined]
+    assert "error" not in pending, pending
+    eng.wait(2, timeout_s=30)
+    assert torch.equal(dst, weights(2))
+    logged = refusals(hosts, 1)[before:]
+    assert logged and "host0" in str(logged[0]), "the forged heartbeat was not refused and logged"
+    assert not [e for e in hosts.daemons[1].logs() if e.get("event") == "joined"][1:], "rejoined"
+    tr.close()
+    eng.close()
+
+
+FORGERIES = {
+    # a node "restarted": the engine host would drop host1 and fail the version it sends
+    "restarted": ("host1", Heartbeat(node="host1", incarnation="forged")),
+    # the coordinator says host1 is lost (coordinator-only message, insider key)
+    "lost": ("host0", Membership(members=(), lost=("host1",))),
+    # host1 gives up the version it is sending
+    "abort": (
+        "host1",
+        VersionAbort(
+            job="", version=2, source_node="host1", source_rank=0, code="aborted", message="forged"
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("forgery", sorted(FORGERIES))
+def test_forged_messages_mid_version_are_refused(hosts: LocalCluster, forgery: str) -> None:
+    """Mid-version, the insider tells the engine host that the trainer host restarted, that the
+    coordinator lost it, or that it aborted the version: refused and logged, and the version in
+    flight completes bitwise."""
+    job = f"forged-{forgery}"
+    tr, eng, dst = pair(hosts, job)
+    tr.publish(1, {"w": weights(1)})
+    eng.wait(1)
+    done: list[tuple[object, float]] = []
+    eng.on_version(lambda ev: done.append((ev, time.time())))
+    before = len(refusals(hosts, 2))
+    claim, msg = FORGERIES[forgery]
+    if isinstance(msg, VersionAbort):
+        msg = msgspec.structs.replace(msg, job=job)
+    pending = publish_in_background(tr, 2, weights(2))
+    time.sleep(0.5)
+    proc = insider(hosts, key="insider", victim=2, claim=claim, msgs=[msg], hold_s=1.0)
+    sent = time.time()
+    eng.wait(2, timeout_s=30)
+    assert torch.equal(dst, weights(2))
+    pending["thread"].join(30)  # type: ignore[attr-defined]
+    assert "error" not in pending, pending
+    assert proc.wait(15) == 0
+    assert done and done[-1][1] > sent, "version 2 completed before the forgery arrived"
+    assert not [e for e, _ in done if isinstance(e, Exception)], done
+    logged = refusals(hosts, 2)[before:]
+    assert logged and claim in str(logged[0]), "the forgery was not refused and logged"
+    assert not [e for e in hosts.daemons[2].logs() if e.get("event") == "peer lost"]
+    tr.close()
+    eng.close()
+
+
+@pytest.mark.parametrize(("key", "claim"), [("insider", "host2"), ("host2", "ghost")])
+def test_hello_under_a_members_name_or_with_a_members_key_is_refused(
+    hosts: LocalCluster, key: str, claim: str
+) -> None:
+    """The coordinator binds a name to the key of its first hello while the name is a member:
+    another key claiming host2 (with an endpoint of its own, to have host2's traffic) is
+    refused, and so is host2's key claiming a second name. Membership, and every node's idea
+    of where host2 listens, stay as they were; a version to host2 lands bitwise."""
+    job = f"hello-{key}-{claim}"
+    tr, eng, dst = pair(hosts, job)
+    tr.publish(1, {"w": weights(1)})
+    eng.wait(1)
+    where = {p["node"]: p["endpoint"] for p in fetch(hosts.daemons[1].socket)["peers"]}
+    before = len(refusals(hosts, 0))
+    forged = PeerHello(
+        protocol=PROTOCOL_VERSION,
+        member=Member(
+            node=claim,
+            endpoint=f"tcp://{hosts.address(2)}:1",
+            incarnation="forged",
+            public_key=public_key(hosts, key),
+        ),
+    )
+    proc = insider(hosts, key=key, victim=0, claim=claim, msgs=[forged], hold_s=2.0)
+    seen = []
+    while proc.poll() is None:
+        seen.append((fetch(hosts.daemons[0].socket).get("coordination") or {}).get("members"))
+        time.sleep(0.1)
+    assert proc.returncode == 0
+    wrong = [m for m in seen if m != ["host0", "host1", "host2"]]
+    assert seen and not wrong, f"membership changed {len(wrong)} of {len(seen)} times: {wrong[:3]}"
+    after = {p["node"]: p["endpoint"] for p in fetch(hosts.daemons[1].socket)["peers"]}
+    assert after == where, "a forged hello moved a member's endpoint"
+    tr.publish(2, {"w": weights(2)})
+    eng.wait(2, timeout_s=30)
+    assert torch.equal(dst, weights(2))
+    logged = refusals(hosts, 0)[before:]
+    assert logged and logged[0]["message"] == "PeerHello", "the hello was not refused and logged"
+    tr.close()
+    eng.close()
