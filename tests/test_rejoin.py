@@ -52,7 +52,7 @@ def until(cond, timeout_s: float) -> float | None:  # type: ignore[no-untyped-de
 
 
 @pytest.mark.parametrize(
-    "outage_s", [15, pytest.param(60, marks=pytest.mark.slow)], ids=["15s", "60s"]
+    "outage_s", [5, 15, pytest.param(60, marks=pytest.mark.slow)], ids=["5s", "15s", "60s"]
 )
 def test_rejoin_within_3s_of_the_link_returning(two: LocalCluster, outage_s: int) -> None:
     assert joined(two)
