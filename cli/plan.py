@@ -66,6 +66,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help="phase lines on stderr once planning has taken S seconds",
     )
+    p.add_argument(
+        "--staging-buckets",
+        type=int,
+        default=4,
+        help="trainer staging ring slots, as Trainer(staging_buckets=N); 0: the whole send",
+    )
     p.add_argument("--json", action="store_true")
 
 
@@ -95,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
             rel_tol=args.sim_tol,
             model=path.stem,
             progress=Progress(args.progress_after),
+            staging_buckets=args.staging_buckets,
         )
     except PlanError as exc:
         print(f"weightwire plan: {exc}", file=sys.stderr)

@@ -48,7 +48,9 @@ class Flows:
     nbytes: np.ndarray
     bucket: np.ndarray
     packed: dict[tuple[int, int], float]
-    staging: list[int]  # staging bytes per trainer: today what it stages is its whole send
+    staging: list[int]  # staging bytes per trainer if it staged its whole send at once
+    ring: list[int]  # staging bytes per trainer with a ring of `ring_slots` bucket slots
+    ring_slots: int = 0
     plan_hash: str = ""
 
     @property
@@ -56,7 +58,38 @@ class Flows:
         return int(self.src.shape[0])
 
 
-def flows_of(plans: PlanSet, trainers: int) -> Flows:
+def _ring_bytes(p: Any, trainers: list[int], slots: int) -> list[int]:
+    """Each trainer's staging with a ring of `slots` slots: what `protocol.plan.staging_ring`
+    gives its rank plan (slots of the largest staged bucket's span, or the whole send when a
+    ring would not be smaller), computed on the columnar plan."""
+    import numpy as np
+
+    from weightwire.protocol.plan import RING_ALIGN
+
+    whole = [int(n) for n in p.staging.tolist()]
+    staged = np.flatnonzero(p.region < 0)
+    if slots <= 0 or staged.size == 0:
+        return whole
+    bucket = p.bucket[staged]
+    lo = np.full(p.b_trainer.shape[0], np.iinfo(np.int64).max, dtype=np.int64)
+    hi = np.zeros(p.b_trainer.shape[0], dtype=np.int64)
+    np.minimum.at(lo, bucket, p.offset[staged])
+    np.maximum.at(hi, bucket, p.offset[staged] + p.nbytes[staged])
+    has = hi > 0
+    span = np.where(has, hi - (lo - lo % RING_ALIGN), 0)
+    out = list(whole)
+    for t in range(len(trainers)):
+        mine = (p.b_trainer == t) & has
+        count = int(mine.sum())
+        if count == 0:
+            continue
+        slot = -(-int(span[mine].max()) // RING_ALIGN) * RING_ALIGN
+        if slots < count and slots * slot < whole[t]:
+            out[t] = slots * slot
+    return out
+
+
+def flows_of(plans: PlanSet, trainers: int, ring_slots: int = 0) -> Flows:
     """The writes of a plan as arrays, straight from its columnar form (no NodePlan is made)."""
     import numpy as np
 
@@ -65,9 +98,10 @@ def flows_of(plans: PlanSet, trainers: int) -> Flows:
     t_rank = np.asarray([t.rank for t in c.trainers], dtype=np.int64)
     e_rank = np.asarray([e.rank for e in c.engines], dtype=np.int64)
     b_rank = t_rank[p.b_trainer]
-    staging = [0] * trainers
-    for rank, nbytes in zip(t_rank.tolist(), p.staging.tolist(), strict=True):
-        staging[rank] = nbytes
+    staging, ring = [0] * trainers, [0] * trainers
+    ring_of = _ring_bytes(p, t_rank.tolist(), ring_slots)
+    for rank, nbytes, held in zip(t_rank.tolist(), p.staging.tolist(), ring_of, strict=True):
+        staging[rank], ring[rank] = nbytes, held
     packed = {
         (r, b): float(n)
         for r, b, n in zip(b_rank.tolist(), p.b_index.tolist(), p.b_nbytes.tolist(), strict=True)
@@ -79,6 +113,8 @@ def flows_of(plans: PlanSet, trainers: int) -> Flows:
         bucket=p.b_index[w.bucket],
         packed=packed,
         staging=staging,
+        ring=ring,
+        ring_slots=ring_slots,
         plan_hash=plans.plan_hash,
     )
 
@@ -142,6 +178,8 @@ class Report:
             "buckets_max": max((k[1] + 1 for k in self.flows.packed), default=0),
             "staging_bytes_max": max(self.flows.staging, default=0),
             "staging_per_trainer": _stats(np.asarray(self.flows.staging, dtype=np.float64)),
+            "staging_ring_slots": self.flows.ring_slots,
+            "staging_ring_per_trainer": _stats(np.asarray(self.flows.ring, dtype=np.float64)),
             "plan_hash": self.flows.plan_hash,
             "simulation_steps": s.steps,
             "options": self.options,
@@ -190,6 +228,7 @@ def run_plan(
     rel_tol: float = 1e-4,
     model: str = "",
     progress: Any = None,
+    staging_buckets: int = 4,
 ) -> Report:
     """Plan and simulate; raises PlanError when the layout cannot be planned. `progress`
     is told each phase as it starts. The collector is off meanwhile: everything built
@@ -209,6 +248,7 @@ def run_plan(
             rel_tol=rel_tol,
             model=model,
             progress=progress,
+            staging_buckets=staging_buckets,
         )
     finally:
         if enabled:
@@ -228,6 +268,7 @@ def _run_plan(
     rel_tol: float,
     model: str,
     progress: Any,
+    staging_buckets: int,
 ) -> Report:
     import numpy as np
 
@@ -255,7 +296,7 @@ def _run_plan(
     options = PlanOptions(bucket_bytes=bucket_bytes, max_write_bytes=max_write_bytes)
     plans = plan("plan", trainers, engines, options, progress=say)
     t0 = timings.run("planner", t0)
-    flows = flows_of(plans, topo.trainers)
+    flows = flows_of(plans, topo.trainers, staging_buckets)
     del plans
     t0 = timings.run("flows", t0)
     say(f"simulating {flows.writes:,} writes")

@@ -37,6 +37,13 @@ def render(j: Mapping[str, Any]) -> str:
             f"staging         per trainer rank (its whole send, staged at once): "
             f"max {_gb(st['max'])}  median {_gb(st['median'])}  min {_gb(st['min'])}"
         )
+    ring = j.get("staging_ring_per_trainer")
+    if ring and j.get("staging_ring_slots"):
+        lines.append(
+            f"staging ring    per trainer rank, {j['staging_ring_slots']} bucket slots "
+            f"(Trainer(staging_buckets=...)): "
+            f"max {_gb(ring['max'])}  median {_gb(ring['median'])}  min {_gb(ring['min'])}"
+        )
     lines += [
         f"bound           {j['bound_s']:.4f} s  ({j['bound_limited_by']}: busiest engine "
         f"{j['bound_engine_s']:.4f} s, all trainers {j['bound_trainer_s']:.4f} s)",

@@ -149,3 +149,24 @@ def test_progress_on_stderr_only_once_slow(capsys: pytest.CaptureFixture[str]) -
     # each trainer rank stages what it packs: the bytes it sends, less what another
     # engine replica receives from the same pack
     assert 3 * staging["mean"] <= j["bytes_total"]
+
+
+@pytest.mark.parametrize("slots", [0, 1, 2, 4, 1000])
+def test_staging_ring_figure_is_what_each_trainer_allocates(slots: int) -> None:
+    """`weightwire plan`'s ring figure, made on the columnar plan, against the ring each
+    trainer rank actually allocates from its own RankPlan (protocol.plan.staging_ring)."""
+    from weightwire.cli.plan_ranks import Topology, engine_ranks, trainer_ranks
+    from weightwire.cli.plan_report import flows_of
+    from weightwire.plan.planner import PlanOptions, plan
+    from weightwire.protocol.plan import staging_ring
+
+    cfg = json.loads((MODELS / "qwen3-30b-a3b.json").read_text())
+    cfg["num_hidden_layers"] = 3
+    engines = engine_ranks(cfg, Topology(3, 2, 2, 2, 100.0), "bfloat16", range(2))
+    plans = plan("ring", trainer_ranks(cfg, 3), engines, PlanOptions(bucket_bytes=64 << 20))
+    flows = flows_of(plans, 3, slots)
+    rings = {rp.rank: staging_ring(rp, slots).nbytes for np_ in plans.values() for rp in np_.sends}
+    assert sorted(rings) == [0, 1, 2]
+    assert flows.ring == [rings[r] for r in range(3)]
+    if 0 < slots < 4:
+        assert all(r < s for r, s in zip(flows.ring, flows.staging, strict=True))
