@@ -58,9 +58,9 @@ def iperf3(cluster: Any, streams: int, seconds: float) -> float:
 def run(args: Any) -> int:
     import torch
 
-    from weightwire.cli import netns
-    from weightwire.cli.localcluster import LocalCluster
     from weightwire.client import Engine, Trainer
+    from weightwire.harness import netns
+    from weightwire.harness.localcluster import LocalCluster
 
     ok, why = netns.available()
     if not ok:

@@ -8,54 +8,16 @@ destination byte, prints a table, and stops everything cleanly.
 from __future__ import annotations
 
 import contextlib
-import json
 import queue
 import subprocess
 import sys
-import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
-from . import netns
-from .localcluster import LocalCluster
-from .status import fetch
-
-
-@dataclass
-class Rank:
-    role: str
-    rank: int
-    proc: subprocess.Popen[str]
-    events: queue.Queue[dict[str, Any]] = field(default_factory=queue.Queue)
-
-    def start_reader(self) -> None:
-        def read() -> None:
-            assert self.proc.stdout is not None
-            for line in self.proc.stdout:
-                try:
-                    self.events.put(json.loads(line))
-                except json.JSONDecodeError:
-                    sys.stderr.write(f"[{self.role} {self.rank}] {line}")
-            self.events.put({"event": "exit", "code": self.proc.wait()})
-
-        threading.Thread(target=read, daemon=True).start()
-
-    def send(self, **cmd: Any) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-
-    def next(self, timeout_s: float) -> dict[str, Any]:
-        try:
-            ev = self.events.get(timeout=timeout_s)
-        except queue.Empty:
-            raise RuntimeError(
-                f"{self.role} rank {self.rank} silent for {timeout_s:.0f} s"
-            ) from None
-        if ev["event"] in ("exit", "fatal"):
-            raise RuntimeError(f"{self.role} rank {self.rank} stopped: {ev}")
-        return ev
+from weightwire.client.status import fetch
+from weightwire.harness import netns, synthetic
+from weightwire.harness.localcluster import LocalCluster
+from weightwire.harness.ranks import Rank
 
 
 def _bar(frac: float, width: int = 30) -> str:
@@ -64,8 +26,6 @@ def _bar(frac: float, width: int = 30) -> str:
 
 
 def run(args: Any) -> int:
-    from weightwire.bench import synthetic
-
     model = synthetic.qwen3_of_size(args.model_gb)
     model_bytes = sum(t.numel for t in model) * 2
     use_netns = {"on": True, "off": False}.get(args.netns)

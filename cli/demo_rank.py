@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from weightwire.bench import synthetic
 from weightwire.client import Engine, Rows, Shard, Trainer
+from weightwire.harness import synthetic
 from weightwire.protocol.errors import WeightwireError
 
 

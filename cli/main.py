@@ -67,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
 
                 return run(args)
             case "status":
-                from .status import fetch, render
+                from weightwire.client.status import fetch
+
+                from .status import render
 
                 s = fetch(args.socket)
                 print(json.dumps(s, indent=2) if args.json else render(s))

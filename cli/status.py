@@ -1,21 +1,10 @@
-"""`weightwire status`: what a running daemon holds and is doing."""
+"""`weightwire status`: what a running daemon holds and is doing, as text (the fetching is
+`weightwire.client.status`)."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
-
-from weightwire.protocol import PROTOCOL_VERSION
-from weightwire.protocol.local import Hello, StatusReply, StatusRequest
-
-
-def fetch(socket: str, timeout_s: float = 10.0) -> dict[str, Any]:
-    from weightwire.client.connection import DaemonConnection, expect
-
-    with DaemonConnection(socket, ping_interval_s=3600) as conn:
-        conn.request(Hello(protocol=PROTOCOL_VERSION, role="admin", client="weightwire status"))
-        reply = expect(conn.request(StatusRequest(), timeout_s), StatusReply)
-        return dict(reply.body)
 
 
 def _gb(n: object) -> str:

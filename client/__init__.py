@@ -1,8 +1,30 @@
-"""Client libraries (torch): trainer ranks publish, engine ranks receive."""
+"""Client libraries (torch): trainer ranks publish, engine ranks receive.
 
-from .engine import Engine, Recipe, Rows, VersionInfo
-from .layouts import Full, Part, Shard
-from .trainer import PublishStats, Trainer
+The names below are imported on first use, so torch-free parts (`client.connection`,
+`client.status`, which `weightwire status` uses) load without torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .engine import Engine, Recipe, Rows, VersionInfo
+    from .layouts import Full, Part, Shard
+    from .trainer import PublishStats, Trainer
+
+_WHERE = {
+    "Engine": "engine",
+    "Recipe": "engine",
+    "Rows": "engine",
+    "VersionInfo": "engine",
+    "Full": "layouts",
+    "Part": "layouts",
+    "Shard": "layouts",
+    "PublishStats": "trainer",
+    "Trainer": "trainer",
+}
 
 __all__ = [
     "Engine",
@@ -15,3 +37,16 @@ __all__ = [
     "Trainer",
     "VersionInfo",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

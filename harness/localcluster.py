@@ -162,7 +162,7 @@ class LocalCluster:
 
     def wait_joined(self, timeout_s: float = 20.0) -> None:
         """Until the coordinator counts every daemon as a member."""
-        from .status import fetch
+        from weightwire.client.status import fetch
 
         deadline = time.monotonic() + timeout_s
         want = {d.node for d in self.daemons if d.proc.poll() is None}

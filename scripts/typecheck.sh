@@ -6,5 +6,5 @@ cd "$(dirname "$0")/.."
 tree=.venv/typecheck/weightwire
 mkdir -p "$tree"
 ln -sfn "$PWD/weightwire/__init__.py" "$tree/__init__.py"
-for pkg in daemon transport protocol client cli bench plan; do ln -sfn "$PWD/$pkg" "$tree/$pkg"; done
+for pkg in daemon transport protocol client cli bench harness plan; do ln -sfn "$PWD/$pkg" "$tree/$pkg"; done
 MYPYPATH=.venv/typecheck exec .venv/bin/python -m mypy -p weightwire.protocol -p weightwire.transport "$@"

@@ -6,8 +6,8 @@ import pytest
 # `tests` is importable as a package so transport suites can share the conformance tests.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from weightwire.cli import netns
-from weightwire.cli.localcluster import LocalCluster
+from weightwire.harness import netns
+from weightwire.harness.localcluster import LocalCluster
 
 NETNS, NETNS_WHY = netns.available()
 FAST = {

@@ -11,10 +11,10 @@ import pytest
 import torch
 import zmq
 
-from weightwire.cli.localcluster import LocalCluster
-from weightwire.cli.status import fetch
 from weightwire.client import Engine, Rows, Shard, Trainer
 from weightwire.client.connection import DaemonConnection
+from weightwire.client.status import fetch
+from weightwire.harness.localcluster import LocalCluster
 from weightwire.protocol import PROTOCOL_VERSION
 from weightwire.protocol.errors import (
     ErrorCode,

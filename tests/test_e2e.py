@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from weightwire.cli.localcluster import LocalCluster
 from weightwire.client import Engine, Rows
+from weightwire.harness.localcluster import LocalCluster
 
 from .jsonproc import JsonLinesProc
 from .ranks.trainer_proc import tensors

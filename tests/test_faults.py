@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from weightwire.cli.localcluster import LocalCluster
-from weightwire.cli.status import fetch
 from weightwire.client import Engine, Trainer
+from weightwire.client.status import fetch
+from weightwire.harness.localcluster import LocalCluster
 from weightwire.protocol.errors import PeerLostError, PlanError, WeightwireError
 
 from .conftest import FAST, NETNS, NETNS_WHY

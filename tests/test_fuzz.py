@@ -17,8 +17,8 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from weightwire.cli.localcluster import LocalCluster
-from weightwire.cli.status import fetch
+from weightwire.client.status import fetch
+from weightwire.harness.localcluster import LocalCluster
 from weightwire.protocol.data import PREFIX
 
 from .fuzz.targets import RKEY, frame_parser, local_decoder, peer_decoder, seeds

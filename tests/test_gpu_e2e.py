@@ -23,10 +23,10 @@ from typing import Any
 import pytest
 import torch
 
-from weightwire.cli.localcluster import LocalCluster
-from weightwire.cli.status import fetch
 from weightwire.client import Engine, Shard, Trainer
 from weightwire.client.dtypes import TORCH
+from weightwire.client.status import fetch
+from weightwire.harness.localcluster import LocalCluster
 from weightwire.plan.rules import engine_tensors
 from weightwire.protocol.local import EngineLayout
 from weightwire.transport.cudadrv import available

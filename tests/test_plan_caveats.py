@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from weightwire.cli.localcluster import LocalCluster
 from weightwire.client import Engine, Trainer
 from weightwire.client.dtypes import TORCH
+from weightwire.harness.localcluster import LocalCluster
 from weightwire.plan.rules import LLAMA_FP8_SCALES, engine_tensors, hf_tensors
 from weightwire.protocol.local import EngineLayout
 

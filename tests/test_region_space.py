@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from weightwire.cli.localcluster import LocalCluster
-from weightwire.cli.status import fetch
 from weightwire.client import Engine, Trainer
 from weightwire.client.connection import DaemonConnection
+from weightwire.client.status import fetch
+from weightwire.harness.localcluster import LocalCluster
 from weightwire.protocol import PROTOCOL_VERSION
 from weightwire.protocol.errors import ErrorCode, RegionError
 from weightwire.protocol.local import Hello, RegisterRegion

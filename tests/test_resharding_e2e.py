@@ -10,9 +10,9 @@ import threading
 import pytest
 import torch
 
-from weightwire.cli.localcluster import LocalCluster
 from weightwire.client import Engine, Shard, Trainer
 from weightwire.client.dtypes import TORCH
+from weightwire.harness.localcluster import LocalCluster
 from weightwire.plan.rules import engine_tensors
 
 from .hfweights import random_hf

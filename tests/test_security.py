@@ -7,9 +7,9 @@ import time
 
 import zmq
 
-from weightwire.cli.localcluster import LocalCluster
-from weightwire.cli.status import fetch
+from weightwire.client.status import fetch
 from weightwire.daemon.security import keygen
+from weightwire.harness.localcluster import LocalCluster
 from weightwire.protocol import PROTOCOL_VERSION
 from weightwire.protocol.frames import Codec
 from weightwire.protocol.peer import Member, PeerHello, PeerMessage
@@ -102,8 +102,8 @@ def test_keys_starting_with_a_dash_reach_the_daemon_intact() -> None:
     argparse never mistakes for a flag (a CI run once failed on such a key)."""
     import argparse
 
-    from weightwire.cli.localcluster import daemon_argv
     from weightwire.daemon.config import add_flags
+    from weightwire.harness.localcluster import daemon_argv
 
     parser = argparse.ArgumentParser()
     add_flags(parser)

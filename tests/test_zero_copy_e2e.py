@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from weightwire.cli.localcluster import LocalCluster
-from weightwire.cli.status import fetch
 from weightwire.client import Engine, Rows, Trainer
+from weightwire.client.status import fetch
+from weightwire.harness.localcluster import LocalCluster
 
 
 def test_allocated_tensors_are_written_without_staging(cluster: LocalCluster) -> None:

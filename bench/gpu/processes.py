@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from weightwire.cli.demo import Rank
-from weightwire.cli.localcluster import LocalCluster
+from weightwire.harness.localcluster import LocalCluster
+from weightwire.harness.ranks import Rank
 
 from .errors import RunError
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from weightwire.cli.localcluster import LocalCluster
+from weightwire.harness.localcluster import LocalCluster
 
 from . import model as M
 from . import report, text
@@ -231,7 +231,7 @@ def _version(args: Any, group: Group, v: int, baseline: bool, pair: str) -> dict
 
 
 def _transports(cluster: LocalCluster) -> dict[str, Any]:
-    from weightwire.cli.status import fetch
+    from weightwire.client.status import fetch
 
     out = {}
     for d in cluster.daemons:

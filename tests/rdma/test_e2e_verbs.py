@@ -25,8 +25,8 @@ from typing import Any
 
 import pytest
 
-from weightwire.cli.localcluster import LocalCluster
-from weightwire.cli.status import fetch
+from weightwire.client.status import fetch
+from weightwire.harness.localcluster import LocalCluster
 from weightwire.transport.verbs import available
 from weightwire.transport.verbs.transport import FAULT_ENV
 

@@ -63,8 +63,8 @@ from weightwire.adapters.sglang.layout import (
 )
 from weightwire.adapters.sglang.lifecycle import SGLangClient, update_weights
 from weightwire.adapters.sglang.replica import SGLangReplica
-from weightwire.cli.localcluster import LocalCluster
 from weightwire.client import Shard, Trainer
+from weightwire.harness.localcluster import LocalCluster
 from weightwire.plan.rules import hf_tensors
 from weightwire.protocol.errors import RegistrationError
 
