@@ -2,12 +2,12 @@
 # The GPU suite, one command on a GPU machine: the GPU tests, then `weightwire bench gpu`
 # (2x2 on >= 4 GPUs, 1x1 on >= 2, each with its trace; the CPU-replica path; FP8 engines if
 # time is left). Everything it prints and writes lands in $OUT (the device tool's output
-# folder; default bench/results/out), file names carrying the device, e.g.
+# folder; default results/out), file names carrying the device, e.g.
 # 4xNVIDIA-H200-bench-2x2.json. Bounded: the stages share SUITE_BUDGET_S (default 510 s).
 # Exits non-zero if a test or a benchmark failed, but always runs every stage it can.
 #
 # No network there: pyzmq, msgspec and structlog come from the carried .whl/ (git-ignored,
-# see bench/results/README.md); weightwire itself is imported from this working tree.
+# see results/README.md); weightwire itself is imported from this working tree.
 #
 # SUITE_STAGES picks stages (default: probe,tests,2x2,2x2-zero-copy,1x1,replica,fp8; e.g. SUITE_STAGES=2x2;
 # `rings`, not in the default, compares staging rings of 2 and 4 slots with the whole send).
@@ -16,7 +16,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 REPO=$PWD
-OUT=${OUT:-$REPO/bench/results/out}
+OUT=${OUT:-$REPO/results/out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 BUDGET=${SUITE_BUDGET_S:-510}
@@ -215,6 +215,12 @@ for path in sorted(glob.glob(os.path.join(out, f"{tag}-bench-*.json"))):
         line += f"; verified ww={v.get('weightwire')} base={v.get('baseline')}"
         print(line)
 EOF
+# traces and per-run logs compressed, as the records keep them (results/README.md)
+find "$OUT" -maxdepth 1 -name "$TAG-*-trace.json" -exec gzip -9nf {} +
+for d in "$OUT/$TAG"-logs-*/; do
+    [[ -d $d ]] || continue
+    tar -C "$OUT" --sort=name -czf "${d%/}.tar.gz" "$(basename "$d")" && rm -r "$d"
+done
 echo "== suite: $((SECONDS - START)) s, results in $OUT"
 for s in "${SUMMARY[@]}"; do echo "   $s"; done
 exit $rc

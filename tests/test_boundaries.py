@@ -1,6 +1,7 @@
 """Architecture rules that must not erode: no torch in the daemon or in `weightwire status`;
 protocol is a leaf; the top-level packages import each other without cycles, with the
-local-cluster harness below cli and bench; every package folder is shipped."""
+local-cluster harness below cli and bench; every package folder is shipped; measured
+records live in results/, small, outside the packages."""
 
 from __future__ import annotations
 
@@ -119,3 +120,19 @@ def test_every_package_folder_is_shipped() -> None:
     assert on_disk <= listed, f"add to pyproject packages: {sorted(on_disk - listed)}"
     top = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests"}
     assert top <= set(mapped.values()), f"add to package-dir: {sorted(top - set(mapped.values()))}"
+
+
+def test_records_are_small_and_outside_the_packages() -> None:
+    """Records (results/README.md): text and JSON reports as they are, traces and
+    line-per-event dumps gzipped, nothing large; none inside a package folder."""
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    for folder in cfg["package-dir"].values():
+        inside = [p for p in (ROOT / folder).rglob("*") if p.suffix in (".log", ".jsonl", ".xml")]
+        assert not (ROOT / folder / "results").exists() and not inside, f"records in {folder}/"
+    records = [p for p in (ROOT / "results").rglob("*") if p.is_file()]
+    records = [p for p in records if "out" not in p.relative_to(ROOT / "results").parts[:1]]
+    assert records, "results/ is empty"
+    for p in records:
+        name = p.relative_to(ROOT)
+        assert p.stat().st_size <= 256 << 10, f"{name}: over 256 KiB, compress or leave it out"
+        assert not p.name.endswith(("trace.json", ".jsonl")), f"{name}: gzip it"
