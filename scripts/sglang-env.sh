@@ -4,14 +4,14 @@
 # Idempotent: silent when the stamp matches this script; SGLANG_ENV_FORCE=1 redoes it.
 #
 #   scripts/sglang-env.sh            # make or check the venv
-#   .venv-sglang/bin/python scripts/sglang_probe.py
+#   make test-sglang                 # tests/sglang in it
 #
 # Only torch==2.13.0 is a local CPU wheel; every other torch pulls GBs of CUDA
 # wheels, so every install below runs under a constraints file pinning it.
 # sglang goes in with --no-deps: its declared deps are CUDA kernels and server
 # pieces; below is the set that importing and building the models needs (found
 # by trial, see scripts/SGLANG_NOTES.md). sgl_kernel and torchvision are not
-# installed: scripts/sglang_cpu.py puts stand-in modules in their place.
+# installed: tests/sglang/sglang_cpu.py puts stand-in modules in their place.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -70,10 +70,10 @@ pipq --no-deps -e "$ROOT"
 # torch must still be the CPU wheel, and the models must import and build.
 "$VPY" -W ignore - "$ROOT" <<'EOF'
 import sys
-sys.path.insert(0, sys.argv[1] + "/scripts")
+sys.path.insert(0, sys.argv[1])
 import torch
 assert torch.__version__.startswith("2.13.0"), torch.__version__
-import sglang_cpu  # noqa: F401  stand-ins, CPU engine
+import tests.sglang.sglang_cpu  # noqa: F401  stand-ins, CPU engine
 import sglang.srt.models.qwen3, sglang.srt.models.qwen3_moe  # noqa: F401
 EOF
 

@@ -3,7 +3,7 @@ and without torch.distributed, and load HF-named tensors through the model's own
 ``load_weights``.
 
 The machinery lives in ``weightwire.adapters.sglang.cpu`` (replica mode builds its CPU
-replicas with it); this module re-exports it for the scripts and tests, forces the
+replicas with it); this module re-exports it for the tests, forces the
 ``sgl_kernel`` and ``torchvision`` stand-ins (whatever is installed), and keeps the
 hand-written HF checkpoint names used to check the layouts.
 
@@ -15,7 +15,7 @@ construction and ``load_weights`` for the supported families never call them.
 
 Usage (inside ``.venv-sglang``, see scripts/sglang-env.sh)::
 
-    import sglang_cpu                      # scripts/ on sys.path
+    from . import sglang_cpu               # in tests/sglang/, first
     model = sglang_cpu.build_model(hf_config, tp_size=2, tp_rank=1, ep_size=1)
     sglang_cpu.load_hf_weights(model, named_tensors)
     for name, p in sglang_cpu.engine_tensors(model): ...

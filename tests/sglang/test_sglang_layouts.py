@@ -30,7 +30,9 @@ if importlib.util.find_spec("sglang") is None:
 
 warnings.filterwarnings("ignore")
 
-import sglang_cpu  # noqa: E402  (first: SGLANG_USE_CPU_ENGINE and the stand-in modules)
+from . import sglang_cpu  # noqa: E402  (first: SGLANG_USE_CPU_ENGINE and the stand-in modules)
+
+# isort: split
 import torch  # noqa: E402
 
 from weightwire.client.dtypes import name_of  # noqa: E402
@@ -98,7 +100,7 @@ def config(name: str, fp8: bool) -> dict[str, Any]:
 def fp8_checkpoint(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The FP8 block checkpoint of `hf`, as published FP8 checkpoints are laid out: every
     2-D linear weight except embeddings, lm_head and the router becomes float8_e4m3fn
-    codes plus a float32 `weight_scale_inv` (SGLANG_NOTES.md; scripts/sglang_probe.py)."""
+    codes plus a float32 `weight_scale_inv` (scripts/SGLANG_NOTES.md)."""
     out = {}
     for n, t in hf.items():
         keep = ("embed_tokens", "lm_head", "mlp.gate.weight", "norm")
@@ -185,7 +187,7 @@ def test_recipes_match_sglang_load_weights(name: str, tp: int, ep: int, fp8: boo
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_hf_tensors_match_the_checkpoint_names_sglang_loads(name: str) -> None:
-    """hf_tensors against scripts/sglang_cpu.py's checkpoint list (written by hand)."""
+    """hf_tensors against sglang_cpu.py's checkpoint list (written by hand)."""
     cfg = CONFIGS[name]
     ours = {t.name: t.shape for t in hf_tensors(cfg)}
     theirs = dict(sglang_cpu.hf_checkpoint_shapes(cfg))
