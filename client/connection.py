@@ -23,6 +23,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from weightwire.memory.hostmem import SHM_DIR
 from weightwire.protocol.errors import (
     ErrorCode,
     ProtocolError,
@@ -42,7 +43,6 @@ from weightwire.protocol.local import (
     Ping,
     Welcome,
 )
-from weightwire.transport.hostmem import SHM_DIR
 
 DEFAULT_SOCKET = os.environ.get(SOCKET_ENV, SOCKET_PATH)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from weightwire.memory.cudadrv import CudaError, driver
 from weightwire.protocol.errors import ErrorCode, RegistrationError
 from weightwire.protocol.local import CudaRegion
-from weightwire.transport.cudadrv import CudaError, driver
 
 
 def allocation_of(t: torch.Tensor) -> tuple[int, int]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
+from weightwire.memory.hostmem import SharedFile, create_shared
 from weightwire.protocol.errors import (
     ErrorCode,
     PeerLostError,
@@ -26,7 +27,6 @@ from weightwire.protocol.local import (
     WaitVersion,
 )
 from weightwire.protocol.tensors import Box, DestTensor, Piece
-from weightwire.transport.hostmem import SharedFile, create_shared
 
 from .connection import expect
 from .dtypes import name_of

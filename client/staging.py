@@ -11,8 +11,8 @@ from typing import Literal
 
 import torch
 
+from weightwire.memory.hostmem import SHM_DIR, SharedFile, create_shared
 from weightwire.protocol.local import RegisterRegion
-from weightwire.transport.hostmem import SHM_DIR, SharedFile, create_shared
 
 from . import cuda
 

@@ -18,6 +18,7 @@ import zmq
 import zmq.asyncio
 
 import weightwire
+from weightwire.memory.hostmem import sweep_stale
 from weightwire.plan.planner import PlanOptions
 from weightwire.protocol import PROTOCOL_VERSION
 from weightwire.protocol.errors import ErrorCode, PlanError
@@ -41,7 +42,6 @@ from weightwire.protocol.peer import (
 from weightwire.protocol.plan import NodePlan
 from weightwire.protocol.regions import TransportEndpoints
 from weightwire.transport.base import Transport
-from weightwire.transport.hostmem import sweep_stale
 
 from .completion import Completions
 from .config import DaemonConfig

@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from weightwire.memory.hostmem import SHM_DIR, SharedFile, open_shared
 from weightwire.protocol.errors import ErrorCode, RegistrationError
 from weightwire.protocol.local import CudaRegion
 from weightwire.protocol.regions import RegionDescriptor, RegionKeys
 from weightwire.transport.base import LocalRegion, Transport
-from weightwire.transport.hostmem import SHM_DIR, SharedFile, open_shared
 
 log = structlog.get_logger("weightwire.daemon.regions")
 
@@ -59,7 +59,7 @@ class RegionRegistry:
         self, info: CudaRegion, length: int, purpose: str, session: str, owner: str
     ) -> Region:
         """GPU memory of a rank, through its CUDA IPC handle (opened once per allocation)."""
-        from weightwire.transport.cudadrv import driver
+        from weightwire.memory.cudadrv import driver
 
         drv = driver()
         ordinal = drv.ordinal_of(info.device_uuid)
@@ -130,7 +130,7 @@ class RegionRegistry:
         return region
 
     def _release_ipc(self, handle: bytes) -> None:
-        from weightwire.transport.cudadrv import CudaError, driver
+        from weightwire.memory.cudadrv import CudaError, driver
 
         with self._lock:
             base, refs = self._ipc.pop(handle, (0, 0))

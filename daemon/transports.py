@@ -18,7 +18,7 @@ def make_transports(cfg: DaemonConfig) -> list[Transport]:
     """Transports in order of preference; tcp is always last, reaching every node."""
     chosen: list[Transport] = []
     if cfg.cuda != "off":
-        from weightwire.transport.cudadrv import available
+        from weightwire.memory.cudadrv import available
 
         ok, why = available()
         if ok:

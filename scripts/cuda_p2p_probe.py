@@ -18,7 +18,7 @@ CHUNK = 32 << 20
 
 EXPORTER = r"""
 import sys, json, time, torch
-from weightwire.transport.cudadrv import driver
+from weightwire.memory.cudadrv import driver
 a = torch.empty(N, dtype=torch.uint8, device="cuda:0")
 b = torch.empty(N, dtype=torch.uint8, device="cuda:1")
 torch.cuda.synchronize()
@@ -47,7 +47,7 @@ def main() -> None:
         text=True,
     )
     info = json.loads(exp.stdout.readline())
-    from weightwire.transport.cudadrv import driver
+    from weightwire.memory.cudadrv import driver
 
     drv = driver()
     drv.enable_peer_access()

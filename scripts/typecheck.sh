@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# mypy strict on weightwire.protocol and weightwire.transport. The folders are mapped into the
+# mypy strict on weightwire.protocol, .transport and .memory. The folders are mapped into the
 # `weightwire` package by pyproject, which mypy cannot follow, so give it a tree of links.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tree=.venv/typecheck/weightwire
 mkdir -p "$tree"
 ln -sfn "$PWD/weightwire/__init__.py" "$tree/__init__.py"
-for pkg in daemon transport protocol client cli bench harness plan; do ln -sfn "$PWD/$pkg" "$tree/$pkg"; done
-MYPYPATH=.venv/typecheck exec .venv/bin/python -m mypy -p weightwire.protocol -p weightwire.transport "$@"
+for pkg in daemon transport memory protocol client cli bench harness plan; do ln -sfn "$PWD/$pkg" "$tree/$pkg"; done
+MYPYPATH=.venv/typecheck exec .venv/bin/python -m mypy -p weightwire.protocol -p weightwire.transport -p weightwire.memory "$@"

@@ -27,9 +27,9 @@ from weightwire.client import Engine, Shard, Trainer
 from weightwire.client.dtypes import TORCH
 from weightwire.client.status import fetch
 from weightwire.harness.localcluster import LocalCluster
+from weightwire.memory.cudadrv import available
 from weightwire.plan.rules import engine_tensors
 from weightwire.protocol.local import EngineLayout
-from weightwire.transport.cudadrv import available
 
 from .conftest import FAST
 from .hfweights import random_hf

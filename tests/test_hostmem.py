@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from weightwire.memory.hostmem import create_shared, open_shared, sweep_stale
 from weightwire.protocol.errors import ErrorCode, RegistrationError
-from weightwire.transport.hostmem import create_shared, open_shared, sweep_stale
 
 CREATOR = """
 import os, sys
-from weightwire.transport.hostmem import create_shared
+from weightwire.memory.hostmem import create_shared
 f = create_shared(4096, purpose="engine-r0", directory=sys.argv[1])
 print(os.getpid(), f.path, flush=True)
 sys.stdin.read()  # hold the file until the test closes our stdin

@@ -22,10 +22,10 @@ from weightwire.client import Engine, Trainer
 from weightwire.client.connection import DaemonConnection
 from weightwire.client.status import fetch
 from weightwire.harness.localcluster import LocalCluster
+from weightwire.memory.hostmem import create_shared, free_bytes
 from weightwire.protocol import PROTOCOL_VERSION
 from weightwire.protocol.errors import ErrorCode, RegionError
 from weightwire.protocol.local import Hello, RegisterRegion
-from weightwire.transport.hostmem import create_shared, free_bytes
 
 from .conftest import FAST, NETNS
 

@@ -10,10 +10,10 @@ import pytest
 
 from tests.conformance.harness import Pair, TransportKit
 from tests.conformance.suite import *  # noqa: F403
+from weightwire.memory.cudadrv import available, driver
 from weightwire.protocol.errors import PeerLostError
 from weightwire.protocol.regions import RegionDescriptor
 from weightwire.transport.base import LocalRegion, Transport, WriteRequest
-from weightwire.transport.cudadrv import available, driver
 
 OK, WHY = available()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not OK, reason=f"no GPU here: {WHY}")]

@@ -23,9 +23,9 @@ import uvloop
 
 from tests.conformance.harness import Pair, TransportKit, with_pair
 from tests.conformance.suite import *  # noqa: F403
+from weightwire.memory.hostmem import SharedFile, create_shared
 from weightwire.protocol.errors import ErrorCode, PeerLostError, RegionError, TransferError
 from weightwire.transport.base import LocalRegion, Transport
-from weightwire.transport.hostmem import SharedFile, create_shared
 from weightwire.transport.verbs import VerbsTransport, available, discover
 from weightwire.transport.verbs.transport import FAULT_ENV
 

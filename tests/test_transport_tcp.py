@@ -6,8 +6,8 @@ import pytest
 
 from tests.conformance.harness import TransportKit
 from tests.conformance.suite import *  # noqa: F403
+from weightwire.memory.hostmem import SharedFile, create_shared
 from weightwire.transport.base import LocalRegion, Transport
-from weightwire.transport.hostmem import SharedFile, create_shared
 from weightwire.transport.tcp import TcpTransport
 
 

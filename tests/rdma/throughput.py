@@ -25,10 +25,10 @@ import time
 
 import structlog
 
+from weightwire.memory.hostmem import create_shared
 from weightwire.protocol.errors import PeerLostError
 from weightwire.protocol.regions import RegionDescriptor
 from weightwire.transport.base import LocalRegion
-from weightwire.transport.hostmem import create_shared
 from weightwire.transport.verbs import VerbsTransport
 
 MiB = 1 << 20

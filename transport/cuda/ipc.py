@@ -9,7 +9,7 @@ import threading
 
 import structlog
 
-from weightwire.transport.cudadrv import CudaError, Driver
+from weightwire.memory.cudadrv import CudaError, Driver
 
 log = structlog.get_logger("weightwire.transport.cuda")
 

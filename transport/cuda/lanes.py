@@ -29,8 +29,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from weightwire.memory.cudadrv import MAX_PITCH, CudaError, Driver
 from weightwire.protocol.errors import PeerLostError
-from weightwire.transport.cudadrv import MAX_PITCH, CudaError, Driver
 
 from .budget import OpBudget
 

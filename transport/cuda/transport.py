@@ -23,6 +23,7 @@ from typing import ClassVar
 
 import structlog
 
+from weightwire.memory.cudadrv import CudaError, Driver, driver
 from weightwire.protocol.errors import ErrorCode, PeerLostError, RegionError, WeightwireError
 from weightwire.protocol.plan import span
 from weightwire.protocol.regions import (
@@ -40,7 +41,6 @@ from weightwire.transport.base import (
     WriteRequest,
     check_write,
 )
-from weightwire.transport.cudadrv import CudaError, Driver, driver
 
 from . import lanes
 from .channel import Channel

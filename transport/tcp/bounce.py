@@ -7,7 +7,7 @@ stream copies from the GPU first. Each stream has one buffer, grown to the large
 
 from __future__ import annotations
 
-from weightwire.transport.cudadrv import driver
+from weightwire.memory.cudadrv import driver
 
 MIN_BYTES = 8 << 20
 

@@ -16,8 +16,8 @@ import os
 import threading
 from typing import Any
 
+from weightwire.memory.hostmem import page_span
 from weightwire.protocol.errors import ErrorCode, TransferError
-from weightwire.transport.hostmem import page_span
 
 from .devices import DeviceInfo
 from .ibv import Api

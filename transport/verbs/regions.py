@@ -13,10 +13,10 @@ from typing import Any
 
 import structlog
 
+from weightwire.memory.hostmem import address_of, page_span
 from weightwire.protocol.errors import RegistrationError, WeightwireError
 from weightwire.protocol.regions import RegionKeys, VerbsKey
 from weightwire.transport.base import LocalRegion
-from weightwire.transport.hostmem import address_of, page_span
 
 from .devices import affine_nics, pci_path_of_bus_id, pci_path_of_nic
 from .hw import populate
@@ -74,7 +74,7 @@ class Regions:
         if cached is not None:
             return cached
         try:
-            from weightwire.transport.cudadrv import driver
+            from weightwire.memory.cudadrv import driver
 
             drv = driver()
             gpu_path = pci_path_of_bus_id(drv.pci_bus_id(drv.ordinal_of(uuid)), self.sysfs)
@@ -171,7 +171,7 @@ class Regions:
         if region.fd is not None:
             offset = region.extra.get("dmabuf_offset", 0)
             return region.fd, int(offset) if isinstance(offset, int) else 0, None
-        from weightwire.transport.cudadrv import driver
+        from weightwire.memory.cudadrv import driver
 
         drv = driver()
         if region.device is not None:
