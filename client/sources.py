@@ -9,8 +9,8 @@ from collections.abc import Mapping
 
 import torch
 
+from weightwire.memory.hostmem import SharedFile, create_shared
 from weightwire.protocol.local import RegionRegistered, RegisterRegion
-from weightwire.transport.hostmem import SharedFile, create_shared
 
 from . import cuda
 from .connection import DaemonConnection, expect

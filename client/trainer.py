@@ -13,7 +13,6 @@ from typing import Literal
 import msgspec
 import torch
 
-from weightwire.memory.hostmem import SharedFile, create_shared
 from weightwire.protocol.errors import (
     ErrorCode,
     PeerLostError,

@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 import torch
 
-from weightwire.cli.localcluster import LocalCluster
 from weightwire.client import Engine
 from weightwire.client.dtypes import TORCH
+from weightwire.harness.localcluster import LocalCluster
 from weightwire.plan.rules import engine_tensors
 
 from .jsonproc import JsonLinesProc

@@ -13,9 +13,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from weightwire.cli.localcluster import LocalCluster
 from weightwire.client import Engine, Trainer
 from weightwire.client.modules import Unexpressible, dtensor_box, strip_wrappers
+from weightwire.harness.localcluster import LocalCluster
 from weightwire.protocol.errors import ErrorCode, RegistrationError
 
 pytestmark = pytest.mark.fsdp2

@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from weightwire.cli.localcluster import LocalCluster
-from weightwire.cli.status import fetch, render
+from weightwire.cli.status import render
 from weightwire.client import Engine, Trainer
+from weightwire.client.status import fetch
+from weightwire.harness.localcluster import LocalCluster
 from weightwire.protocol.errors import WeightwireError
 from weightwire.protocol.plan import Bucket, PackOp, RankPlan, staging_ring
 from weightwire.protocol.tensors import Box, Copy
