@@ -17,8 +17,8 @@ import pytest
 import torch
 import zmq.auth
 
-from weightwire.cli.localcluster import LocalCluster
-from weightwire.cli.status import fetch
+from weightwire.client.status import fetch
+from weightwire.harness.localcluster import LocalCluster
 from weightwire.protocol import PROTOCOL_VERSION
 from weightwire.protocol.peer import (
     Heartbeat,

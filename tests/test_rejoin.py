@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from weightwire.cli.localcluster import LocalCluster
-from weightwire.cli.status import fetch
 from weightwire.client import Engine, Trainer
+from weightwire.client.status import fetch
+from weightwire.harness.localcluster import LocalCluster
 
 from .conftest import FAST, NETNS, NETNS_WHY
 
