@@ -77,6 +77,10 @@ def run(args: Any) -> int:
                 d.socket,
                 "--model-gb",
                 str(args.model_gb),
+                "--delta",
+                args.delta,
+                "--density",
+                str(args.delta_density),
             ]
             proc = subprocess.Popen(
                 cmd,
@@ -132,14 +136,19 @@ def run(args: Any) -> int:
         last_resources = _resources(cluster)
         print()
         print(
-            f"  {'version':>7}  {'sync s':>8}  {'GB moved':>9}  {'GB/s':>6}  "
-            f"{'slowest rank s':>14}  verified"
+            f"  {'version':>7}  {'sync s':>8}  {'GB moved':>9}  {'of dense':>8}  {'kind':>5}  "
+            f"{'density':>7}  {'slowest rank s':>14}  verified"
         )
         for v, sync_s, landed, good, n, published in rows:
             slowest = max(ev["seconds"] for ev in published)
+            moved = sum(ev["bytes"] for ev in published)
+            delta = sum(ev.get("delta_bytes", 0) for ev in published)
+            density = max(ev.get("density", 0.0) for ev in published)
+            kind = "delta" if delta > 64 << 10 else "dense"
             print(
-                f"  {v:>7}  {sync_s:>8.3f}  {landed / 1e9:>9.3f}  {landed / sync_s / 1e9:>6.2f}  "
-                f"{slowest:>14.3f}  {'ok' if good else 'MISMATCH'} ({n}/{n} engine ranks)"
+                f"  {v:>7}  {sync_s:>8.3f}  {moved / 1e9:>9.3f}  {moved / landed:>8.3f}  "
+                f"{kind:>5}  {density:>7.4f}  {slowest:>14.3f}  "
+                f"{'ok' if good else 'MISMATCH'} ({n}/{n} engine ranks)"
             )
         if args.versions > 10 or args.resources:
             print()

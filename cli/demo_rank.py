@@ -29,7 +29,9 @@ def trainer(args: argparse.Namespace, model: list[synthetic.TensorDef]) -> None:
         current[t.name] = synthetic.content(t, *spans[t.name], version=0)
         shapes[t.name] = t.shape
     defs = {t.name: t for t in model}
-    with Trainer(args.rank, args.world, socket=args.socket, timeout_s=args.timeout) as tr:
+    with Trainer(
+        args.rank, args.world, socket=args.socket, timeout_s=args.timeout, delta=args.delta
+    ) as tr:
         tr.register(current, layout=Shard(0, args.rank, args.world), global_shapes=shapes)
         nbytes = sum(b.nbytes for b in current.values())
         say(event="ready", role="trainer", rank=args.rank, bytes=nbytes)
@@ -41,7 +43,10 @@ def trainer(args: argparse.Namespace, model: list[synthetic.TensorDef]) -> None:
             if cmd["cmd"] == "prepare":  # the training step: new weights, untimed
                 t0 = time.perf_counter()
                 for name, dst in current.items():
-                    dst.copy_(synthetic.content(defs[name], *spans[name], version=v))
+                    if args.delta != "off" and v > 1:  # sparse steps, as RL updates are
+                        synthetic.step(defs[name], *spans[name], dst, v, args.density)
+                    else:
+                        dst.copy_(synthetic.content(defs[name], *spans[name], version=v))
                 if v == 1:
                     tr.prepare()
                 say(event="prepared", version=v, seconds=time.perf_counter() - t0)
@@ -59,6 +64,8 @@ def trainer(args: argparse.Namespace, model: list[synthetic.TensorDef]) -> None:
                 seconds=s.seconds,
                 pack_seconds=s.pack_seconds,
                 total_seconds=s.total_seconds,
+                delta_bytes=s.delta_bytes,
+                density=s.density,
             )
 
 
@@ -72,7 +79,11 @@ def engine(args: argparse.Namespace, model: list[synthetic.TensorDef]) -> None:
             lo, hi = 0, t.shape[0]
         spans[t.name] = (t, lo, hi)
         tensors[t.name] = torch.zeros((hi - lo, *t.shape[1:]), dtype=torch.bfloat16)
-    with Engine(args.rank, args.world, socket=args.socket, timeout_s=args.timeout) as eng:
+    area = 0.25 if args.delta != "off" else 0.0
+    expected = {name: synthetic.content(*spans[name], version=1) for name in tensors}
+    with Engine(
+        args.rank, args.world, socket=args.socket, timeout_s=args.timeout, delta_area=area
+    ) as eng:
         eng.register(tensors, sources)
         nbytes = sum(t.nbytes for t in tensors.values())
         say(event="ready", role="engine", rank=args.rank, bytes=nbytes)
@@ -87,13 +98,15 @@ def engine(args: argparse.Namespace, model: list[synthetic.TensorDef]) -> None:
                 say(event="error", version=v, code=exc.code.value, message=exc.message)
                 continue
             t0 = time.perf_counter()
+            for name, want in expected.items():
+                if args.delta != "off" and v > 1:
+                    synthetic.step(*spans[name], want, v, args.density)
+                else:
+                    want.copy_(synthetic.content(*spans[name], version=v))
             bad = [
                 name
                 for name, dst in tensors.items()
-                if not torch.equal(
-                    dst.view(torch.uint8),
-                    synthetic.content(*spans[name], version=v).view(torch.uint8),
-                )
+                if not torch.equal(dst.view(torch.uint8), expected[name].view(torch.uint8))
             ]
             say(
                 event="verified",
@@ -115,6 +128,8 @@ def main() -> None:
     p.add_argument("--socket", required=True)
     p.add_argument("--model-gb", type=float, required=True)
     p.add_argument("--timeout", type=float, default=300)
+    p.add_argument("--delta", choices=["off", "auto", "on"], default="off")
+    p.add_argument("--density", type=float, default=0.02)
     args = p.parse_args()
     # several rank processes share few cores: torch's intra-op threads would only spin
     torch.set_num_threads(1)

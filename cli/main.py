@@ -24,6 +24,15 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--model-gb", type=float, default=1.2)
     demo.add_argument("--versions", type=int, default=3)
     demo.add_argument(
+        "--delta",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="sparse delta sync after the first (dense) version; off: every version dense",
+    )
+    demo.add_argument(
+        "--delta-density", type=float, default=0.02, help="fraction of elements each step changes"
+    )
+    demo.add_argument(
         "--resources", action="store_true", help="daemon RSS and open fds, first vs last version"
     )
     demo.add_argument(
@@ -45,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     btcp.add_argument("--gb", type=float, default=2.0, help="bytes per measured round")
     btcp.add_argument("--seconds", type=float, default=3.0, help="iperf3 duration per round")
     btcp.add_argument("--rounds", type=int, default=3)
+    bdelta = bsub.add_parser("delta", help="sparse delta sync vs dense, AdamW-trained (CPU)")
+    from weightwire.bench.delta import add_arguments as delta_arguments
+
+    delta_arguments(bdelta)
     bgpu = bsub.add_parser("gpu", help="GPU sync vs the NCCL broadcast baseline (GPU machine)")
     from weightwire.bench.gpu.cli import add_arguments as gpu_arguments
 
@@ -94,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
                     from weightwire.bench.gpu import run as run_gpu
 
                     return run_gpu(args)
+                if args.bench == "delta":
+                    from weightwire.bench.delta import run as run_delta
+
+                    return run_delta(args)
                 from weightwire.bench.tcp import run as run_tcp
 
                 return run_tcp(args)

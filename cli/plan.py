@@ -73,6 +73,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="trainer staging ring slots, as Trainer(staging_buckets=N); 0: the whole send",
     )
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--delta-density",
+        type=float,
+        help="also simulate a sparse delta version with this fraction of elements changed",
+    )
+    p.add_argument(
+        "--delta-encode-gbps",
+        type=float,
+        default=400.0,
+        help="senders' compare+encode rate, GB/s of dense input (H100, torch: 388-466)",
+    )
+    p.add_argument(
+        "--delta-verify-gbps",
+        type=float,
+        default=1000.0,
+        help="engines' checksum rate over the bytes they receive, GB/s (assumed; measure it "
+        "with tests/test_delta_gpu.py)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -102,6 +120,9 @@ def run(args: argparse.Namespace) -> int:
             model=path.stem,
             progress=Progress(args.progress_after),
             staging_buckets=args.staging_buckets,
+            delta_density=args.delta_density,
+            delta_encode_Bps=args.delta_encode_gbps * 1e9,
+            delta_verify_Bps=args.delta_verify_gbps * 1e9,
         )
     except PlanError as exc:
         print(f"weightwire plan: {exc}", file=sys.stderr)

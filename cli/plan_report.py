@@ -145,6 +145,7 @@ class Report:
     timings: Timings
     wall_s: float = 0.0
     caveats: list[str] = field(default_factory=list)  # plan.rules.caveats of the layouts
+    delta: dict[str, Any] | None = None
 
     def as_json(self, top: int) -> dict[str, Any]:
         import numpy as np
@@ -187,6 +188,7 @@ class Report:
             "cpu_s": {k: round(v, 3) for k, v in self.timings.cpu.items()},
             "wall_s": round(self.wall_s, 3),
             "caveats": self.caveats,
+            **({"delta": self.delta} if self.delta is not None else {}),
         }
 
 
@@ -229,6 +231,9 @@ def run_plan(
     model: str = "",
     progress: Any = None,
     staging_buckets: int = 4,
+    delta_density: float | None = None,
+    delta_encode_Bps: float = 400e9,
+    delta_verify_Bps: float = 1000e9,
 ) -> Report:
     """Plan and simulate; raises PlanError when the layout cannot be planned. `progress`
     is told each phase as it starts. The collector is off meanwhile: everything built
@@ -249,6 +254,9 @@ def run_plan(
             model=model,
             progress=progress,
             staging_buckets=staging_buckets,
+            delta_density=delta_density,
+            delta_encode_Bps=delta_encode_Bps,
+            delta_verify_Bps=delta_verify_Bps,
         )
     finally:
         if enabled:
@@ -269,6 +277,9 @@ def _run_plan(
     model: str,
     progress: Any,
     staging_buckets: int,
+    delta_density: float | None,
+    delta_encode_Bps: float,
+    delta_verify_Bps: float,
 ) -> Report:
     import numpy as np
 
@@ -325,8 +336,80 @@ def _run_plan(
     }
     report = Report(model, topo, dtype, bound, sim, flows, opts, timings)
     report.caveats = caveats(config, layout_of(config, topo.tp, 0, topo.ep, dest))
+    if delta_density is not None:
+        report.delta = simulate_delta(
+            flows,
+            sim,
+            topo,
+            dtype,
+            delta_density,
+            pack_Bps,
+            delta_encode_Bps,
+            delta_verify_Bps,
+            bucket_overhead_s=bucket_overhead_s,
+            write_overhead_s=write_overhead_s,
+            rel_tol=rel_tol,
+        )
+        timings.run("delta", t0)
     report.wall_s = time.perf_counter() - t_start
     return report
+
+
+def simulate_delta(
+    flows: Flows,
+    dense: SimResult,
+    topo: Topology,
+    dtype: str,
+    density: float,
+    pack_Bps: float,
+    encode_Bps: float,
+    verify_Bps: float,
+    **sim_args: Any,
+) -> dict[str, Any]:
+    """The same plan's delta version at `density`: payloads and trailers instead of dense
+    writes, the senders' compare/encode added to packing, and each engine's verification
+    (a checksum over every byte it receives) after its last byte."""
+    import numpy as np
+
+    from weightwire.plan.delta_sim import delta_flows
+    from weightwire.plan.simulate import simulate
+
+    width = 1 if dtype == "fp8" else 2
+    df = delta_flows(flows.src, flows.dst, flows.nbytes, flows.bucket, density=density, width=width)
+    per_byte = (1 / pack_Bps if pack_Bps > 0 else 0.0) + (1 / encode_Bps if encode_Bps else 0.0)
+    sim = simulate(
+        df.src,
+        df.dst,
+        df.nbytes,
+        df.bucket,
+        np.full(topo.trainers, topo.nic_Bps),
+        np.full(topo.engines, topo.nic_Bps),
+        packed_bytes=flows.packed,
+        pack_rate=1 / per_byte if per_byte else math.inf,
+        writes=df.writes,
+        **sim_args,
+    )
+    verify = (
+        float(np.max(dense.dst_bytes)) / verify_Bps if verify_Bps and dense.dst_bytes.size else 0.0
+    )
+    total = float(sim.seconds) + verify
+    return {
+        "density": density,
+        "element_bytes": width,
+        "bytes_total": int(df.nbytes.sum()),
+        "bytes_ratio": float(df.nbytes.sum() / flows.nbytes.sum()) if flows.nbytes.sum() else 0.0,
+        "payloads": df.payloads,
+        "dense_groups": df.dense_groups,
+        "network_s": float(sim.seconds),
+        "encode_gbps": encode_Bps / 1e9,
+        "verify_gbps": verify_Bps / 1e9,
+        "verify_s": verify,
+        "simulated_s": total,
+        "dense_simulated_s": float(dense.seconds),
+        "speedup": float(dense.seconds) / total if total > 0 else 0.0,
+        "shadow_bytes_max": max(flows.staging, default=0),
+        "busiest_engine_bytes": float(np.max(sim.dst_bytes)) if sim.dst_bytes.size else 0.0,
+    }
 
 
 def _engine_tensors(config: Mapping[str, Any], layout: Any) -> list[Any]:

@@ -56,4 +56,13 @@ def render(j: Mapping[str, Any]) -> str:
         + f"; {j['wall_s']:.1f} s in all ({sum(j['cpu_s'].values()):.1f} s CPU)",
     ]
     lines += [f"warning         {c}" for c in j.get("caveats", ())]
+    d = j.get("delta")
+    if d:
+        lines.append(
+            f"delta           {d['simulated_s']:.4f} s at density {d['density']:g} "
+            f"({_gb(d['bytes_total'])}, {d['bytes_ratio']:.4f} of dense; network "
+            f"{d['network_s']:.4f} s with encode at {d['encode_gbps']:g} GB/s, verify "
+            f"{d['verify_s']:.4f} s at {d['verify_gbps']:g} GB/s): {d['speedup']:.1f}x dense "
+            f"{d['dense_simulated_s']:.4f} s; shadow {_gb(d['shadow_bytes_max'])} per trainer"
+        )
     return "\n".join(lines)

@@ -17,6 +17,8 @@ from weightwire.protocol.errors import (
     error_from_code,
 )
 from weightwire.protocol.local import (
+    Applied,
+    ApplyVersion,
     DeclareDestinations,
     EngineLayout,
     LocalMessage,
@@ -29,6 +31,7 @@ from weightwire.protocol.local import (
 from weightwire.protocol.tensors import Box, DestTensor, Piece
 
 from .connection import expect
+from .delta.receiver import DeltaReceiver, Target
 from .dtypes import name_of
 from .rank import RankClient
 
@@ -76,7 +79,16 @@ class Engine(RankClient):
         job: str = "default",
         timeout_s: float = 300.0,
         device: int | None = None,
+        delta_area: float = 0.0,
     ) -> None:
+        """`delta_area`: register a delta area of this fraction of the registered bytes
+        (first `register` call): sources may then send sparse deltas, and every version is
+        applied and verified here (checksums) before it is complete. 0: none."""
+        if not 0 <= delta_area <= 4:
+            raise RegistrationError(f"delta_area {delta_area}: a fraction of the weights, 0..4")
+        self._delta_fraction = delta_area
+        self._delta: DeltaReceiver | None = None
+        self._delta_request: RegisterRegion | None = None
         self._callbacks: list[Callable[[VersionInfo | Exception], None]] = []
         self._latest: VersionInfo | None = None
         self._cond = threading.Condition()
@@ -119,12 +131,52 @@ class Engine(RankClient):
         other = set(tensors) - set(host) - set(gpu)
         if other:
             raise RegistrationError(f"tensors on unsupported devices: {sorted(other)}")
+        if self._delta_fraction and self._delta is None:
+            self._register_delta_area(tensors)
         specs: list[DestTensor] = []
         if host:
             specs += self._register_host(host, sources, layout)
         if gpu:
             specs += self._register_gpu(gpu, sources, layout)
         return dict(tensors)
+
+    def _register_delta_area(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """The area delta payloads and trailers land in, on the tensors' device."""
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        nbytes = max(1 << 20, int(total * self._delta_fraction) // 64 * 64)
+        gpu = next((t for t in tensors.values() if t.is_cuda), None)
+        if gpu is not None:
+            from . import cuda
+
+            area = torch.zeros(nbytes, dtype=torch.uint8, device=gpu.device)
+            request = RegisterRegion(
+                length=nbytes, purpose="delta", kind="gpu", cuda=cuda.region_of(area)
+            )
+        else:
+            shared = create_shared(nbytes, purpose=f"delta-r{self.rank}", gid=self._conn.socket_gid)
+            self._regions.append(shared)
+            area = torch.frombuffer(shared.map, dtype=torch.uint8)
+            area.zero_()
+            request = RegisterRegion(path=shared.path, length=nbytes, purpose="delta")
+        receiver = DeltaReceiver(self.rank, area)
+        receiver.region = expect(self._conn.request(request), RegionRegistered).region
+        self._delta, self._delta_request = receiver, request
+
+    @property
+    def delta(self) -> DeltaReceiver | None:
+        """The delta area and what this rank's bytes hold (`held`), when it has one."""
+        return self._delta
+
+    def _targets(self, placed: list[tuple[str, torch.Tensor, int]], region: int) -> None:
+        if self._delta is not None:
+            self._delta.add_targets(
+                [
+                    Target(
+                        region, off, t.numel() * t.element_size(), t.reshape(-1).view(torch.uint8)
+                    )
+                    for _, t, off in placed
+                ]
+            )
 
     def _declare(
         self,
@@ -183,6 +235,8 @@ class Engine(RankClient):
                 view = buf[off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
                 view.copy_(t)
                 t.set_(view)
+        if specs and self._delta is not None:  # the whole region: writes span tensors
+            self._delta.add_targets([Target(specs[0].region, 0, buf.numel(), buf)])
         return specs
 
     def _register_gpu(
@@ -203,7 +257,10 @@ class Engine(RankClient):
             request = RegisterRegion(
                 length=size, kind="gpu", cuda=cuda.region_of(members[0][1], base=base)
             )
-            specs += self._declare(request, placed, sources, layout)
+            declared = self._declare(request, placed, sources, layout)
+            if declared:
+                self._targets(placed, declared[0].region)
+            specs += declared
         return specs
 
     @staticmethod
@@ -252,6 +309,19 @@ class Engine(RankClient):
                     self._cond.notify_all()
             case VersionFailed(rank=rank) if rank == self.rank:
                 event = error_from_code(msg.code, f"version {msg.version}: {msg.message}")
+            case ApplyVersion(rank=rank) if rank == self.rank:
+                if self._delta is None or msg.region != self._delta.region:
+                    reply = Applied(
+                        rank=self.rank,
+                        version=msg.version,
+                        ok=False,
+                        code=ErrorCode.INVALID.value,
+                        message=f"engine rank {self.rank} has no delta area {msg.region}",
+                    )
+                else:
+                    reply = self._delta.apply(msg)
+                self._conn.send(reply)
+                return
             case _:
                 return
         for cb in self._callbacks:
@@ -261,11 +331,21 @@ class Engine(RankClient):
         """The daemon restarted: register the same memory again, on a fresh session."""
         self._conn.fail_pending(PeerLostError("the daemon restarted; wait again"))
         super()._replay()
+        if self._delta is not None and self._delta_request is not None:
+            self._delta.held = -1
+            self._delta.region = expect(
+                self._conn.request(self._delta_request), RegionRegistered
+            ).region
+        renamed: dict[int, int] = {}
         for i, (request, specs, layout) in enumerate(self._declared):
             region = expect(self._conn.request(request), RegionRegistered).region
+            if specs:
+                renamed[specs[0].region] = region
             specs = tuple(msgspec.structs.replace(t, region=region) for t in specs)
             self._conn.request(DeclareDestinations(tensors=specs, layout=layout))
             self._declared[i] = (request, specs, layout)
+        if self._delta is not None:
+            self._delta.rename_regions(renamed)
 
     def close(self) -> None:
         super().close()

@@ -29,10 +29,20 @@ class Poster:
         self.started: dict[int, float] = {}
         self.ready: dict[int, float] = {}
         self._pending: deque[tuple[int, torch.cuda.Event | None]] = deque()
+        self._delta: dict[int, list[tuple[int, int, int]]] = {}
 
-    def post(self, bucket: int, device: torch.device, started: float) -> None:
-        """Bucket `bucket` is queued for packing on `device` (its stream's work so far)."""
+    def post(
+        self,
+        bucket: int,
+        device: torch.device,
+        started: float,
+        delta: list[tuple[int, int, int]] | None = None,
+    ) -> None:
+        """Bucket `bucket` is queued for packing on `device` (its stream's work so far);
+        `delta`: (bucket, delta slot, bytes) of its payloads, encoded in staging too."""
         self.started[bucket] = started
+        if delta:
+            self._delta[bucket] = delta
         event = None
         if device.type == "cuda":
             event = torch.cuda.Event()
@@ -70,8 +80,11 @@ class Poster:
             now = time.time()
             for b in ready:
                 self.ready[b] = now
+            delta = tuple(d for b in ready for d in self._delta.pop(b, ()))
             self.conn.send(
-                BucketReady(version=self.version, bucket=ready[0], more=tuple(ready[1:]))
+                BucketReady(
+                    version=self.version, bucket=ready[0], more=tuple(ready[1:]), delta=delta
+                )
             )
 
 
@@ -85,6 +98,8 @@ class PublishStats:
     transfer_seconds: float  # from the first write posted until the last one landed
     total_seconds: float  # the whole publish call
     buckets: tuple[BucketTimes, ...] = ()
+    delta_bytes: int = 0  # of nbytes, delta payloads and trailers
+    density: float = 0.0  # changed elements / elements compared (delta buckets)
 
 
 @dataclass(frozen=True)

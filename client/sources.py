@@ -10,6 +10,7 @@ from collections.abc import Mapping
 import torch
 
 from weightwire.memory.hostmem import SharedFile, create_shared
+from weightwire.protocol.errors import ErrorCode, RegistrationError
 from weightwire.protocol.local import RegionRegistered, RegisterRegion
 
 from . import cuda
@@ -82,6 +83,17 @@ class SourceRegions:
             region = expect(self._conn.request(request), RegionRegistered).region
             known = self._gpu[base] = (region, size, request)
         return known[0], t.data_ptr() - base
+
+    def host_bytes(self, region: int, offset: int, length: int) -> torch.Tensor:
+        """Bytes of a host region from `allocate` (what a delta trailer's checksum reads)."""
+        for rid, _, raw in self._host:
+            if rid == region:
+                return raw[offset : offset + length]
+        raise RegistrationError(
+            f"region {region} is GPU memory registered zero-copy: writes from it cannot be "
+            "checksummed for an engine's delta area; register without zero_copy",
+            code=ErrorCode.INVALID,
+        )
 
     def register_again(self) -> dict[int, int]:
         """Every region again, with a (restarted) daemon that numbers them anew: old -> new."""

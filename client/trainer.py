@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Literal
@@ -31,11 +31,14 @@ from weightwire.protocol.local import (
     PlanReply,
     PublishResult,
     RegionRegistered,
+    RegisterRegion,
+    TrailersReady,
 )
 from weightwire.protocol.plan import RankPlan, StagingRing, staging_ring
 from weightwire.protocol.tensors import SourceTensor
 
 from .connection import expect
+from .delta.sender import DeltaSender, Mode
 from .dtypes import name_of
 from .layouts import Full, Layout, Part, local_box
 from .modules import Rename, local_of, module_shards
@@ -67,6 +70,7 @@ class Trainer(RankClient):
         device: int | None = None,
         staging: Literal["auto", "gpu", "cpu"] = "auto",
         staging_buckets: int = 4,
+        delta: Mode = "off",
     ) -> None:
         """`staging`: where buckets are packed. "gpu" (the default when the tensors are on a
         GPU) keeps everything on the device; "cpu" is the pinned CPU replica in the
@@ -75,11 +79,19 @@ class Trainer(RankClient):
         `staging_buckets`: staging is a ring of this many bucket slots; bucket k is packed
         into slot k mod N once every write of the bucket packed there before it has finished.
         0 stages the whole send (as much memory as this rank sends). A plan with no more
-        buckets than that is staged whole either way."""
+        buckets than that is staged whole either way.
+
+        `delta`: sparse delta sync to engine ranks that registered a delta area: "auto"
+        sends each bucket as a delta payload where that is smaller, "on" wherever it fits,
+        "off" always dense. Those engines verify every version (checksums) either way. It
+        keeps a shadow of the whole send (the bytes last sent, `RankPlan.shadow_bytes`) on
+        the staging's device, and a delta-out region (`RankPlan.delta_bytes`)."""
         if staging_buckets < 0:
             raise ValueError(f"staging_buckets must be >= 0, got {staging_buckets}")
         self.placement = staging
         self.staging_buckets = staging_buckets
+        self._delta = DeltaSender(delta)
+        self._delta_out: Staging | None = None
         self._results: dict[int, Future[PublishResult]] = {}
         self._landed: dict[int, Landed] = {}
         self._lock = threading.Lock()
@@ -251,6 +263,40 @@ class Trainer(RankClient):
             self._staging = staging
         return self._staging.tensor
 
+    def _ensure_delta_out(self, plan: RankPlan, device: torch.device) -> torch.Tensor | None:
+        """The region this rank encodes delta payloads and trailers in (delta-capable plans),
+        beside staging: on the staging's device, registered once."""
+        if not plan.delta_bytes:
+            return None
+        if self._delta_out is None or self._delta_out.nbytes < plan.delta_bytes:
+            placement = "gpu" if device.type == "cuda" else "cpu"
+            out = Staging(
+                plan.delta_bytes,
+                placement,
+                device,
+                self._conn.socket_gid,
+                self.rank,
+                self._conn.region_dir,
+            )
+            try:
+                expect(self._conn.request(self._delta_request(out)), RegionRegistered)
+            except BaseException:
+                out.close()
+                raise
+            if self._delta_out is not None:
+                self._delta_out.close()
+            self._delta_out = out
+        return self._delta_out.tensor
+
+    @staticmethod
+    def _delta_request(out: Staging) -> RegisterRegion:
+        return msgspec.structs.replace(out.request(), purpose="delta")
+
+    @property
+    def delta(self) -> DeltaSender:
+        """Delta sync: its mode (settable between versions), shadow, what engines hold."""
+        return self._delta
+
     def publish(
         self, version: int, tensors: Mapping[str, torch.Tensor] | None = None
     ) -> PublishStats:
@@ -266,6 +312,8 @@ class Trainer(RankClient):
         for attempt in range(3):
             plan = self.plan()
             staging = self._ensure_staging(plan)
+            device = staging.device if staging is not None else self._device()
+            out = self._ensure_delta_out(plan, device)
             ring = self.ring(plan)
             try:
                 self._conn.request(
@@ -286,6 +334,8 @@ class Trainer(RankClient):
         poster = Poster(self._conn, version)
         pack_s = 0.0
         what = f"version {version} of trainer rank {self.rank}"
+        result: PublishResult | None = None
+        self._delta.begin(version, plan, staging)
         try:
             try:
                 for bucket in plan.buckets:
@@ -300,17 +350,30 @@ class Trainer(RankClient):
                         assert staging is not None
                         ops = self._slot_ops.of(plan, ring, bucket)
                         self._packer.pack_bucket(ops, current, staging)
-                    device = staging.device if staging is not None else self._device()
-                    poster.post(bucket.index, device, started)
+                    delta = self._delta.bucket(
+                        bucket,
+                        staging,
+                        ring.shift[bucket.index],
+                        out,
+                        self._source_regions.host_bytes,
+                        _gpu_regions(plan),
+                    )
+                    self._post_bucket(poster, bucket.index, device, started, delta)
                     pack_s += time.perf_counter() - p0
                 else:
                     poster.finish()
+                    if plan.trailers:
+                        assert out is not None
+                        lengths = self._delta.trailers(plan, out)
+                        self._conn.send(TrailersReady(version=version, lengths=lengths))
             except Exception as exc:
                 poster.abandon()
+                self._delta.abandon()
                 self._abort(version, f"packing failed on trainer rank {self.rank}: {exc!r}")
                 raise
             result = fut.result(self.timeout_s)
         except TimeoutError:
+            self._delta.settle(version, plan, None)
             raise TimeoutError_(
                 f"version {version} of trainer rank {self.rank} did not land within "
                 f"{self.timeout_s:.0f} s"
@@ -319,6 +382,7 @@ class Trainer(RankClient):
             with self._lock:
                 self._results.pop(version, None)
                 self._landed.pop(version, None)
+        self._delta.settle(version, plan, result)
         if not result.ok:
             raise error_from_code(result.code, f"version {version}: {result.message}")
         times = tuple(
@@ -341,7 +405,19 @@ class Trainer(RankClient):
             transfer_seconds=result.transfer_seconds,
             total_seconds=time.perf_counter() - t0,
             buckets=times,
+            delta_bytes=result.delta_bytes,
+            density=self._delta.last_density,
         )
+
+    def _post_bucket(
+        self,
+        poster: Poster,
+        index: int,
+        device: torch.device,
+        started: float,
+        delta: list[tuple[int, int, int]],
+    ) -> None:
+        poster.post(index, device, started, delta)
 
     def _current(self, tensors: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         current = {name: r.tensor for name, r in self._tensors.items()}
@@ -404,6 +480,8 @@ class Trainer(RankClient):
             )
         if self._staging is not None:
             self._conn.request(self._staging.request())
+        if self._delta_out is not None:
+            self._conn.request(self._delta_request(self._delta_out))
         self._plan = None
 
     def _reregister_sources(self) -> None:
@@ -430,4 +508,12 @@ class Trainer(RankClient):
         if self._staging is not None:
             self._staging.close()
             self._staging = None
+        if self._delta_out is not None:
+            self._delta_out.close()
+            self._delta_out = None
         self._source_regions.close()
+
+
+def _gpu_regions(plan: RankPlan) -> Callable[[str, int], bool]:
+    kinds = {(r.node, r.id): r.kind for r in plan.regions}
+    return lambda node, region: kinds.get((node, region)) == "gpu"

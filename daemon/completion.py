@@ -24,6 +24,11 @@ log = structlog.get_logger("weightwire.daemon.completion")
 
 Notify = Callable[[str, int, VersionComplete | VersionFailed], None]
 """notify(job, rank, message) pushes a message to the rank's engine sessions."""
+Apply = Callable[["RankCompletion", int], None]
+"""apply(rank, version): every write landed at a rank with a delta area: the engine must
+apply and verify the version (it answers through `on_applied`)."""
+Verdict = Callable[["RankCompletion", int, bool, str, str], None]
+"""verdict(rank, version, ok, code, message): tell the version's sources the outcome."""
 
 HISTORY = 64
 
@@ -36,6 +41,7 @@ class _InProgress:
     started: float = field(default_factory=time.monotonic)
     first_imm: float | None = None
     sources: set[str] = field(default_factory=set)
+    applying: bool = False
 
 
 @dataclass
@@ -50,6 +56,13 @@ class RankCompletion:
     failed: dict[int, VersionFailed] = field(default_factory=dict)
     dead_lows: dict[int, int] = field(default_factory=dict)  # low bits -> failed version
     waiters: dict[int, list[asyncio.Future[VersionComplete]]] = field(default_factory=dict)
+    apply: Apply | None = None
+    verdict: Verdict | None = None
+
+    @property
+    def verified(self) -> bool:
+        """Delta-capable plan: a version completes only once the engine applied and verified it."""
+        return self.expect.delta_region >= 0 and self.apply is not None
 
     @property
     def last_complete(self) -> int:
@@ -75,7 +88,7 @@ class RankCompletion:
                 low, ErrorCode.INTERNAL, f"more immediates than the plan's {self.expect.count}"
             )
         elif st.count == self.expect.count and st.version is not None:
-            self._complete(st)
+            self._landed(st)
 
     def _completed(self, version: int) -> bool:
         return any(done.version == version for done in self.completed)
@@ -101,7 +114,32 @@ class RankCompletion:
         st.version = version
         st.sources.add(source)
         if st.count == self.expect.count:
+            self._landed(st)
+
+    def _landed(self, st: _InProgress) -> None:
+        """Every write is in: complete, or first have the engine apply and verify it."""
+        assert st.version is not None
+        if not self.verified:
             self._complete(st)
+        elif not st.applying:
+            st.applying = True
+            assert self.apply is not None
+            self.apply(self, st.version)
+
+    def on_applied(self, version: int, ok: bool, code: str, message: str) -> None:
+        """The engine's answer to `apply`: the version is complete only if it verified."""
+        st = next((s for s in self.current.values() if s.version == version), None)
+        if st is None or not st.applying:
+            log.warning("applied for a version not being applied", rank=self.rank, version=version)
+            return
+        if ok:
+            self._complete(st)
+        else:
+            try:
+                err = ErrorCode(code)
+            except ValueError:
+                err = ErrorCode.CHECKSUM
+            self.fail(version, err, message)
 
     def _complete(self, st: _InProgress) -> None:
         assert st.version is not None
@@ -123,6 +161,8 @@ class RankCompletion:
             sources=sorted(st.sources),
         )
         self.notify(self.job, self.rank, done)
+        if self.verified and self.verdict is not None:
+            self.verdict(self, st.version, True, "", "")
         for fut in self.waiters.pop(st.version, []):
             if not fut.done():
                 fut.set_result(done)
@@ -151,6 +191,8 @@ class RankCompletion:
             "version failed", rank=self.rank, version=version, code=code.value, error=message
         )
         self.notify(self.job, self.rank, msg)
+        if self.verified and self.verdict is not None:
+            self.verdict(self, version, False, code.value, message)
         for fut in self.waiters.pop(version, []):
             if not fut.done():
                 fut.set_exception(error_from_code(code.value, message))
@@ -226,6 +268,8 @@ class Completions:
     """All engine ranks of this node, found by the slot an immediate carries."""
 
     notify: Notify
+    apply: Apply | None = None
+    verdict: Verdict | None = None
     ranks: dict[tuple[str, int], RankCompletion] = field(default_factory=dict)
     by_slot: dict[int, RankCompletion] = field(default_factory=dict)
 
@@ -237,7 +281,13 @@ class Completions:
                 fresh[(job, e.rank)] = old
                 continue
             rc = RankCompletion(
-                job=job, rank=e.rank, expect=e, plan_hash=plan_hash, notify=self.notify
+                job=job,
+                rank=e.rank,
+                expect=e,
+                plan_hash=plan_hash,
+                notify=self.notify,
+                apply=self.apply,
+                verdict=self.verdict,
             )
             if old is not None:
                 old.fail_in_progress(ErrorCode.PLAN_CHANGED, "the plan changed mid-version")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import msgspec
 import structlog
 
+from weightwire.plan.delta import add_delta
 from weightwire.plan.planner import (
     EngineRank,
     PlanOptions,
@@ -37,6 +38,7 @@ from weightwire.protocol.peer import (
     PlanProblem,
 )
 from weightwire.protocol.plan import NodePlan
+from weightwire.protocol.regions import RegionDescriptor
 
 log = structlog.get_logger("weightwire.daemon.coordinator")
 
@@ -189,6 +191,7 @@ class Coordinator:
             engines = resolve_recipes(engines)
             slots = {e.rank: e.slot for e in engines}
             plans = await asyncio.to_thread(plan, job.name, trainers, engines, self.options, slots)
+            plans = add_delta(plans, _delta_areas(job))
         except WeightwireError as exc:
             self._problem(job, exc)
             return
@@ -285,6 +288,18 @@ class Coordinator:
                 for j in self.jobs.values()
             },
         }
+
+
+def _delta_areas(job: Job) -> dict[tuple[str, int], RegionDescriptor]:
+    """(node, engine rank) -> the delta area that engine rank registered."""
+    areas = {}
+    for node, adv in job.adverts.items():
+        for r in adv.ranks:
+            if r.role == "engine" and r.delta_region >= 0:
+                area = next((g for g in r.regions if g.id == r.delta_region), None)
+                if area is not None:
+                    areas[(node, r.rank)] = area
+    return areas
 
 
 def _digest(job: Job) -> str:

@@ -26,6 +26,7 @@ from weightwire.protocol.errors import ErrorCode, ProtocolError, WeightwireError
 from weightwire.protocol.frames import HARD_LIMIT_FACTOR, Codec, request_id
 from weightwire.protocol.local import (
     AbortVersion,
+    Applied,
     BeginVersion,
     BucketReady,
     DeclareDestinations,
@@ -43,6 +44,7 @@ from weightwire.protocol.local import (
     RegisterRegion,
     StatusReply,
     StatusRequest,
+    TrailersReady,
     WaitVersion,
     Welcome,
 )
@@ -199,8 +201,12 @@ class LocalServer:
                 self._spawn(
                     identity, msg.req, d.begin_version(session, msg.req, version, plan_hash, slots)
                 )
-            case BucketReady(version=version, bucket=bucket, more=more):
-                d.publisher(session).bucket_ready(version, (bucket, *more))
+            case BucketReady(version=version, bucket=bucket, more=more, delta=delta):
+                d.publisher(session).bucket_ready(version, (bucket, *more), delta)
+            case TrailersReady(version=version, lengths=lengths):
+                d.publisher(session).trailers_ready(version, lengths)
+            case Applied():
+                d.applied(session, msg)
             case AbortVersion(version=version, reason=reason):
                 d.publisher(session).abort(f"version {version} aborted by the rank: {reason}")
                 self.send(identity, Ok(req=msg.req))

@@ -38,6 +38,7 @@ from weightwire.protocol.peer import (
     TransportSignal,
     VersionAbort,
     VersionStart,
+    VersionVerdict,
 )
 from weightwire.protocol.plan import NodePlan
 from weightwire.protocol.regions import TransportEndpoints
@@ -83,7 +84,9 @@ class Daemon(RankService, PlanKeeping, DataPlane):
         self.authenticator: Any = None
         self.transports: list[Transport] = make_transports(self.cfg)
         self.registry = RegionRegistry(self.node, self.transports, self.cfg.region_dir)
-        self.completions = Completions(notify=self._notify_engine)
+        self.completions = Completions(
+            notify=self._notify_engine, apply=self._apply_engine, verdict=self._verdict
+        )
         self.local = LocalServer(
             self,
             self.cfg.local_socket,
@@ -342,6 +345,8 @@ class Daemon(RankService, PlanKeeping, DataPlane):
                 for rc in self.completions.of_job(job):
                     if src in rc.expect.sources:
                         rc.fail(version, ErrorCode.ABORTED, f"{src}: {message}")
+            case VersionVerdict(job=job, version=version, verdict=verdict):
+                self.on_verdict(job, version, verdict)
             case TransportSignal(reply=True):
                 self.mesh.resolve(sender, msg.req, msg)
             case TransportSignal(transport=name, payload=payload):

@@ -50,6 +50,14 @@ class PlanKeeping:
                         regions=tuple(r.descriptor for r in self.registry.of_session(s.id)),
                         slot=self._slot(s.job, s.rank),
                         lanes=self._lanes(s),
+                        delta_region=next(
+                            (
+                                r.local.id
+                                for r in self.registry.of_session(s.id)
+                                if r.purpose == "delta"
+                            ),
+                            -1,
+                        ),
                     )
                 )
         self.advert_seq += 1

@@ -13,6 +13,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+import msgspec
 import structlog
 
 from weightwire.protocol.errors import (
@@ -22,8 +23,15 @@ from weightwire.protocol.errors import (
     VersionError,
     WeightwireError,
 )
-from weightwire.protocol.local import BucketsLanded, PublishResult
-from weightwire.protocol.plan import RankPlan, StagingRing, WriteOp, encode_imm, staging_ring
+from weightwire.protocol.local import BucketsLanded, PublishResult, Verdict
+from weightwire.protocol.plan import (
+    DeltaSlot,
+    RankPlan,
+    StagingRing,
+    WriteOp,
+    encode_imm,
+    staging_ring,
+)
 from weightwire.protocol.regions import RegionDescriptor
 from weightwire.transport.base import LocalRegion, Prepared, Transport, WriteRequest
 
@@ -33,6 +41,7 @@ PickTransport = Callable[[str, LocalRegion, RegionDescriptor], Awaitable[Transpo
 """Returns a connected transport to a node that carries src -> dst (connecting if needed)."""
 
 
+DELTA_OUT = -2  # a write's src_region: the rank's delta-out region (payloads, trailers)
 RouteKey = tuple[int, str, int]
 """(source region, destination node, destination region) of a write."""
 Route = tuple[Transport, LocalRegion, RegionDescriptor]
@@ -63,6 +72,7 @@ class Run:
     plan: RankPlan
     staging: LocalRegion | None
     ring: StagingRing
+    delta_out: LocalRegion | None = None  # payloads and trailers (src_region DELTA_OUT)
     posted: set[int] = field(default_factory=set)
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     started: float = field(default_factory=time.monotonic)
@@ -74,6 +84,10 @@ class Run:
     writes_done: int = 0
     error: WeightwireError | None = None
     finished: bool = False
+    trailers_posted: bool = False
+    delta_bytes: int = 0
+    verdicts: dict[tuple[str, int], Verdict] = field(default_factory=dict)
+    landed: bool = False  # every write landed; a delta-capable plan then awaits the verdicts
 
 
 @dataclass
@@ -88,6 +102,7 @@ class Publisher:
     """The rank's own registered region `id` (zero-copy sources); raises if it is not its."""
     plan: RankPlan | None = None
     staging: LocalRegion | None = None
+    delta_out: LocalRegion | None = None  # where the rank encodes payloads and trailers
     last_version: int = -1
     run: Run | None = None
     previous: Run | None = None  # the last run of an earlier session of this rank
@@ -146,19 +161,38 @@ class Publisher:
                 f"register one first",
                 code=ErrorCode.NOT_READY,
             )
+        out_ok = self.delta_out is not None and self.delta_out.length >= self.plan.delta_bytes
+        if self.plan.delta_bytes and not out_ok:
+            raise PlanError(
+                f"the plan needs a delta-out region of {self.plan.delta_bytes} bytes; "
+                f"register one first (purpose delta)",
+                code=ErrorCode.NOT_READY,
+            )
         for run in (self.previous, self.run):
             if run is not None and run.tasks:
                 raise VersionError(
                     f"version {run.version} still has writes in flight", code=ErrorCode.NOT_READY
                 )
         self.last_version = version
-        self.run = Run(version=version, plan=self.plan, staging=self.staging, ring=ring)
+        self.run = Run(
+            version=version,
+            plan=self.plan,
+            staging=self.staging,
+            ring=ring,
+            delta_out=self.delta_out,
+        )
         self.announce(version, "start", "", self.destinations)
-        if not self.plan.buckets:
+        if not self.plan.buckets and not self.plan.trailers:
             self._finish(self.run)
 
-    def bucket_ready(self, version: int, buckets: tuple[int, ...]) -> None:
-        """Buckets of `version` packed by the rank: their writes are posted together."""
+    def bucket_ready(
+        self,
+        version: int,
+        buckets: tuple[int, ...],
+        delta: tuple[tuple[int, int, int], ...] = (),
+    ) -> None:
+        """Buckets of `version` packed by the rank: their writes are posted together.
+        `delta`: (bucket, delta slot, payload bytes) of those sent as delta payloads."""
         run = self.run
         if run is not None and version < run.version:
             raise VersionError(
@@ -185,6 +219,7 @@ class Publisher:
                     f"bucket {bucket} of version {version} was already posted",
                     code=ErrorCode.DUPLICATE,
                 )
+        sent = self._check_delta(run, buckets, delta)
         run.posted.update(buckets)
         if not run.first_post:
             run.first_post = time.monotonic()
@@ -192,9 +227,93 @@ class Publisher:
         for bucket in buckets:
             run.bucket_posted[bucket] = now
         with structlog.contextvars.bound_contextvars(rank=self.rank, version=version):
-            task = asyncio.get_running_loop().create_task(self._post(run, buckets))
+            task = asyncio.get_running_loop().create_task(self._post(run, buckets, sent))
         run.tasks.add(task)
         task.add_done_callback(lambda t, run=run: self._written(run, t))
+
+    def _check_delta(
+        self, run: Run, buckets: tuple[int, ...], delta: tuple[tuple[int, int, int], ...]
+    ) -> dict[int, dict[int, int]]:
+        """bucket -> {delta slot: payload bytes}, checked against the plan."""
+        sent: dict[int, dict[int, int]] = {}
+        for bucket, index, nbytes in delta:
+            if bucket not in buckets or not 0 <= index < len(run.plan.buckets[bucket].deltas):
+                raise VersionError(
+                    f"delta payload for slot {index} of bucket {bucket}, which the plan does "
+                    f"not have or which is not posted now",
+                    code=ErrorCode.INVALID,
+                )
+            ds = run.plan.buckets[bucket].deltas[index]
+            if not len(ds.writes) <= nbytes <= ds.capacity or index in sent.get(bucket, {}):
+                raise VersionError(
+                    f"delta payload of {nbytes} bytes for slot {index} of bucket {bucket} "
+                    f"(room {ds.capacity}, at least {len(ds.writes)}), or given twice",
+                    code=ErrorCode.INVALID,
+                )
+            sent.setdefault(bucket, {})[index] = nbytes
+        return sent
+
+    def trailers_ready(self, version: int, lengths: tuple[int, ...]) -> None:
+        """The rank's trailers of `version` are in staging: post them (its last writes)."""
+        run = self.run
+        if run is None or run.version != version:
+            raise VersionError(f"trailers of version {version}, which was not begun")
+        if run.finished:
+            return
+        trailers = run.plan.trailers
+        if run.trailers_posted or len(lengths) != len(trailers):
+            raise VersionError(
+                f"{len(lengths)} trailers for a plan with {len(trailers)}, or posted twice",
+                code=ErrorCode.INVALID,
+            )
+        for t, n in zip(trailers, lengths, strict=True):
+            if not 0 < n <= t.capacity:
+                raise VersionError(
+                    f"a trailer of {n} bytes for a slot of {t.capacity}", code=ErrorCode.INVALID
+                )
+        run.trailers_posted = True
+        writes = [
+            WriteOp(
+                src_offset=t.src_offset,
+                src_region=DELTA_OUT,
+                length=n,
+                dst_node=t.dst_node,
+                dst_region=t.dst_region,
+                dst_offset=t.dst_offset,
+                slot=t.slot,
+                dst_rank=t.dst_rank,
+            )
+            for t, n in zip(trailers, lengths, strict=True)
+        ]
+        run.delta_bytes += sum(lengths)
+        task = asyncio.get_running_loop().create_task(self._post_writes(run, writes))
+        run.tasks.add(task)
+        task.add_done_callback(lambda t, run=run: self._written(run, t))
+
+    def on_verdict(self, version: int, verdict: Verdict) -> None:
+        """An engine rank's outcome of `version` (delta-capable plans)."""
+        run = self.run
+        if run is None or run.version != version or run.finished:
+            return
+        if not any((t.dst_node, t.slot) == (verdict.node, verdict.slot) for t in run.plan.trailers):
+            return
+        run.verdicts[(verdict.node, verdict.slot)] = verdict
+        self._maybe_finish(run)
+
+    def _maybe_finish(self, run: Run) -> None:
+        """Finish once every write landed and every engine rank gave its verdict; fail as
+        soon as one failed the version and no write of it is in flight."""
+        if run.finished or run.tasks:
+            return
+        bad = [v for v in run.verdicts.values() if not v.ok]
+        if bad:
+            err = WeightwireError(
+                "; ".join(f"engine rank {v.rank} on {v.node}: {v.message}" for v in bad),
+                code=_code(bad[0].code),
+            )
+            self._fail(err, run, announce=False)
+        elif run.landed and len(run.verdicts) >= len(run.plan.trailers):
+            self._finish(run)
 
     async def _route(self, run: Run, key: RouteKey) -> Route:
         """The transport, source and destination of writes from region key[0] to region
@@ -206,7 +325,10 @@ class Publisher:
         dst = self._regions.get((dst_node, dst_region))
         if dst is None:
             raise WeightwireError(f"plan names region {dst_region} of {dst_node}, not advertised")
-        src = run.staging if src_region < 0 else self.source_region(src_region)
+        if src_region == DELTA_OUT:
+            src = run.delta_out
+        else:
+            src = run.staging if src_region < 0 else self.source_region(src_region)
         if src is None:
             raise WeightwireError("the plan writes from staging, and this rank has none")
         route = run.routes[key] = (await self.pick(dst_node, src, dst), src, dst)
@@ -256,11 +378,17 @@ class Publisher:
         self._cache[(bucket, slot)] = _Cached(run.plan, tuple(routes.items()), parts)
         return parts
 
-    async def _post(self, run: Run, buckets: tuple[int, ...]) -> None:
+    async def _post(
+        self, run: Run, buckets: tuple[int, ...], sent: dict[int, dict[int, int]]
+    ) -> None:
         """All writes of some buckets; the first failure fails the run, once every write
         of them has finished (none may still read staging when the rank is told)."""
         outcomes = await asyncio.gather(
-            *(self._post_bucket(run, b) for b in buckets), return_exceptions=True
+            *(
+                self._post_delta(run, b, sent[b]) if b in sent else self._post_bucket(run, b)
+                for b in buckets
+            ),
+            return_exceptions=True,
         )
         for outcome in outcomes:
             if isinstance(outcome, BaseException):
@@ -282,6 +410,55 @@ class Publisher:
         if run.ring.slots and not run.finished:
             self.reply(BucketsLanded(version=run.version, buckets=(bucket,)))
 
+    async def _post_delta(self, run: Run, bucket: int, sent: dict[int, int]) -> None:
+        """A bucket some of whose destinations get a delta payload: each payload travels as
+        many writes (consecutive parts of it) as the dense writes it replaces, into that
+        engine's delta area; the other writes go as planned."""
+        b = run.plan.buckets[bucket]
+        replaced: set[int] = set()
+        writes: list[WriteOp] = []
+        for index, nbytes in sorted(sent.items()):
+            ds = b.deltas[index]
+            replaced.update(ds.writes)
+            writes += _payload_writes(ds, nbytes)
+            run.delta_bytes += nbytes
+        shift = run.ring.shift[bucket]  # staging writes read from the bucket's ring slot
+        writes += [
+            msgspec.structs.replace(w, src_offset=w.src_offset + shift) if w.src_region == -1 else w
+            for i, w in enumerate(b.writes)
+            if i not in replaced
+        ]
+        await self._post_writes(run, writes)
+        run.bucket_landed[bucket] = time.time()
+        if run.ring.slots and not run.finished:
+            self.reply(BucketsLanded(version=run.version, buckets=(bucket,)))
+
+    async def _post_writes(self, run: Run, writes: list[WriteOp]) -> None:
+        """Writes made for this version only (prepared now, not cached)."""
+        groups: dict[Transport, list[tuple[WriteOp, WriteRequest]]] = {}
+        for w in writes:
+            transport, src, dst = await self._route(run, (w.src_region, w.dst_node, w.dst_region))
+            req = WriteRequest(
+                src, w.src_offset, dst, w.dst_offset, w.length, None, w.lane, w.count,
+                w.src_stride, w.dst_stride,
+            )  # fmt: skip
+            groups.setdefault(transport, []).append((w, req))
+        high = encode_imm(run.version, 0)
+        parts = list(groups.items())
+        outcomes = await asyncio.gather(
+            *(
+                t.write_prepared(
+                    t.prepare([r for _, r in items]), [high | w.slot for w, _ in items]
+                )
+                for t, items in parts
+            )
+        )
+        for (_, items), results in zip(parts, outcomes, strict=True):
+            if any(results):
+                raise next(e for e in results if e is not None)
+            run.bytes_done += sum(w.nbytes for w, _ in items)
+            run.writes_done += len(items)
+
     def _written(self, run: Run, task: asyncio.Task[None]) -> None:
         run.tasks.discard(task)
         if task.cancelled():
@@ -291,8 +468,11 @@ class Publisher:
         if exc is not None and not run.finished:
             err = exc if isinstance(exc, WeightwireError) else TransferError(repr(exc))
             self._fail(err, run)
-        elif not run.finished and not run.tasks and len(run.posted) == len(run.plan.buckets):
-            self._finish(run)
+        elif not run.finished and not run.tasks:
+            run.landed = len(run.posted) == len(run.plan.buckets) and (
+                run.trailers_posted or not run.plan.trailers
+            )
+            self._maybe_finish(run)
 
     def _finish(self, run: Run) -> None:
         run.finished = True
@@ -321,13 +501,17 @@ class Publisher:
                     (run.bucket_posted[b], run.bucket_landed.get(b, 0.0))
                     for b in range(len(run.plan.buckets))
                 ),
+                verdicts=tuple(run.verdicts.values()),
+                delta_bytes=run.delta_bytes,
             )
         )
 
     def abort(self, reason: str, code: ErrorCode = ErrorCode.ABORTED) -> None:
         self._fail(WeightwireError(reason, code=code))
 
-    def _fail(self, err: WeightwireError, run: Run | None = None) -> None:
+    def _fail(self, err: WeightwireError, run: Run | None = None, *, announce: bool = True) -> None:
+        """`announce`: tell the destinations to fail the version (not when they are the
+        ones that failed it)."""
         run = run or self.run
         if run is None or run.finished:
             return
@@ -341,7 +525,9 @@ class Publisher:
             error=err.message,
             bytes=run.bytes_done,
         )
-        self.announce(run.version, "abort", f"[{err.code.value}] {err.message}", self.destinations)
+        if announce:
+            message = f"[{err.code.value}] {err.message}"
+            self.announce(run.version, "abort", message, self.destinations)
         self.reply(
             PublishResult(
                 version=run.version,
@@ -351,6 +537,8 @@ class Publisher:
                 seconds=time.monotonic() - run.started,
                 code=err.code.value,
                 message=err.message,
+                verdicts=tuple(run.verdicts.values()),
+                delta_bytes=run.delta_bytes,
             )
         )
 
@@ -390,3 +578,29 @@ class Publisher:
             "staging_buckets": run.ring.slots if run else 0,  # 0: the whole send is staged
             "staging_bytes": run.ring.nbytes if run else 0,
         }
+
+
+def _payload_writes(ds: DeltaSlot, nbytes: int) -> list[WriteOp]:
+    """A payload of `nbytes` at `ds.src_offset` as len(ds.writes) consecutive parts."""
+    k = len(ds.writes)
+    cuts = [nbytes * i // k for i in range(k + 1)]
+    return [
+        WriteOp(
+            src_offset=ds.src_offset + cuts[i],
+            src_region=DELTA_OUT,
+            length=cuts[i + 1] - cuts[i],
+            dst_node=ds.dst_node,
+            dst_region=ds.dst_region,
+            dst_offset=ds.dst_offset + cuts[i],
+            slot=ds.slot,
+            dst_rank=ds.dst_rank,
+        )
+        for i in range(k)
+    ]
+
+
+def _code(code: str) -> ErrorCode:
+    try:
+        return ErrorCode(code)
+    except ValueError:
+        return ErrorCode.TRANSFER

@@ -12,15 +12,25 @@ import msgspec
 import structlog
 
 from weightwire.protocol.errors import ErrorCode, PlanError, WeightwireError
-from weightwire.protocol.local import Ok, PlanReply, VersionComplete, VersionFailed
+from weightwire.protocol.local import (
+    Applied,
+    ApplyVersion,
+    Ok,
+    PlanReply,
+    Verdict,
+    VersionComplete,
+    VersionFailed,
+)
 from weightwire.protocol.peer import (
     PeerMsg,
     VersionAbort,
     VersionStart,
+    VersionVerdict,
 )
 from weightwire.protocol.plan import RankPlan
 from weightwire.transport.base import LocalRegion
 
+from .completion import RankCompletion
 from .publisher import Publisher
 from .regions import Region
 from .sessions import Session
@@ -86,6 +96,8 @@ class RankService:
     def region_added(self, session: Session, region: Region) -> None:
         if session.role == "trainer" and region.purpose == "staging":
             self.publisher(session).staging = region.local
+        elif session.role == "trainer" and region.purpose == "delta":
+            self.publisher(session).delta_out = region.local
         elif session.role == "engine" and session.destinations:
             self.advertise(session.job)
 
@@ -157,6 +169,39 @@ class RankService:
 
     def _notify_engine(self, job: str, rank: int, msg: VersionComplete | VersionFailed) -> None:
         self.local.push(job, "engine", rank, msg)
+
+    def _apply_engine(self, rc: RankCompletion, version: int) -> None:
+        """Every write of `version` landed at an engine rank with a delta area: it applies
+        the payloads and checks the trailers, then answers with `Applied`."""
+        msg = ApplyVersion(
+            rank=rc.rank,
+            version=version,
+            region=rc.expect.delta_region,
+            trailers=rc.expect.trailers,
+        )
+        self.local.push(rc.job, "engine", rc.rank, msg)
+
+    def _verdict(self, rc: RankCompletion, version: int, ok: bool, code: str, message: str) -> None:
+        """An engine rank's outcome of `version`, to every node that writes to it."""
+        verdict = Verdict(
+            node=self.node, slot=rc.expect.slot, rank=rc.rank, ok=ok, code=code, message=message
+        )
+        for node in rc.expect.sources:
+            self.mesh.send_soon(node, VersionVerdict(job=rc.job, version=version, verdict=verdict))
+
+    def applied(self, session: Session, msg: Applied) -> None:
+        if session.role != "engine" or msg.rank != session.rank:
+            raise WeightwireError(
+                f"{session.label} answered for engine rank {msg.rank}", code=ErrorCode.INVALID
+            )
+        rc = self.completions.get(session.job, session.rank)
+        if rc is not None:
+            rc.on_applied(msg.version, msg.ok, msg.code, msg.message)
+
+    def on_verdict(self, job: str, version: int, verdict: Verdict) -> None:
+        for (j, _), pub in self.publishers.items():
+            if j == job:
+                pub.on_verdict(version, verdict)
 
     def session_gone(self, session: Session) -> None:
         if session.role == "trainer":

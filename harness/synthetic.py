@@ -110,6 +110,25 @@ def content(
     return x if dtype == torch.bfloat16 else x.to(dtype)
 
 
+def changed(t: TensorDef, lo: int, hi: int, version: int, density: float) -> torch.Tensor:
+    """Which elements of rows [lo, hi) of `t` a sparse step to `version` changes (about
+    `density` of them): a hash of (name, element, version), the same in any process."""
+    row = t.numel // t.shape[0] if t.shape[0] else 0
+    first, count = lo * row, (hi - lo) * row
+    salt = (_seed(t.name) * 31 + version * 7919) & 0x7FFFFFFF
+    h = torch.arange(first, first + count, dtype=torch.int64)
+    h.mul_(2654435761).add_(salt).bitwise_and_(0xFFFFFFFF).bitwise_right_shift_(12)
+    return (h.remainder_(1 << 20) < int(density * (1 << 20))).view((hi - lo, *t.shape[1:]))
+
+
+def step(
+    t: TensorDef, lo: int, hi: int, current: torch.Tensor, version: int, density: float
+) -> None:
+    """A sparse training step, in place: the changed elements take their `version` values."""
+    mask = changed(t, lo, hi, version, density)
+    current[mask] = content(t, lo, hi, version)[mask]
+
+
 def rows(n: int, index: int, count: int) -> tuple[int, int]:
     """torch.chunk's split of n rows: the index-th of count."""
     step = -(-n // count)

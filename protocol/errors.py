@@ -31,6 +31,8 @@ class ErrorCode(enum.StrEnum):
     TIMEOUT = "timeout"
     UNAUTHORIZED = "unauthorized"
     NO_SPACE = "no_space"  # memory for a region could not be reserved
+    CHECKSUM = "checksum"  # a destination's bytes are not what its sources wrote
+    STALE_BASE = "stale_base"  # a delta against a version the destination does not hold
     INTERNAL = "internal"
 
 
@@ -104,6 +106,8 @@ _BY_CODE: dict[ErrorCode, type[WeightwireError]] = {
     ErrorCode.UNAUTHORIZED: RegionError,
     ErrorCode.NO_SPACE: RegionError,
     ErrorCode.INTERNAL: WeightwireError,
+    ErrorCode.CHECKSUM: TransferError,
+    ErrorCode.STALE_BASE: TransferError,
 }
 
 
@@ -115,6 +119,8 @@ RETRYABLE: frozenset[ErrorCode] = frozenset(
         ErrorCode.TIMEOUT,
         ErrorCode.PLAN_CHANGED,
         ErrorCode.NOT_READY,
+        ErrorCode.CHECKSUM,  # the engine verified nothing: the next version goes dense
+        ErrorCode.STALE_BASE,
     }
 )
 """Codes of failures that pass: a peer lost or hung, a failed write, a version aborted

@@ -65,7 +65,7 @@ class RegisterRegion(LocalMsg, frozen=True, tag="register_region"):
 
     length: Annotated[int, msgspec.Meta(gt=0)]
     path: Annotated[str, msgspec.Meta(max_length=1024)] = ""
-    purpose: Literal["staging", "weights", "sources"] = "weights"
+    purpose: Literal["staging", "weights", "sources", "delta"] = "weights"
     kind: Literal["cpu", "gpu"] = "cpu"
     cuda: CudaRegion | None = None
 
@@ -140,6 +140,26 @@ class BucketReady(LocalMsg, frozen=True, tag="bucket_ready"):
     version: Version
     bucket: NonNeg
     more: tuple[NonNeg, ...] = ()
+    delta: tuple[tuple[NonNeg, NonNeg, NonNeg], ...] = ()  # (bucket, delta slot, payload bytes)
+
+
+class TrailersReady(LocalMsg, frozen=True, tag="trailers_ready"):
+    """The rank's trailers of `version` (the plan's, in order, `lengths` bytes each) are
+    written in staging: post them, the version's last writes. No reply."""
+
+    version: Version
+    lengths: tuple[NonNeg, ...]
+
+
+class Verdict(msgspec.Struct, frozen=True, kw_only=True):
+    """What an engine rank (on `node`, immediate slot `slot`) made of a version."""
+
+    node: str
+    slot: NonNeg
+    rank: NonNeg
+    ok: bool
+    code: str = ""
+    message: str = ""
 
 
 class BucketsLanded(LocalMsg, frozen=True, tag="buckets_landed"):
@@ -167,6 +187,8 @@ class PublishResult(LocalMsg, frozen=True, tag="publish_result"):
     message: str = ""
     transfer_seconds: float = 0.0  # from the first write posted to the last one landed
     buckets: tuple[tuple[float, float], ...] = ()  # per bucket: (posted, landed), wall clock
+    verdicts: tuple[Verdict, ...] = ()  # delta-capable plans: each engine rank's outcome
+    delta_bytes: NonNeg = 0  # of nbytes, those of delta payloads and trailers
 
 
 # --- engine ----------------------------------------------------------------
@@ -189,6 +211,29 @@ class VersionFailed(LocalMsg, frozen=True, tag="version_failed"):
     version: Version
     code: str
     message: str
+
+
+class ApplyVersion(LocalMsg, frozen=True, tag="apply_version"):
+    """Every write of `version` has landed at engine rank `rank`: apply the delta payloads
+    in its delta area (`region`), check the trailers (at `trailers`: offset, capacity), and
+    answer with `Applied`. The version is complete only after that."""
+
+    rank: NonNeg
+    version: Version
+    region: NonNeg
+    trailers: tuple[tuple[NonNeg, NonNeg], ...]
+
+
+class Applied(LocalMsg, frozen=True, tag="applied"):
+    """An engine rank applied and verified `version` (ok), or why not. No reply."""
+
+    rank: NonNeg
+    version: Version
+    ok: bool
+    code: str = ""
+    message: str = ""
+    delta_bytes: NonNeg = 0
+    seconds: float = 0.0
 
 
 # --- liveness and admin ----------------------------------------------------
@@ -231,11 +276,14 @@ LocalMessage = (
     | BeginVersion
     | BucketReady
     | BucketsLanded
+    | TrailersReady
     | AbortVersion
     | PublishResult
     | WaitVersion
     | VersionComplete
     | VersionFailed
+    | ApplyVersion
+    | Applied
     | StatusRequest
     | StatusReply
     | Ping

@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from .local import EngineLayout, Version
+from .local import EngineLayout, Verdict, Version
 from .plan import NodePlan
 from .regions import RegionDescriptor, TransportEndpoints
 from .tensors import DestTensor, NonNeg, SourceTensor
@@ -45,6 +45,7 @@ class RankAdvert(msgspec.Struct, frozen=True, kw_only=True):
     layout: EngineLayout | None = None
     regions: tuple[RegionDescriptor, ...] = ()
     slot: int = -1  # engine ranks: the immediate counter its node gave it (unique on the node)
+    delta_region: int = -1  # engine ranks: the region it registered for delta payloads
     lanes: int = 1  # independent paths (NICs) its node's data plane has for this rank
 
 
@@ -102,6 +103,15 @@ class VersionAbort(PeerMsg, frozen=True, tag="version_abort"):
     message: str
 
 
+class VersionVerdict(PeerMsg, frozen=True, tag="version_verdict"):
+    """An engine rank's outcome of `version` in a delta-capable plan, to every source node:
+    its sources send it a dense version next unless it holds this one (ok)."""
+
+    job: str
+    version: Version
+    verdict: Verdict
+
+
 class TransportSignal(PeerMsg, frozen=True, tag="transport_signal"):
     """Opaque bring-up data between two nodes' instances of one transport (e.g. QP numbers)."""
 
@@ -126,6 +136,7 @@ PeerMessage = (
     | Heartbeat
     | VersionStart
     | VersionAbort
+    | VersionVerdict
     | TransportSignal
     | PeerError
 )

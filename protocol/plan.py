@@ -100,12 +100,53 @@ def span(length: int, count: int, stride: int) -> int:
     return (count - 1) * stride + length
 
 
+# Sizes in an engine's delta area (see weightwire.client.delta.frames).
+DELTA_HEAD = 64  # a payload's or a trailer's header
+DELTA_RANGE = 40  # one (region, offset, length, count, stride) entry
+DELTA_REF = 16  # one (offset, length) entry
+
+
+def trailer_capacity(n_ranges: int, n_deltas: int) -> int:
+    return DELTA_HEAD + DELTA_RANGE * n_ranges + DELTA_REF * n_deltas
+
+
+class DeltaSlot(msgspec.Struct, frozen=True, kw_only=True):
+    """A bucket's bytes for one engine rank, which the rank may send as a delta payload:
+    encoded at `src_offset` of its delta-out region, written at `dst_offset` of that engine's delta
+    area (at most `capacity` bytes), in as many writes as the dense `writes` it replaces
+    (indices into the bucket's writes), so the engine's immediate count stays the same."""
+
+    dst_node: str
+    dst_rank: NonNeg
+    slot: Annotated[int, msgspec.Meta(ge=0, lt=MAX_SLOTS)]
+    dst_region: NonNeg
+    dst_offset: NonNeg
+    capacity: NonNeg
+    src_offset: NonNeg
+    writes: tuple[NonNeg, ...]
+    width: Annotated[int, msgspec.Meta(ge=1, le=8)] = 2
+
+
+class Trailer(msgspec.Struct, frozen=True, kw_only=True):
+    """The last write of a version from a rank to one engine rank (delta-capable plans):
+    the checksum of everything the rank wrote there and where its payloads are."""
+
+    dst_node: str
+    dst_rank: NonNeg
+    slot: Annotated[int, msgspec.Meta(ge=0, lt=MAX_SLOTS)]
+    dst_region: NonNeg
+    dst_offset: NonNeg
+    capacity: NonNeg
+    src_offset: NonNeg
+
+
 class Bucket(msgspec.Struct, frozen=True, kw_only=True):
     index: NonNeg
     kind: Literal["dense", "experts"] = "dense"
     packs: tuple[PackOp, ...] = ()
     writes: tuple[WriteOp, ...] = ()
     nbytes: NonNeg = 0  # staging bytes packed by this bucket
+    deltas: tuple[DeltaSlot, ...] = ()
 
 
 class RankPlan(msgspec.Struct, frozen=True, kw_only=True):
@@ -116,6 +157,9 @@ class RankPlan(msgspec.Struct, frozen=True, kw_only=True):
     staging_bytes: NonNeg
     buckets: tuple[Bucket, ...]
     regions: tuple[RegionDescriptor, ...] = ()  # every destination region it writes to
+    trailers: tuple[Trailer, ...] = ()  # delta-capable plans: one per engine rank written
+    delta_bytes: NonNeg = 0  # its delta-out region: payloads and trailers, encoded there
+    shadow_bytes: NonNeg = 0  # what it keeps to compare against (the bytes last sent)
 
     @property
     def write_count(self) -> int:
@@ -134,6 +178,8 @@ class Expect(msgspec.Struct, frozen=True, kw_only=True):
     count: NonNeg
     nbytes: NonNeg
     sources: tuple[str, ...] = ()  # nodes that write to this rank
+    delta_region: int = -1  # its delta area (>= 0: every version is applied and verified)
+    trailers: tuple[tuple[NonNeg, NonNeg], ...] = ()  # (offset, capacity) in the delta area
 
 
 class NodePlan(msgspec.Struct, frozen=True, kw_only=True):

@@ -1,0 +1,183 @@
+"""`weightwire bench delta`: sparse delta sync against dense, in the same run, on CPU.
+
+Two daemons (network namespaces joined by veth as root, loopback otherwise), a trainer
+rank and an engine rank with a delta area. The model is a stack of linear layers
+(`--layers` x `--width`^2 parameters, 0.54 B by default) at its init scale (std 0.02),
+trained by real AdamW steps on fp32 master weights (a regression loss on random data);
+its bf16 parameters, cast from the masters after every step, are what is published.
+
+For each learning rate, every step is published twice: first as a delta (against the
+previous step, which the engine holds), then dense (the same weights again, every byte),
+so both are measured on the same machine at the same moment. Every publish is checked
+bitwise against the trainer's bf16 weights. Reported per learning rate: the measured
+density (changed bf16 elements), bytes moved, publish times (the trainer's call, from
+packing to verified at the engine) and their ratios, medians over the steps.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from typing import Any
+
+MiB = 1 << 20
+
+
+class Model:
+    """Linear layers with fp32 masters, AdamW, and the bf16 parameters that get published."""
+
+    def __init__(self, layers: int, width: int, lr: float, seed: int = 0) -> None:
+        import torch
+
+        g = torch.Generator().manual_seed(seed)
+        self.master = [
+            torch.nn.Parameter(torch.randn(width, width, generator=g) * 0.02) for _ in range(layers)
+        ]
+        self.bf16 = {
+            f"layers.{i}.weight": m.detach().to(torch.bfloat16) for i, m in enumerate(self.master)
+        }
+        self.opt = torch.optim.AdamW(self.master, lr=lr, weight_decay=0.0, foreach=False)
+        self.x = torch.randn(8, width, generator=g)
+        self.y = torch.randn(8, width, generator=g) * 0.1
+        self.width = width
+
+    @property
+    def params(self) -> int:
+        return sum(m.numel() for m in self.master)
+
+    def step(self) -> float:
+        import torch
+
+        h = self.x
+        for m in self.master:
+            h = torch.tanh(h @ m.T) if m is not self.master[-1] else h @ m.T
+        loss = torch.nn.functional.mse_loss(h, self.y)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+        with torch.no_grad():
+            for (_, p), m in zip(self.bf16.items(), self.master, strict=True):
+                p.copy_(m)  # in place: the trainer reads these tensors
+        return float(loss.detach())
+
+
+def _bitwise(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    import torch
+
+    return all(torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)) for n in a)
+
+
+def run_lr(cluster: Any, lr: float, args: Any, job: str) -> dict[str, Any]:
+    import torch
+
+    from weightwire.client import Engine, Trainer
+
+    model = Model(args.layers, args.width, lr)
+    dst = {n: torch.zeros_like(t) for n, t in model.bf16.items()}
+    eng = Engine(0, 1, socket=cluster.daemons[1].socket, job=job, timeout_s=600, delta_area=0.25)
+    eng.register(dst)
+    tr = Trainer(0, 1, socket=cluster.daemons[0].socket, job=job, timeout_s=600, delta="auto")
+    tr.register(model.bf16)
+    tr.prepare()
+    version = 0
+    tr.publish(version)  # warm-up, dense: connections, pages, and the shadow
+    eng.wait(version)
+    verified = _bitwise(dst, model.bf16)
+    rows = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        loss = model.step()
+        step_s = time.perf_counter() - t0
+        version += 1
+        tr.delta.mode = "auto"
+        delta = tr.publish(version)
+        eng.wait(version)
+        verified &= _bitwise(dst, model.bf16)
+        version += 1
+        tr.delta.mode = "off"
+        dense = tr.publish(version)
+        eng.wait(version)
+        verified &= _bitwise(dst, model.bf16)
+        rows.append((delta, dense, loss, step_s))
+    tr.close()
+    eng.close()
+    med = statistics.median
+    density = med(d.density for d, _, _, _ in rows)
+    dense_bytes = med(n.nbytes for _, n, _, _ in rows)
+    delta_bytes = med(d.nbytes for d, _, _, _ in rows)
+    dense_s = med(n.total_seconds for _, n, _, _ in rows)
+    delta_s = med(d.total_seconds for d, _, _, _ in rows)
+    return {
+        "lr": lr,
+        "density": round(density, 5),
+        "dense_bytes": int(dense_bytes),
+        "delta_bytes": int(delta_bytes),
+        "bytes_ratio": round(delta_bytes / dense_bytes, 5),
+        "bytes_ratio_over_density": round(delta_bytes / dense_bytes / density, 3)
+        if density
+        else None,
+        "dense_s": round(dense_s, 4),
+        "delta_s": round(delta_s, 4),
+        "speedup": round(dense_s / delta_s, 3),
+        "dense_transfer_s": round(med(n.transfer_seconds for _, n, _, _ in rows), 4),
+        "delta_transfer_s": round(med(d.transfer_seconds for d, _, _, _ in rows), 4),
+        "delta_pack_s": round(med(d.pack_seconds for d, _, _, _ in rows), 4),
+        "dense_pack_s": round(med(n.pack_seconds for _, n, _, _ in rows), 4),
+        "steps": args.steps,
+        "densities": [round(d.density, 5) for d, _, _, _ in rows],
+        "losses": [round(x, 6) for _, _, x, _ in rows],
+        "adamw_step_s": round(med(s for _, _, _, s in rows), 3),
+        "verified": bool(verified),
+    }
+
+
+def run(args: Any) -> int:
+    import torch
+
+    from weightwire.harness import netns
+    from weightwire.harness.localcluster import LocalCluster
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    use_netns, why = netns.available()
+    flags = {"tcp-streams": str(args.streams), "version-timeout-s": "600"}
+    cluster = LocalCluster(hosts=2, use_netns=use_netns, extra=flags)
+    runs = []
+    params = args.layers * args.width * args.width
+    try:
+        cluster.start()
+        cluster.wait_joined()
+        for i, lr in enumerate(args.lr):
+            runs.append(run_lr(cluster, lr, args, f"delta-bench-{i}"))
+            if not args.json:
+                r = runs[-1]
+                print(
+                    f"lr {lr:g}: density {r['density']:.4f}, bytes {r['delta_bytes'] / 1e6:.1f} MB "
+                    f"vs {r['dense_bytes'] / 1e6:.1f} MB (ratio {r['bytes_ratio']:.4f}), "
+                    f"publish {r['delta_s']:.3f} s vs {r['dense_s']:.3f} s "
+                    f"(speedup {r['speedup']:.2f}), verified {r['verified']}",
+                    flush=True,
+                )
+    finally:
+        cluster.stop()
+    report = {
+        "params": params,
+        "dtype": "bfloat16 (fp32 master weights, AdamW)",
+        "link": "veth between two network namespaces" if use_netns else f"loopback ({why})",
+        "transport": "tcp",
+        "streams": args.streams,
+        "runs": runs,
+        "verified": all(r["verified"] for r in runs),
+    }
+    if args.json:
+        print(json.dumps(report))
+    return 0 if report["verified"] else 1
+
+
+def add_arguments(p: Any) -> None:
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--width", type=int, default=8192, help="8 x 8192^2 = 0.54 B parameters")
+    p.add_argument("--lr", type=float, nargs="+", default=[1e-6, 1e-5])
+    p.add_argument("--steps", type=int, default=3, help="AdamW steps (versions) per learning rate")
+    p.add_argument("--streams", type=int, default=4)

@@ -1,0 +1,177 @@
+"""The engine half of delta sync: apply a version's payloads from the delta area into the
+registered tensors (a scatter on their device), then check every sender's trailer
+checksum against the bytes now there. The engine tracks the version its bytes hold; a
+payload against any other base is refused, and a failed check leaves it holding nothing
+(its sources send the next version dense).
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass
+
+import torch
+
+from weightwire.protocol.errors import ErrorCode
+from weightwire.protocol.local import Applied, ApplyVersion
+
+from . import codec, digest, frames
+
+
+@dataclass(frozen=True)
+class Target:
+    """Registered bytes: `nbytes` at `offset` of region `region`, as a flat uint8 tensor."""
+
+    region: int
+    offset: int
+    nbytes: int
+    data: torch.Tensor
+
+
+class ApplyError(Exception):
+    def __init__(self, message: str, code: ErrorCode = ErrorCode.CHECKSUM) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class DeltaReceiver:
+    def __init__(self, rank: int, area: torch.Tensor) -> None:
+        self.rank = rank
+        self.area = area
+        self.region = -1  # the area's region id (set once registered)
+        self.held = -1  # the version this rank's bytes verifiably hold
+        self._targets: dict[int, list[Target]] = {}
+        self._starts: dict[int, list[int]] = {}
+
+    def add_targets(self, targets: list[Target]) -> None:
+        for t in targets:
+            self._targets.setdefault(t.region, []).append(t)
+        for region, ts in self._targets.items():
+            ts.sort(key=lambda t: t.offset)
+            self._starts[region] = [t.offset for t in ts]
+
+    def rename_regions(self, renamed: dict[int, int]) -> None:
+        """The daemon restarted and numbered the regions anew."""
+        old = [t for ts in self._targets.values() for t in ts]
+        self._targets, self._starts = {}, {}
+        self.add_targets(
+            [Target(renamed.get(t.region, t.region), t.offset, t.nbytes, t.data) for t in old]
+        )
+
+    def pieces(self, region: int, offset: int, length: int) -> list[torch.Tensor]:
+        """Registered bytes [offset, offset + length) of `region`, one piece per tensor it
+        spans (a write may cover adjacent tensors); never a byte outside a tensor."""
+        starts = self._starts.get(region)
+        i = bisect.bisect_right(starts, offset) - 1 if starts else -1
+        out: list[torch.Tensor] = []
+        end = offset + length
+        while offset < end:
+            t = self._targets[region][i] if 0 <= i < len(self._targets[region]) else None
+            if t is None or not t.offset <= offset < t.offset + t.nbytes:
+                raise ApplyError(
+                    f"region {region} offset {offset}: no registered tensor there "
+                    f"({length} bytes written)"
+                )
+            stop = min(end, t.offset + t.nbytes)
+            out.append(t.data[offset - t.offset : stop - t.offset])
+            offset, i = stop, i + 1
+        return out
+
+    def is_gpu(self, region: int) -> bool:
+        ts = self._targets.get(region)
+        return bool(ts) and ts[0].data.is_cuda
+
+    def apply(self, msg: ApplyVersion) -> Applied:
+        t0 = time.perf_counter()
+        try:
+            nbytes = self._apply(msg)
+        except Exception as exc:  # whatever it was, the version is not verified here
+            self.held = -1
+            if isinstance(exc, ApplyError):
+                code = exc.code
+            elif isinstance(exc, ValueError):  # FrameError and malformed bodies
+                code = ErrorCode.CHECKSUM
+            else:
+                code = ErrorCode.INTERNAL
+            message = str(exc) if code != ErrorCode.INTERNAL else f"applying failed: {exc!r}"
+            return Applied(
+                rank=self.rank, version=msg.version, ok=False, code=code.value, message=message
+            )
+        self.held = msg.version
+        return Applied(
+            rank=self.rank,
+            version=msg.version,
+            ok=True,
+            delta_bytes=nbytes,
+            seconds=time.perf_counter() - t0,
+        )
+
+    def _area_bytes(self, offset: int, length: int) -> bytes:
+        if offset + length > self.area.numel():
+            raise ApplyError(f"{length} bytes at {offset} overrun the delta area")
+        return self.area[offset : offset + length].cpu().numpy().tobytes()
+
+    def _apply(self, msg: ApplyVersion) -> int:
+        trailers = [frames.read_trailer(self._area_bytes(o, c)) for o, c in msg.trailers]
+        for tr in trailers:
+            if tr.version != msg.version:
+                raise ApplyError(
+                    f"sender rank {tr.sender}'s trailer is of version {tr.version}, "
+                    f"not {msg.version}",
+                    ErrorCode.TRANSFER,
+                )
+            if tr.deltas and tr.base != self.held:
+                raise ApplyError(
+                    f"sender rank {tr.sender} sent a delta against version {tr.base}; this "
+                    f"rank holds {self.held if self.held >= 0 else 'no verified version'}",
+                    ErrorCode.STALE_BASE,
+                )
+        nbytes = 0
+        for tr in trailers:
+            for offset, length in tr.deltas:
+                self._payload(msg.version, tr.base, offset, length)
+                nbytes += length
+        for tr in trailers:
+            got = digest.digest(tr.ranges, self.pieces, self.is_gpu)
+            if got != tr.digest:
+                raise ApplyError(
+                    f"checksum mismatch: the bytes from sender rank {tr.sender} "
+                    f"({len(tr.ranges)} ranges) are not what it wrote"
+                )
+        return nbytes
+
+    def _payload(self, version: int, base: int, offset: int, length: int) -> None:
+        head = frames.read_payload_head(self._area_bytes(offset, min(length, 1 << 20)), length)
+        if head.size != length:
+            raise ApplyError(f"payload at {offset}: {head.size} bytes, the trailer says {length}")
+        if (head.version, head.base) != (version, base):
+            raise ApplyError(
+                f"payload at {offset} is version {head.version} against {head.base}, "
+                f"expected {version} against {base}",
+                ErrorCode.TRANSFER,
+            )
+        w = head.width
+        n = codec.elements(frames.blocks_bytes(head.blocks), w)
+        if n != head.elements:
+            raise ApplyError(
+                f"payload at {offset}: {n} elements in its blocks, header {head.elements}"
+            )
+        if head.kind == codec.Kind.DENSE:
+            raise ApplyError(f"payload at {offset} is dense: dense bytes travel as writes")
+        body = self.area[offset + head.body_offset : offset + head.size]
+        pos, values = codec.decode(codec.Kind(head.kind), body, n, head.count, w)
+        start = 0
+        for region, dst, blen, count, stride in head.blocks:
+            for i in range(count):
+                lo = int(torch.searchsorted(pos, start // w))
+                hi = int(torch.searchsorted(pos, (start + blen) // w))
+                at = start
+                for out in self.pieces(region, dst + i * stride, blen) if hi > lo else ():
+                    a = int(torch.searchsorted(pos, at // w))
+                    b = int(torch.searchsorted(pos, (at + out.numel()) // w))
+                    if b > a:
+                        local = (pos[a:b] - at // w).to(out.device)
+                        codec.scatter(out, local, values[a * w : b * w].to(out.device), w)
+                    at += out.numel()
+                start += blen

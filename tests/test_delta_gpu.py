@@ -1,0 +1,147 @@
+"""Delta sync on a GPU: the codec and checksum on CUDA tensors (bitwise against the CPU),
+their rates in GB/s of dense input, and an end-to-end sync colocated on one GPU (trainer
+staging and engine tensors on the same device, the `cuda` transport), dense then delta
+versions in the same run, bitwise against the trainer's weights. Figures are printed
+(run with -s), never asserted.
+
+    python -m pytest -m gpu -s tests/test_delta_gpu.py
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from weightwire.client import Engine, Trainer
+from weightwire.client.delta import codec, digest
+from weightwire.harness.localcluster import LocalCluster
+from weightwire.memory.cudadrv import available
+
+from .conftest import FAST
+
+OK, WHY = available()
+if OK and not torch.cuda.is_available():
+    OK, WHY = False, "torch sees no CUDA device (a CPU build of torch?)"
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not OK, reason=f"no GPU here: {WHY}")]
+
+
+def _sync() -> None:
+    torch.cuda.synchronize()
+
+
+def _pair(nbytes: int, density: float, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device=dev).manual_seed(0)
+    old = (torch.randn(nbytes // 2, device=dev, generator=g) * 0.02).to(torch.bfloat16)
+    new = old.clone()
+    mask = torch.rand(nbytes // 2, device=dev, generator=g) < density
+    new[mask] = (new[mask].float() + 1e-3).to(torch.bfloat16)
+    return new.view(torch.uint8), old.view(torch.uint8)
+
+
+@pytest.mark.parametrize("density", [0.01, 0.03, 0.1])
+def test_codec_on_gpu_rates(density: float) -> None:
+    dev = torch.device("cuda", 0)
+    nbytes = 1 << 30
+    new, old = _pair(nbytes, density, dev)
+    codec.encode(new[: 1 << 20], old[: 1 << 20], 2)  # warm up
+    _sync()
+    t0 = time.perf_counter()
+    enc = codec.encode(new, old, 2)
+    _sync()
+    encode_s = time.perf_counter() - t0
+    out = old.clone()
+    _sync()
+    t0 = time.perf_counter()
+    codec.apply(out, enc.kind, enc.body, enc.count, 2)
+    _sync()
+    apply_s = time.perf_counter() - t0
+    assert torch.equal(out, new)
+    # the same body decodes on the CPU to the same bytes
+    cpu = old[: 1 << 24].cpu()
+    part = codec.encode(new[: 1 << 24], old[: 1 << 24], 2, mode="on")
+    codec.apply(cpu, part.kind, part.body.cpu(), part.count, 2)
+    assert torch.equal(cpu, new[: 1 << 24].cpu())
+    t0 = time.perf_counter()
+    h = digest.tdigest([out])
+    _sync()
+    digest_s = time.perf_counter() - t0
+    assert h == digest.tdigest([out.cpu()])  # one function on the GPU and the CPU
+    print(
+        json.dumps(
+            {
+                "test": "delta codec on GPU",
+                "device": torch.cuda.get_device_name(dev),
+                "dense_bytes": nbytes,
+                "density": density,
+                "kind": enc.kind.name,
+                "wire_ratio": round(enc.body.numel() / nbytes, 5),
+                "encode_gbps": round(nbytes / encode_s / 1e9, 1),
+                "apply_gbps": round(nbytes / apply_s / 1e9, 1),
+                "checksum_gbps": round(nbytes / digest_s / 1e9, 1),
+            }
+        )
+    )
+
+
+@pytest.fixture(scope="module")
+def gpu_cluster() -> Iterator[LocalCluster]:
+    c = LocalCluster(hosts=1, extra=FAST)
+    c.keys("host0")
+    c.start_daemon(0, coordinator=True, flags={"cuda": "on"})
+    c.wait_joined()
+    yield c
+    assert c.stop() == [0], f"daemon failed; logs in {c.workdir}"
+
+
+def test_delta_end_to_end_colocated(gpu_cluster: LocalCluster) -> None:
+    """Trainer and engine on GPU 0: dense, then delta versions; both kinds timed per step."""
+    dev = torch.device("cuda", 0)
+    g = torch.Generator(device=dev).manual_seed(1)
+    w = {
+        f"layers.{i}.weight": (torch.randn(8192, 8192, device=dev, generator=g) * 0.02).to(
+            torch.bfloat16
+        )
+        for i in range(8)
+    }  # 1.07 GB
+    dst = {n: torch.zeros_like(t) for n, t in w.items()}
+    eng = Engine(0, 1, socket=gpu_cluster.daemons[0].socket, job="dgpu", delta_area=0.25)
+    eng.register(dst)
+    tr = Trainer(0, 1, socket=gpu_cluster.daemons[0].socket, job="dgpu", delta="auto")
+    tr.register(w)
+    tr.prepare()
+    tr.publish(0)
+    eng.wait(0)
+    assert all(torch.equal(dst[n].view(torch.uint8), w[n].view(torch.uint8)) for n in w)
+    rows, version = [], 0
+    for step in range(3):
+        for t in w.values():
+            mask = torch.rand(t.shape, device=dev, generator=g) < 0.02
+            t[mask] = (t[mask].float() * 1.01 + 1e-4).to(torch.bfloat16)
+        version += 1
+        tr.delta.mode = "auto"
+        delta = tr.publish(version)
+        eng.wait(version)
+        assert all(torch.equal(dst[n].view(torch.uint8), w[n].view(torch.uint8)) for n in w)
+        version += 1
+        tr.delta.mode = "off"
+        dense = tr.publish(version)
+        eng.wait(version)
+        assert all(torch.equal(dst[n].view(torch.uint8), w[n].view(torch.uint8)) for n in w)
+        rows.append(
+            {
+                "step": step,
+                "density": round(delta.density, 5),
+                "delta_bytes": delta.nbytes,
+                "dense_bytes": dense.nbytes,
+                "delta_s": round(delta.total_seconds, 4),
+                "dense_s": round(dense.total_seconds, 4),
+                "speedup": round(dense.total_seconds / delta.total_seconds, 3),
+            }
+        )
+    tr.close()
+    eng.close()
+    print(json.dumps({"test": "delta end to end, colocated", "steps": rows}))

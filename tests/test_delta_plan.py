@@ -1,0 +1,73 @@
+"""The plan side of delta sync: the simulator's delta flows, and the plan pass's layout."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from weightwire.plan.delta_sim import delta_flows
+
+
+def test_delta_flows_sizes() -> None:
+    mib = 1 << 20
+    src, dst, nbytes, bucket = [0, 0, 0, 1], [0, 0, 1, 1], [32 * mib] * 4, [0, 0, 0, 1]
+    f = delta_flows(src, dst, nbytes, bucket, density=0.01, width=2)
+    # three (source, destination, bucket) payloads, then a trailer per (source, destination)
+    assert f.payloads == 3 and f.dense_groups == 0 and len(f.nbytes) == 6
+    payloads = f.nbytes[:3]
+    assert np.all(payloads < 0.03 * np.array([64 * mib, 32 * mib, 32 * mib]))
+    assert np.all(payloads > 0.02 * np.array([64 * mib, 32 * mib, 32 * mib]))  # 2 x density
+    assert f.writes.tolist() == [2, 1, 1, 1, 1, 1]  # as many writes as the dense ones
+    assert f.bucket.tolist()[3:] == [0, 0, 1]  # trailers with each source's last bucket
+    dense = delta_flows(src, dst, nbytes, bucket, density=1.0, width=2)
+    assert dense.dense_groups == 3 and dense.nbytes[:3].tolist() == [64 * mib, 32 * mib, 32 * mib]
+
+
+def test_add_delta_layout_is_consistent() -> None:
+    """Two trainers (dim-0 halves) -> two engines (one with a delta area): each sender gets
+    a trailer and delta slots in that area, none overlapping, all inside it; the engine's
+    expected immediates grow by one trailer per sender; the other engine is untouched."""
+    import pytest
+    import torch
+
+    from weightwire.plan.delta import add_delta
+    from weightwire.plan.planner import plan
+    from weightwire.protocol.errors import PlanError
+    from weightwire.protocol.regions import RegionDescriptor
+    from weightwire.protocol.tensors import Box, Piece
+
+    from .planlib import engine, trainer
+
+    g = {"w": torch.zeros(64, 256, dtype=torch.bfloat16)}
+    trainers = [
+        trainer("t0", 0, g, {"w": Box.rows((64, 256), 0, 32)}),
+        trainer("t1", 1, g, {"w": Box.rows((64, 256), 32, 64)}),
+    ]
+    full = (Piece(source="w", box=Box.full((64, 256)), dst_offset=0),)
+    engines = [engine("e", r, [("w", "bfloat16", (64, 256), full)]) for r in (0, 1)]
+    dense = plan("j", trainers, engines)
+    area = RegionDescriptor(id=9, node="e", kind="cpu", length=16 << 10)
+    plans = add_delta(dense, {("e", 0): area})
+    assert plans.plan_hash != dense.plan_hash  # type: ignore[attr-defined]
+    exp = {e.rank: e for e in plans["e"].expects}
+    old = {e.rank: e for e in dense["e"].expects}
+    assert exp[0].count == old[0].count + 2 and exp[0].delta_region == 9
+    assert exp[1] == old[1]  # no area: unchanged
+    spans = list(exp[0].trailers)
+    for node in ("t0", "t1"):
+        (rp,) = plans[node].sends
+        assert len(rp.trailers) == 1 and rp.trailers[0].dst_rank == 0
+        assert rp.shadow_bytes == rp.staging_bytes and rp.delta_bytes > 0
+        for b in rp.buckets:
+            for ds in b.deltas:
+                assert ds.dst_rank == 0 and ds.width == 2
+                assert all(b.writes[i].slot == ds.slot for i in ds.writes)
+                spans.append((ds.dst_offset, ds.capacity))
+                assert ds.src_offset + ds.capacity <= rp.delta_bytes
+    spans.sort()
+    assert all(a[0] + a[1] <= b[0] for a, b in itertools.pairwise(spans))
+    assert spans[-1][0] + spans[-1][1] <= area.length
+    tiny = RegionDescriptor(id=9, node="e", kind="cpu", length=64)
+    with pytest.raises(PlanError, match="trailers alone need"):
+        add_delta(dense, {("e", 0): tiny})
