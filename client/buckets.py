@@ -10,6 +10,7 @@ version replays them with one launch per bucket instead of one per copy.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -33,7 +34,53 @@ def box_of(t: torch.Tensor, op: PackOp) -> torch.Tensor:
 
 
 def slice_box(t: torch.Tensor, box: Box) -> torch.Tensor:
+    """The box of a local tensor: a view; for a merged-rows tensor (`merged`), a copy."""
+    if merged(t, box):
+        rest = tuple(box.sizes[1:])
+        return torch.cat([part.reshape(-1, *rest) for _, part in row_parts(t, box)])
     return t[tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes, strict=True))]
+
+
+def merged(t: torch.Tensor, box: Box) -> bool:
+    """Whether `t` stands for a tensor of one dimension less, its dims 0 and 1 being that
+    tensor's rows (Megatron's interleaved QKV: (groups, rows per group, ...), the view
+    stepping over the other heads of each group)."""
+    return t.dim() == len(box.sizes) + 1
+
+
+def row_parts(t: torch.Tensor, box: Box) -> list[tuple[int, torch.Tensor]]:
+    """A box of a merged-rows tensor as views, each with its first row in the box: whole
+    groups as one view, partial groups on their own."""
+    per = t.shape[1]
+    rest = tuple(slice(o, o + s) for o, s in zip(box.offsets[1:], box.sizes[1:], strict=True))
+    start, end = box.offsets[0], box.offsets[0] + box.sizes[0]
+    out = []
+    row = start
+    while row < end:
+        g, i = divmod(row, per)
+        if i == 0 and end - row >= per:
+            n = (end - row) // per
+            out.append((row - start, t[(slice(g, g + n), slice(None), *rest)]))
+            row += n * per
+        else:
+            stop = min(end, (g + 1) * per)
+            out.append((row - start, t[(g, slice(i, i + stop - row), *rest)]))
+            row = stop
+    return out
+
+
+def merged_copies(
+    t: torch.Tensor, box: Box, out: torch.Tensor, dtype: torch.dtype
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(staging view, source view) pairs that copy a merged-rows box into `out` (its bytes
+    in `dtype`, row-major)."""
+    row_bytes = math.prod(box.sizes[1:]) * torch.empty((), dtype=dtype).element_size()
+    pairs = []
+    for row, part in row_parts(t, box):
+        n = part.numel() // max(1, math.prod(box.sizes[1:]))
+        dst = out[row * row_bytes : (row + n) * row_bytes].view(dtype).view(part.shape)
+        pairs.append((dst, part))
+    return pairs
 
 
 class Fp8Group:
@@ -134,6 +181,17 @@ class BucketPack:
         for op in self.ops:
             out = staging[op.staging_offset : op.staging_offset + op.nbytes]
             match op.transform:
+                case Copy() | Cast() if merged(tensors[op.source], op.box):
+                    local = tensors[op.source]
+                    dtype = (
+                        local.dtype if isinstance(op.transform, Copy) else TORCH[op.transform.dtype]
+                    )
+                    for dst, part in merged_copies(local, op.box, out, dtype):
+                        outs, srcs = copies.setdefault((local.dtype, dtype, False), ([], []))
+                        outs.append(dst)
+                        srcs.append(part)
+                case Fp8BlockQuant() | Fp8BlockScale() if merged(tensors[op.source], op.box):
+                    self.rest.append(op)  # packed from a fresh copy of its rows each time
                 case Copy() | Cast():
                     src = box_of(tensors[op.source], op)
                     dtype = (

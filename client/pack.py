@@ -18,7 +18,7 @@ import torch
 from weightwire.protocol.plan import PackOp
 from weightwire.protocol.tensors import Box, Cast, Copy, Fp8BlockQuant, Fp8BlockScale
 
-from .buckets import BucketPack, box_of, slice_box
+from .buckets import BucketPack, box_of, merged, merged_copies, slice_box
 from .dtypes import TORCH
 from .fp8 import quantize_blocks
 
@@ -64,6 +64,10 @@ class Packer:
         """Write op's bytes into `staging` (a flat uint8 tensor on any device)."""
         out = staging[op.staging_offset : op.staging_offset + op.nbytes]
         match op.transform:
+            case Copy() | Cast() if merged(local, op.box):
+                dtype = local.dtype if isinstance(op.transform, Copy) else TORCH[op.transform.dtype]
+                for dst, part in merged_copies(local, op.box, out, dtype):
+                    dst.copy_(part)
             case Copy():
                 src = box_of(local, op)
                 out.view(src.dtype).view(src.shape).copy_(src)

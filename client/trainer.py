@@ -5,10 +5,10 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 import torch
@@ -48,6 +48,9 @@ from .rank import RankClient
 from .ring import Landed, SlotOps
 from .sources import SourceRegions
 from .staging import Staging
+
+if TYPE_CHECKING:
+    from .megatron import Ranks
 
 
 @dataclass
@@ -159,14 +162,18 @@ class Trainer(RankClient):
                 region=region,
                 offset=offset,
             )
+            specs.append(spec)
+        self._declare({s.name: (s, tensors[s.name]) for s in specs})
+
+    def _declare(self, entries: Mapping[str, tuple[SourceTensor, torch.Tensor]]) -> None:
+        for name in entries:
             if name in self._tensors:
                 raise RegistrationError(
                     f"tensor {name} is already registered", code=ErrorCode.DUPLICATE
                 )
-            specs.append(spec)
-        self._conn.request(DeclareSources(tensors=tuple(specs)))
-        for spec in specs:
-            self._tensors[spec.name] = _Registered(tensors[spec.name], spec)
+        self._conn.request(DeclareSources(tensors=tuple(spec for spec, _ in entries.values())))
+        for name, (spec, t) in entries.items():
+            self._tensors[name] = _Registered(t, spec)
         self._plan = None
 
     def register_module(
@@ -190,6 +197,41 @@ class Trainer(RankClient):
         )
         self._module_params.update({s.name: s.param for s in shards})
         return {s.name: (s.box.offsets, s.box.sizes) for s in shards}
+
+    def register_megatron(
+        self,
+        model: torch.nn.Module | Sequence[torch.nn.Module],
+        config: Mapping[str, Any],
+        ranks: Ranks | None = None,
+        *,
+        skip: Callable[[str], bool] | None = None,
+        zero_copy: bool = False,
+    ) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Register a Megatron-core GPTModel (or its virtual-pipeline chunks) as this rank
+        holds it: each local parameter as the boxes of HF tensors it holds (interleaved QKV,
+        fused gate/up, experts over EP, expert TP, pipeline stages, padded vocabulary; see
+        `weightwire.client.megatron`), with no gather. `config`: the HF config the engines
+        use. `ranks`: TP/EP/expert-TP ranks (default: Megatron's parallel_state). Megatron
+        updates parameters in place, so each publish reads them as they are then. Raises
+        RegistrationError naming every parameter that does not map; nothing is registered
+        then. Returns {HF name: (offsets, sizes)} of what was registered."""
+        from .megatron import megatron_pieces
+
+        pieces = megatron_pieces(model, config, ranks, skip=skip)
+        entries = {}
+        for p in pieces:
+            region, offset = self._source_regions.region_of(p.local, zero_copy)
+            spec = SourceTensor(
+                name=p.name,
+                dtype=name_of(p.local.dtype),
+                shape=p.shape,
+                box=p.box,
+                region=region,
+                offset=offset,
+            )
+            entries[p.name] = (spec, p.local)
+        self._declare(entries)
+        return {p.name: (p.box.offsets, p.box.sizes) for p in pieces}
 
     def _module_tensors(self) -> dict[str, torch.Tensor]:
         """The module parameters' local tensors that are no longer the ones registered (the
