@@ -5,6 +5,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
+MCORE := megatron-core==0.16.1
 
 .PHONY: demo test test-fast lint typecheck setup sysdeps clean bench-tcp test-sglang test-rdma
 
@@ -15,6 +16,7 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q "$(TORCH)"
 	$(VPY) -m pip install -q -e ".[client,dev]"
+	$(VPY) -m pip install -q --no-deps "$(MCORE)"  # its deps (numpy, packaging, torch) are here
 	@$(VPY) -m pip install -q atheris 2>/dev/null || echo "atheris did not install: fuzzing runs on hypothesis alone"
 	@touch $(STAMP)
 

@@ -1,0 +1,194 @@
+"""One rank of a real Megatron-core trainer (megatron.core's GPTModel, parallel_state on
+gloo, CPU) for tests/test_megatron.py. Commands on stdin, one JSON object a line:
+
+- {"cmd": "setup", "job": ..., "hf": {HF config}, "tp": n, "pp": n, "ep": n, "etp": n,
+  "divisible_by": n}: (re)initialize Megatron's parallel groups, build this stage's
+  GPTModel from the HF config (vocabulary padded as Megatron-LM pads it), give every
+  parameter values of its own (replicas alike), register it with
+  `Trainer.register_megatron`, prepare;
+- {"cmd": "publish", "version": v}: an optimizer-like in-place step, then this rank's own
+  parameters as they are (Megatron names, with its TP/PP/EP coordinates) saved to
+  `<out>/<job>-v<v>-r<rank>.pt` for the test's own Megatron->HF conversion, then
+  `publish(v)`;
+- {"cmd": "close"}.
+
+Events on stdout, one JSON object a line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+import warnings
+import zlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from weightwire.client import Trainer
+from weightwire.protocol.errors import WeightwireError
+
+
+def say(**kw: object) -> None:
+    print(json.dumps({**kw, "t": time.time()}), flush=True)
+
+
+def padded_vocab(vocab: int, divisible_by: int, tp: int) -> int:
+    """Megatron-LM's `_vocab_size_with_padding`."""
+    multiple = divisible_by * tp
+    return -(-vocab // multiple) * multiple
+
+
+def build(hf: dict[str, Any], tp: int, pp: int, ep: int, etp: int, divisible_by: int) -> Any:
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+    )
+    experts = hf.get("num_experts")
+    qk_norm = hf["model_type"].startswith("qwen3")
+    cfg = TransformerConfig(
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hf["hidden_size"],
+        num_attention_heads=hf["num_attention_heads"],
+        num_query_groups=hf["num_key_value_heads"],
+        kv_channels=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+        ffn_hidden_size=hf["intermediate_size"],
+        gated_linear_unit=True,
+        normalization="RMSNorm",
+        add_bias_linear=False,
+        add_qkv_bias=hf["model_type"] == "qwen2",
+        qk_layernorm=qk_norm,
+        num_moe_experts=experts,
+        moe_ffn_hidden_size=hf.get("moe_intermediate_size"),
+        moe_router_topk=hf.get("num_experts_per_tok", 2),
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+        use_cpu_initialization=True,
+        params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16,
+        bf16=True,
+    )
+    spec = get_gpt_layer_local_spec(
+        num_experts=experts, qk_layernorm=qk_norm, normalization="RMSNorm"
+    )
+    torch.manual_seed(0)
+    return GPTModel(
+        cfg,
+        spec,
+        vocab_size=padded_vocab(hf["vocab_size"], divisible_by, tp),
+        max_sequence_length=hf["max_position_embeddings"],
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings")),
+        position_embedding_type="rope",
+    )
+
+
+def coordinates() -> dict[str, int]:
+    from megatron.core import parallel_state as ps
+
+    return {
+        "tp": ps.get_tensor_model_parallel_rank(),
+        "pp": ps.get_pipeline_model_parallel_rank(),
+        "ep": ps.get_expert_model_parallel_rank(),
+        "etp": ps.get_expert_tensor_parallel_rank(),
+    }
+
+
+def fill(model: Any) -> None:
+    """Values of each parameter's own: seeded by its name and the coordinates that tell its
+    shards apart, so replicas (other DP, EP or TP ranks holding the same) agree."""
+    c = coordinates()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".experts." in name:
+                key = f"{name}|pp{c['pp']}|ep{c['ep']}|etp{c['etp']}"
+            elif getattr(p, "tensor_model_parallel", False):
+                key = f"{name}|pp{c['pp']}|tp{c['tp']}"
+            else:
+                key = f"{name}|pp{c['pp']}"
+            g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+            p.copy_(torch.randn(p.shape, generator=g))
+
+
+def step(model: Any, version: int) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.75).add_(version / 8)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--socket", required=True)
+    ap.add_argument("--store", required=True)
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(
+        "gloo", init_method=f"file://{a.store}", rank=a.rank, world_size=a.world
+    )
+    import megatron.core  # noqa: F401  (imported once, before the first setup)
+
+    model: Any = None
+    tr: Trainer | None = None
+    job = ""
+    say(event="started", rank=a.rank)
+    for line in sys.stdin:
+        msg = json.loads(line)
+        try:
+            if msg["cmd"] == "setup":
+                if tr is not None:
+                    tr.close()
+                    tr = None
+                job = msg["job"]
+                hf = msg["hf"]
+                model = build(hf, msg["tp"], msg["pp"], msg["ep"], msg["etp"], msg["divisible_by"])
+                fill(model)
+                tr = Trainer(a.rank, a.world, socket=a.socket, job=job, timeout_s=60)
+                boxes = tr.register_megatron(model, hf)
+                tr.prepare()
+                say(event="ready", rank=a.rank, job=job, boxes=boxes, **coordinates())
+            elif msg["cmd"] == "publish":
+                assert model is not None and tr is not None
+                v = msg["version"]
+                step(model, v)
+                own = {n: p.detach().clone() for n, p in model.named_parameters()}
+                torch.save(
+                    {"params": own, **coordinates()},
+                    os.path.join(a.out, f"{job}-v{v}-r{a.rank}.pt"),
+                )
+                s = tr.publish(v)
+                say(event="published", rank=a.rank, version=v, bytes=s.nbytes)
+            elif msg["cmd"] == "close":
+                break
+        except WeightwireError as exc:
+            say(event="error", rank=a.rank, code=exc.code.value, message=exc.message)
+        except Exception as exc:
+            say(event="error", rank=a.rank, code="exception", message=traceback.format_exc())
+            raise SystemExit(1) from exc
+    if tr is not None:
+        tr.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,290 @@
+"""Megatron-core trainers registered as they are (`Trainer.register_megatron`), through
+real daemons into SGLang-layout engines (recipes from the model-family rules), checked
+bitwise against the test's own Megatron->HF conversion of every rank's parameters.
+
+Four real torch.distributed ranks (gloo, CPU) build megatron-core's own GPTModel (the
+local, non-Transformer-Engine layer spec) under Megatron's own parallel_state, one layout
+per job, the same four processes for all:
+
+- Qwen3 dense, TP 2 x PP 2: two query groups per TP rank (interleaved QKV held as views
+  stepping over the groups), fused [gate; up] fc1, row-parallel linears, pipeline layer
+  offsets, vocabulary 1000 padded to 1024 (make_vocab_size_divisible_by 128 x TP 2: the
+  last rank holds 24 pad rows, never sent), untied output layer; into one TP-1 engine
+  rank (every tensor assembled from several trainer ranks) and TP-4 engines.
+- Qwen3-MoE, TP 2 x EP 2 (expert TP 1; two data-parallel replicas of everything else):
+  `local_experts.N` of each EP rank; into TP-2 / EP-2 engines.
+- Qwen2 (QKV bias), TP 1 x PP 2, tied embeddings (the last stage's output-layer copy is
+  left out), two replicas; into TP-2 engines.
+
+The conversion here (`to_hf`) is written from Megatron's documented layouts, with torch.cat
+of whole shards, and shares no code with weightwire.client.megatron."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from weightwire.cli.localcluster import LocalCluster
+from weightwire.client import Engine
+from weightwire.client.buckets import row_parts, slice_box
+from weightwire.client.dtypes import TORCH
+from weightwire.plan.rules import engine_tensors, hf_tensors
+from weightwire.protocol.tensors import Box
+
+from .rulesref import CONFIGS, reference
+from .test_fsdp2 import Rank, out_dir
+from .test_rules import layout
+
+pytestmark = pytest.mark.megatron
+HERE = Path(__file__).parent
+WORLD = 4
+DIVISIBLE_BY = 128
+
+JOBS: dict[str, dict[str, Any]] = {
+    "dense": dict(
+        hf=dict(CONFIGS["qwen3"], num_key_value_heads=4),  # 2 query groups per TP rank
+        tp=2, pp=2, ep=1, etp=1, engines=[(1, 1), (4, 1)],
+    ),
+    "moe": dict(hf=CONFIGS["qwen3-moe"], tp=2, pp=1, ep=2, etp=1, engines=[(2, 2)]),
+    "tied": dict(
+        hf=dict(CONFIGS["qwen2"], tie_word_embeddings=True),
+        tp=1, pp=2, ep=1, etp=1, engines=[(2, 1)],
+    ),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def ranks(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Rank]]:
+    out = tmp_path_factory.mktemp("megatron")
+    store = out / "store"
+    procs = [
+        Rank(
+            HERE / "ranks" / "megatron_trainer.py",
+            *("--socket", cluster.daemons[0].socket, "--store", str(store)),
+            *("--rank", str(r), "--world", str(WORLD), "--out", str(out)),
+            pythonpath=HERE.parent,
+        )
+        for r in range(WORLD)
+    ]
+    try:
+        for p in procs:
+            p.wait_for("started", timeout=180)
+        yield procs
+        for p in procs:
+            p.cmd(cmd="close")
+        for p in procs:
+            assert p.finish() == 0, "".join(p.err)[-3000:]
+    finally:
+        for p in procs:
+            if p.p.poll() is None:
+                p.p.kill()
+
+
+# --- the test's own Megatron -> HF conversion -------------------------------------------
+
+
+def _cat(shards: dict[int, torch.Tensor], dim: int) -> torch.Tensor:
+    return torch.cat([shards[i] for i in sorted(shards)], dim=dim)
+
+
+def to_hf(hf: dict[str, Any], tp: int, pp: int, ep: int, files: list[Path]) -> dict[str, Any]:
+    """Megatron-LM's documented layouts, undone with whole shards: TP shards concatenated
+    (column-parallel on dim 0, row-parallel on dim 1); linear_qkv as [q heads; k; v] per
+    query group; linear_fc1 as each TP rank's [gate; up]; layers split evenly over PP
+    stages; experts split evenly over EP ranks; padded vocabulary rows dropped."""
+    by: dict[tuple[str, int, int, int], torch.Tensor] = {}  # (name, pp, tp|ep, etp)
+    for f in files:
+        s = torch.load(f)
+        for name, t in s["params"].items():
+            key = (name, s["pp"], s["ep"], s["etp"]) if ".experts." in name else None
+            key = key or (name, s["pp"], s["tp"], 0)
+            if key in by:  # a replica: the same values
+                assert torch.equal(by[key], t), f"replicas of {key} differ"
+            by[key] = t
+    layers_per_stage = hf["num_hidden_layers"] // pp
+    heads, groups = hf["num_attention_heads"], hf["num_key_value_heads"]
+    d = hf.get("head_dim") or hf["hidden_size"] // heads
+    experts = hf.get("num_experts", 0)
+    out: dict[str, torch.Tensor] = {}
+
+    def tp_shards(name: str, stage: int) -> dict[int, torch.Tensor]:
+        return {r: by[(name, stage, r, 0)] for r in range(tp)}
+
+    for stage in range(pp):
+        if stage == 0:
+            emb = _cat(tp_shards("embedding.word_embeddings.weight", 0), 0)
+            out["model.embed_tokens.weight"] = emb[: hf["vocab_size"]]
+        if stage == pp - 1:
+            out["model.norm.weight"] = by[("decoder.final_layernorm.weight", stage, 0, 0)]
+            if not hf.get("tie_word_embeddings"):
+                lm = _cat(tp_shards("output_layer.weight", stage), 0)
+                out["lm_head.weight"] = lm[: hf["vocab_size"]]
+        for j in range(layers_per_stage):
+            src, dst = f"decoder.layers.{j}.", f"model.layers.{stage * layers_per_stage + j}."
+            out[dst + "input_layernorm.weight"] = by[(src + "input_layernorm.weight", stage, 0, 0)]
+            out[dst + "post_attention_layernorm.weight"] = by[
+                (src + "pre_mlp_layernorm.weight", stage, 0, 0)
+            ]
+            for kind in ("weight", "bias"):
+                name = src + f"self_attention.linear_qkv.{kind}"
+                if (name, stage, 0, 0) not in by:
+                    continue
+                qkv = _cat(tp_shards(name, stage), 0)
+                per_group = qkv.reshape(groups, heads // groups + 2, d, *qkv.shape[1:])
+                rest = qkv.shape[1:]
+                out[dst + f"self_attn.q_proj.{kind}"] = per_group[:, : heads // groups].reshape(
+                    heads * d, *rest
+                )
+                out[dst + f"self_attn.k_proj.{kind}"] = per_group[:, -2].reshape(groups * d, *rest)
+                out[dst + f"self_attn.v_proj.{kind}"] = per_group[:, -1].reshape(groups * d, *rest)
+            for mine, theirs in (("q_layernorm", "q_norm"), ("k_layernorm", "k_norm")):
+                key = (src + f"self_attention.{mine}.weight", stage, 0, 0)
+                if key in by:
+                    out[dst + f"self_attn.{theirs}.weight"] = by[key]
+            out[dst + "self_attn.o_proj.weight"] = _cat(
+                tp_shards(src + "self_attention.linear_proj.weight", stage), 1
+            )
+            if experts:
+                out[dst + "mlp.gate.weight"] = by[(src + "mlp.router.weight", stage, 0, 0)]
+                for e in range(experts):
+                    owner, local = divmod(e, experts // ep)
+                    base = src + f"mlp.experts.local_experts.{local}."
+                    fc1 = by[(base + "linear_fc1.weight", stage, owner, 0)]
+                    gate, up = fc1.chunk(2, dim=0)
+                    ex = dst + f"mlp.experts.{e}."
+                    out[ex + "gate_proj.weight"] = gate
+                    out[ex + "up_proj.weight"] = up
+                    out[ex + "down_proj.weight"] = by[(base + "linear_fc2.weight", stage, owner, 0)]
+            else:
+                halves = [
+                    t.chunk(2, dim=0)
+                    for _, t in sorted(tp_shards(src + "mlp.linear_fc1.weight", stage).items())
+                ]
+                out[dst + "mlp.gate_proj.weight"] = torch.cat([g for g, _ in halves])
+                out[dst + "mlp.up_proj.weight"] = torch.cat([u for _, u in halves])
+                out[dst + "mlp.down_proj.weight"] = _cat(
+                    tp_shards(src + "mlp.linear_fc2.weight", stage), 1
+                )
+    return out
+
+
+# --- the tests ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("job", list(JOBS))
+def test_megatron_model_publishes_bitwise(
+    cluster: LocalCluster, ranks: list[Rank], job: str
+) -> None:
+    spec = JOBS[job]
+    hf, tp, pp, ep = spec["hf"], spec["tp"], spec["pp"], spec["ep"]
+    groups: list[tuple[int, int, list[Engine], list[dict[str, torch.Tensor]]]] = []
+    world = sum(n for n, _ in spec["engines"])
+    first = 0
+    for etp_size, eep in spec["engines"]:
+        engines, received = [], []
+        for r in range(etp_size):
+            lay = layout(hf, etp_size, r, eep, "")
+            tensors = {
+                t.name: torch.zeros(t.shape, dtype=TORCH[t.dtype]) for t in engine_tensors(hf, lay)
+            }
+            eng = Engine(
+                first + r,
+                world,
+                socket=cluster.daemons[1].socket,
+                job=f"megatron-{job}",
+                timeout_s=60,
+            )
+            eng.register(tensors, layout=lay)
+            engines.append(eng)
+            received.append(tensors)
+        groups.append((etp_size, eep, engines, received))
+        first += etp_size
+    for p in ranks:
+        p.cmd(
+            cmd="setup", job=f"megatron-{job}", hf=hf, tp=tp, pp=pp, ep=ep, etp=spec["etp"],
+            divisible_by=DIVISIBLE_BY,
+        )  # fmt: skip
+    ready = [p.wait_for("ready", timeout=180) for p in ranks]
+    if job == "dense":  # padded vocabulary: TP rank 1 holds rows 512..1000 of 1024
+        emb = {e["tp"]: e["boxes"].get("model.embed_tokens.weight") for e in ready if e["pp"] == 0}
+        assert emb == {0: [[0, 0], [512, 128]], 1: [[512, 0], [488, 128]]}
+        stage1 = {n for e in ready if e["pp"] == 1 for n in e["boxes"]}
+        assert "model.layers.1.self_attn.q_proj.weight" in stage1
+        assert not any(n.startswith("model.layers.0.") for n in stage1)
+    if job == "tied":
+        assert not any("lm_head.weight" in e["boxes"] for e in ready)
+    for version in (1, 2):
+        for p in ranks:
+            p.cmd(cmd="publish", version=version)
+        sent = [p.wait_for("published")["bytes"] for p in ranks]
+        assert sum(sent) > 0, sent
+        files = sorted(out_dir(ranks).glob(f"megatron-{job}-v{version}-r*.pt"))
+        assert len(files) == WORLD
+        full = to_hf(hf, tp, pp, ep, files)
+        assert set(full) == {t.name for t in hf_tensors(hf)}
+        for etp_size, eep, engines, received in groups:
+            for r, eng in enumerate(engines):
+                eng.wait(version, timeout_s=60)
+                want = reference(hf, full, etp_size, r, eep, None)
+                assert set(want) == set(received[r])
+                for n, expected in want.items():
+                    got = received[r][n]
+                    assert torch.equal(
+                        got.view(torch.uint8), expected.contiguous().view(torch.uint8)
+                    ), f"{job} v{version} engine TP{etp_size} rank {r}: {n} differs"
+    for _, _, engines, _ in groups:
+        for eng in engines:
+            eng.close()
+
+
+@pytest.mark.parametrize(
+    ("start", "stop"), [(0, 24), (3, 21), (5, 7), (6, 18), (8, 24), (0, 5), (19, 24)]
+)
+def test_merged_rows_box_is_the_rows_it_stands_for(start: int, stop: int) -> None:
+    """A merged-rows view (4 groups of 6 rows of an 8-row-per-group tensor) cut at any rows:
+    whole groups, partial ones, and both, as one torch.cat of the rows would give them."""
+    base = torch.arange(4 * 8 * 3, dtype=torch.float32).reshape(4, 8, 3)
+    view = base[:, 1:7]  # rows 1..6 of each group: not one view of a 2-D tensor
+    flat = torch.cat(list(view))  # the 24 x 3 tensor it stands for
+    box = Box(offsets=(start, 1), sizes=(stop - start, 2))
+    assert torch.equal(slice_box(view, box), flat[start:stop, 1:3])
+    parts = row_parts(view, box)
+    assert [row for row, _ in parts] == sorted(row for row, _ in parts)
+    assert sum(p.numel() for _, p in parts) == (stop - start) * 2
+
+
+def test_megatron_layout_that_does_not_map_names_the_parameter() -> None:
+    """A local tensor that is no shard of its HF tensor, and a parameter no family has, raise
+    RegistrationError naming each; nothing is returned."""
+    from weightwire.client.megatron import Ranks, megatron_pieces
+    from weightwire.protocol.errors import RegistrationError
+
+    hf = CONFIGS["qwen3"]
+
+    class Layer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer_number = 1
+            self.input_layernorm = torch.nn.Linear(1, 1)  # .weight, .bias: a bias it has not
+
+    class Decoder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Layer()])
+            self.final_layernorm = torch.nn.LayerNorm(hf["hidden_size"] + 1)
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.decoder = Decoder()
+
+    with pytest.raises(RegistrationError) as err:
+        megatron_pieces(Model(), hf, Ranks())
+    msg = err.value.message
+    assert "decoder.layers.0.input_layernorm.bias" in msg
+    assert "decoder.final_layernorm.weight [129]" in msg
+    assert "nothing was registered" in msg
