@@ -46,7 +46,6 @@ def padded_vocab(vocab: int, divisible_by: int, tp: int) -> int:
 
 def build(hf: dict[str, Any], tp: int, pp: int, ep: int, etp: int, divisible_by: int) -> Any:
     from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -88,6 +87,19 @@ def build(hf: dict[str, Any], tp: int, pp: int, ep: int, etp: int, divisible_by:
         num_experts=experts, qk_layernorm=qk_norm, normalization="RMSNorm"
     )
     torch.manual_seed(0)
+    # Tied embeddings over pipeline stages: Megatron syncs the last stage's copy through
+    # `weight.data.cuda()` then an all-reduce; on CPU (gloo) the tensor stays where it is.
+    cuda, torch.Tensor.cuda = torch.Tensor.cuda, lambda t, *a, **k: t  # type: ignore[method-assign]
+    try:
+        return make(cfg, spec, hf, tp, divisible_by)
+    finally:
+        torch.Tensor.cuda = cuda  # type: ignore[method-assign]
+
+
+def make(cfg: Any, spec: Any, hf: dict[str, Any], tp: int, divisible_by: int) -> Any:
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
     return GPTModel(
         cfg,
         spec,
