@@ -50,6 +50,7 @@ JOBS: dict[str, dict[str, Any]] = {
         tp=2, pp=2, ep=1, etp=1, engines=[(1, 1), (4, 1)],
     ),
     "moe": dict(hf=CONFIGS["qwen3-moe"], tp=2, pp=1, ep=2, etp=1, engines=[(2, 2)]),
+    "deepseek": dict(hf=CONFIGS["deepseek-v3"], tp=2, pp=1, ep=2, etp=1, engines=[(2, 2)]),
     "tied": dict(
         hf=dict(CONFIGS["qwen2"], tie_word_embeddings=True),
         tp=1, pp=2, ep=1, etp=1, engines=[(2, 1)],
@@ -91,6 +92,12 @@ def _cat(shards: dict[int, torch.Tensor], dim: int) -> torch.Tensor:
     return torch.cat([shards[i] for i in sorted(shards)], dim=dim)
 
 
+def _fc1(shards: dict[int, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each TP rank's fc1 is [its gate rows; its up rows]."""
+    halves = [shards[r].chunk(2, dim=0) for r in sorted(shards)]
+    return torch.cat([g for g, _ in halves]), torch.cat([u for _, u in halves])
+
+
 def to_hf(hf: dict[str, Any], tp: int, pp: int, ep: int, files: list[Path]) -> dict[str, Any]:
     """Megatron-LM's documented layouts, undone with whole shards: TP shards concatenated
     (column-parallel on dim 0, row-parallel on dim 1); linear_qkv as [q heads; k; v] per
@@ -106,9 +113,10 @@ def to_hf(hf: dict[str, Any], tp: int, pp: int, ep: int, files: list[Path]) -> d
                 assert torch.equal(by[key], t), f"replicas of {key} differ"
             by[key] = t
     layers_per_stage = hf["num_hidden_layers"] // pp
-    heads, groups = hf["num_attention_heads"], hf["num_key_value_heads"]
+    heads = hf["num_attention_heads"]
+    groups = hf.get("num_key_value_heads") or heads
     d = hf.get("head_dim") or hf["hidden_size"] // heads
-    experts = hf.get("num_experts", 0)
+    experts = hf.get("num_experts") or hf.get("n_routed_experts") or 0
     out: dict[str, torch.Tensor] = {}
 
     def tp_shards(name: str, stage: int) -> dict[int, torch.Tensor]:
@@ -129,6 +137,21 @@ def to_hf(hf: dict[str, Any], tp: int, pp: int, ep: int, files: list[Path]) -> d
             out[dst + "post_attention_layernorm.weight"] = by[
                 (src + "pre_mlp_layernorm.weight", stage, 0, 0)
             ]
+            if "kv_lora_rank" in hf:  # MLA: column-parallel projections, per head as in HF
+                for mine, theirs in (
+                    ("linear_q_down_proj", "q_a_proj"),
+                    ("linear_q_up_proj", "q_b_proj"),
+                    ("linear_kv_down_proj", "kv_a_proj_with_mqa"),
+                    ("linear_kv_up_proj", "kv_b_proj"),
+                ):
+                    shards = tp_shards(src + f"self_attention.{mine}.weight", stage)
+                    out[dst + f"self_attn.{theirs}.weight"] = _cat(shards, 0)
+                for mine, theirs in (
+                    ("q_layernorm", "q_a_layernorm"),
+                    ("kv_layernorm", "kv_a_layernorm"),
+                ):
+                    key = (src + f"self_attention.{mine}.weight", stage, 0, 0)
+                    out[dst + f"self_attn.{theirs}.weight"] = by[key]
             for kind in ("weight", "bias"):
                 name = src + f"self_attention.linear_qkv.{kind}"
                 if (name, stage, 0, 0) not in by:
@@ -143,13 +166,23 @@ def to_hf(hf: dict[str, Any], tp: int, pp: int, ep: int, files: list[Path]) -> d
                 out[dst + f"self_attn.v_proj.{kind}"] = per_group[:, -1].reshape(groups * d, *rest)
             for mine, theirs in (("q_layernorm", "q_norm"), ("k_layernorm", "k_norm")):
                 key = (src + f"self_attention.{mine}.weight", stage, 0, 0)
-                if key in by:
+                if key in by and "kv_lora_rank" not in hf:
                     out[dst + f"self_attn.{theirs}.weight"] = by[key]
             out[dst + "self_attn.o_proj.weight"] = _cat(
                 tp_shards(src + "self_attention.linear_proj.weight", stage), 1
             )
-            if experts:
+            if (src + "mlp.router.weight", stage, 0, 0) in by:  # a MoE layer
                 out[dst + "mlp.gate.weight"] = by[(src + "mlp.router.weight", stage, 0, 0)]
+                bias = (src + "mlp.router.expert_bias", stage, 0, 0)
+                if bias in by:
+                    out[dst + "mlp.gate.e_score_correction_bias"] = by[bias]
+                if (src + "mlp.shared_experts.linear_fc1.weight", stage, 0, 0) in by:
+                    gate, up = _fc1(tp_shards(src + "mlp.shared_experts.linear_fc1.weight", stage))
+                    out[dst + "mlp.shared_experts.gate_proj.weight"] = gate
+                    out[dst + "mlp.shared_experts.up_proj.weight"] = up
+                    out[dst + "mlp.shared_experts.down_proj.weight"] = _cat(
+                        tp_shards(src + "mlp.shared_experts.linear_fc2.weight", stage), 1
+                    )
                 for e in range(experts):
                     owner, local = divmod(e, experts // ep)
                     base = src + f"mlp.experts.local_experts.{local}."
@@ -160,12 +193,9 @@ def to_hf(hf: dict[str, Any], tp: int, pp: int, ep: int, files: list[Path]) -> d
                     out[ex + "up_proj.weight"] = up
                     out[ex + "down_proj.weight"] = by[(base + "linear_fc2.weight", stage, owner, 0)]
             else:
-                halves = [
-                    t.chunk(2, dim=0)
-                    for _, t in sorted(tp_shards(src + "mlp.linear_fc1.weight", stage).items())
-                ]
-                out[dst + "mlp.gate_proj.weight"] = torch.cat([g for g, _ in halves])
-                out[dst + "mlp.up_proj.weight"] = torch.cat([u for _, u in halves])
+                gate, up = _fc1(tp_shards(src + "mlp.linear_fc1.weight", stage))
+                out[dst + "mlp.gate_proj.weight"] = gate
+                out[dst + "mlp.up_proj.weight"] = up
                 out[dst + "mlp.down_proj.weight"] = _cat(
                     tp_shards(src + "mlp.linear_fc2.weight", stage), 1
                 )

@@ -57,19 +57,17 @@ def build(hf: dict[str, Any], tp: int, pp: int, ep: int, etp: int, divisible_by:
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
     )
-    experts = hf.get("num_experts")
-    qk_norm = hf["model_type"].startswith("qwen3")
-    cfg = TransformerConfig(
+    experts = hf.get("num_experts") or hf.get("n_routed_experts")
+    mla = "kv_lora_rank" in hf
+    qk_norm = hf["model_type"].startswith("qwen3") or mla
+    common: dict[str, Any] = dict(
         num_layers=hf["num_hidden_layers"],
         hidden_size=hf["hidden_size"],
         num_attention_heads=hf["num_attention_heads"],
-        num_query_groups=hf["num_key_value_heads"],
-        kv_channels=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
         ffn_hidden_size=hf["intermediate_size"],
         gated_linear_unit=True,
         normalization="RMSNorm",
         add_bias_linear=False,
-        add_qkv_bias=hf["model_type"] == "qwen2",
         qk_layernorm=qk_norm,
         num_moe_experts=experts,
         moe_ffn_hidden_size=hf.get("moe_intermediate_size"),
@@ -83,17 +81,51 @@ def build(hf: dict[str, Any], tp: int, pp: int, ep: int, etp: int, divisible_by:
         pipeline_dtype=torch.bfloat16,
         bf16=True,
     )
-    spec = get_gpt_layer_local_spec(
-        num_experts=experts, qk_layernorm=qk_norm, normalization="RMSNorm"
-    )
+    if mla:  # DeepSeek-V3: MLA, a dense first layer, a shared expert, an expert bias
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        dense = hf["first_k_dense_replace"]
+        cfg: Any = MLATransformerConfig(
+            **common,
+            q_lora_rank=hf["q_lora_rank"],
+            kv_lora_rank=hf["kv_lora_rank"],
+            qk_head_dim=hf["qk_nope_head_dim"],
+            qk_pos_emb_head_dim=hf["qk_rope_head_dim"],
+            v_head_dim=hf["v_head_dim"],
+            rope_type="rope",
+            moe_layer_freq=[0] * dense + [1] * (hf["num_hidden_layers"] - dense),
+            moe_shared_expert_intermediate_size=hf["moe_intermediate_size"]
+            * hf["n_shared_experts"],
+            moe_router_enable_expert_bias=True,
+            moe_router_score_function="sigmoid",
+        )
+        spec: Any = get_gpt_decoder_block_spec(
+            cfg, use_transformer_engine=False, normalization="RMSNorm"
+        )
+        for layer in spec.layer_specs:
+            layer.submodules.self_attention.submodules.core_attention = NoCoreAttention
+    else:
+        cfg = TransformerConfig(
+            **common,
+            num_query_groups=hf["num_key_value_heads"],
+            kv_channels=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+            add_qkv_bias=hf["model_type"] == "qwen2",
+        )
+        spec = get_gpt_layer_local_spec(
+            num_experts=experts, qk_layernorm=qk_norm, normalization="RMSNorm"
+        )
     torch.manual_seed(0)
     # Tied embeddings over pipeline stages: Megatron syncs the last stage's copy through
     # `weight.data.cuda()` then an all-reduce; on CPU (gloo) the tensor stays where it is.
+    # MLA's rotary embedding asks for the current CUDA device: on CPU, the CPU.
     cuda, torch.Tensor.cuda = torch.Tensor.cuda, lambda t, *a, **k: t  # type: ignore[method-assign]
+    device, torch.cuda.current_device = torch.cuda.current_device, lambda: "cpu"  # type: ignore[assignment]
     try:
         return make(cfg, spec, hf, tp, divisible_by)
     finally:
         torch.Tensor.cuda = cuda  # type: ignore[method-assign]
+        torch.cuda.current_device = device
 
 
 def make(cfg: Any, spec: Any, hf: dict[str, Any], tp: int, divisible_by: int) -> Any:
@@ -112,6 +144,30 @@ def make(cfg: Any, spec: Any, hf: dict[str, Any], tp: int, divisible_by: int) ->
     )
 
 
+class NoCoreAttention(torch.nn.Module):
+    """Megatron-core 0.16's MLA builds its core attention with arguments only Transformer
+    Engine's accepts; the weights never go through it, and it has no parameters."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__()
+
+
+def no_transformer_engine() -> None:
+    """MLA checks `isinstance(linear_proj, TELinear)`, no class without Transformer Engine
+    (megatron-core 0.16 leaves a stand-in object there)."""
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    if not isinstance(mla.TELinear, type):
+        mla.TELinear = type("NoTELinear", (), {})
+
+
+def tensors(model: Any) -> dict[str, torch.Tensor]:
+    """Parameters, and the router's expert bias (a buffer in Megatron, a weight in HF)."""
+    out = dict(model.named_parameters())
+    out.update((n, b) for n, b in model.named_buffers() if n.endswith("router.expert_bias"))
+    return out
+
+
 def coordinates() -> dict[str, int]:
     from megatron.core import parallel_state as ps
 
@@ -128,7 +184,7 @@ def fill(model: Any) -> None:
     shards apart, so replicas (other DP, EP or TP ranks holding the same) agree."""
     c = coordinates()
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in tensors(model).items():
             if ".experts." in name:
                 key = f"{name}|pp{c['pp']}|ep{c['ep']}|etp{c['etp']}"
             elif getattr(p, "tensor_model_parallel", False):
@@ -136,12 +192,12 @@ def fill(model: Any) -> None:
             else:
                 key = f"{name}|pp{c['pp']}"
             g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
-            p.copy_(torch.randn(p.shape, generator=g))
+            p.copy_(torch.randn(p.shape, generator=g))  # bfloat16 (float32 expert bias)
 
 
 def step(model: Any, version: int) -> None:
     with torch.no_grad():
-        for p in model.parameters():
+        for p in tensors(model).values():
             p.mul_(0.75).add_(version / 8)
 
 
@@ -159,6 +215,8 @@ def main() -> None:
         "gloo", init_method=f"file://{a.store}", rank=a.rank, world_size=a.world
     )
     import megatron.core  # noqa: F401  (imported once, before the first setup)
+
+    no_transformer_engine()
 
     model: Any = None
     tr: Trainer | None = None
@@ -183,7 +241,7 @@ def main() -> None:
                 assert model is not None and tr is not None
                 v = msg["version"]
                 step(model, v)
-                own = {n: p.detach().clone() for n, p in model.named_parameters()}
+                own = {n: p.detach().clone() for n, p in tensors(model).items()}
                 torch.save(
                     {"params": own, **coordinates()},
                     os.path.join(a.out, f"{job}-v{v}-r{a.rank}.pt"),
