@@ -13,6 +13,11 @@ per job, the same four processes for all:
   rank (every tensor assembled from several trainer ranks) and TP-4 engines.
 - Qwen3-MoE, TP 2 x EP 2 (expert TP 1; two data-parallel replicas of everything else):
   `local_experts.N` of each EP rank; into TP-2 / EP-2 engines.
+- DeepSeek-V3, TP 2 x EP 2: MLA (`linear_q_down_proj` ... `linear_kv_up_proj`, q/kv
+  layernorms), a dense first layer, a shared expert, the router's expert bias (a float32
+  buffer); into TP-2 / EP-2 engines. Megatron-core 0.16 cannot build MLA without
+  Transformer Engine as it is; the rank script stands in for the three parameter-free
+  parts that need it (see tests/ranks/megatron_trainer.py).
 - Qwen2 (QKV bias), TP 1 x PP 2, tied embeddings (the last stage's output-layer copy is
   left out), two replicas; into TP-2 engines.
 
@@ -318,3 +323,35 @@ def test_megatron_layout_that_does_not_map_names_the_parameter() -> None:
     assert "decoder.layers.0.input_layernorm.bias" in msg
     assert "decoder.final_layernorm.weight [129]" in msg
     assert "nothing was registered" in msg
+
+
+def test_grouped_experts_over_ep_and_expert_tp_are_boxes_of_their_experts() -> None:
+    """Transformer Engine's grouped experts (`mlp.experts.linear_fc1.weightN`, which needs a
+    GPU to build) on EP rank 1 of 2 and expert-TP rank 1 of 2, in layer 0 of the second
+    pipeline stage (layer_number 2): experts 4..7 of HF layer 1, each fc1 the rank's rows of
+    gate_proj then up_proj (views of the parameter, no copy), each fc2 its columns."""
+    from weightwire.client.megatron import Ranks, megatron_pieces
+
+    hf = CONFIGS["qwen3-moe"]  # 8 experts, moe_intermediate_size 64, hidden 128
+    fc1, fc2 = torch.nn.Module(), torch.nn.Module()
+    for j in range(4):
+        fc1.register_parameter(f"weight{j}", torch.nn.Parameter(torch.randn(64, 128)))
+        fc2.register_parameter(f"weight{j}", torch.nn.Parameter(torch.randn(128, 32)))
+    model = torch.nn.Module()
+    model.decoder = torch.nn.Module()
+    layer = torch.nn.Module()
+    layer.layer_number = 2  # type: ignore[assignment]
+    layer.mlp = torch.nn.Module()
+    layer.mlp.experts = torch.nn.Module()
+    layer.mlp.experts.linear_fc1, layer.mlp.experts.linear_fc2 = fc1, fc2
+    model.decoder.layers = torch.nn.ModuleList([layer])
+    pieces = megatron_pieces(model, hf, Ranks(ep=1, ep_size=2, etp=1, etp_size=2))
+    got = {p.name: (p.box.offsets, p.box.sizes, p.local.data_ptr()) for p in pieces}
+    want = {}
+    for j in range(4):
+        e = f"model.layers.1.mlp.experts.{4 + j}."
+        w1, w2 = getattr(fc1, f"weight{j}"), getattr(fc2, f"weight{j}")
+        want[e + "gate_proj.weight"] = ((32, 0), (32, 128), w1.data_ptr())
+        want[e + "up_proj.weight"] = ((32, 0), (32, 128), w1.data_ptr() + 32 * 128 * 4)
+        want[e + "down_proj.weight"] = ((0, 32), (128, 32), w2.data_ptr())
+    assert got == want
