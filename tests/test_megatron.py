@@ -38,7 +38,7 @@ from weightwire.client import Engine
 from weightwire.client.buckets import row_parts, slice_box
 from weightwire.client.dtypes import TORCH
 from weightwire.plan.rules import engine_tensors, hf_tensors
-from weightwire.protocol.tensors import Box
+from weightwire.protocol.tensors import Box, Cast, Copy, Fp8BlockQuant, Fp8BlockScale
 
 from .rulesref import CONFIGS, reference
 from .test_fsdp2 import Rank, out_dir
@@ -355,3 +355,46 @@ def test_grouped_experts_over_ep_and_expert_tp_are_boxes_of_their_experts() -> N
         want[e + "up_proj.weight"] = ((32, 0), (32, 128), w1.data_ptr() + 32 * 128 * 4)
         want[e + "down_proj.weight"] = ((0, 32), (128, 32), w2.data_ptr())
     assert got == want
+
+
+@pytest.mark.parametrize(
+    "transform", [Copy(), Cast(dtype="float32"), Fp8BlockQuant(block=4), Fp8BlockScale(block=4)]
+)
+def test_packing_a_merged_rows_box_gives_the_rows_it_stands_for(transform: Any) -> None:
+    """A bucket's pack ops over a merged-rows tensor (interleaved QKV's q rows), batched
+    (`Packer.pack_bucket`) and one by one (`Packer.pack`), write the same bytes as the
+    same ops over the concatenated rows, for boxes that cut groups and span several."""
+    from weightwire.client.pack import Packer
+    from weightwire.protocol.plan import PackOp
+    from weightwire.protocol.tensors import Piece, piece_nbytes
+
+    torch.manual_seed(0)
+    local = torch.randn(3 * 10, 8, dtype=torch.bfloat16)  # 3 groups: 8 q rows, 2 other
+    view = local.view(3, 10, 8)[:, :8]  # the q rows: a 24 x 8 tensor, as a 3-D view
+    flat = torch.cat(list(view))
+    boxes = [Box(offsets=(0, 0), sizes=(24, 8)), Box(offsets=(4, 0), sizes=(16, 8))]
+    boxes += [Box(offsets=(8, 4), sizes=(8, 4))]
+    ops, offset = [], 0
+    for box in boxes:
+        n = piece_nbytes("bfloat16", Piece(source="q", box=box, dst_offset=0, transform=transform))
+        ops.append(
+            PackOp(source="q", box=box, transform=transform, staging_offset=offset, nbytes=n)
+        )
+        offset += -(-n // 16) * 16
+    want = torch.zeros(offset, dtype=torch.uint8)
+    for op in ops:
+        Packer().pack(op, flat, want)
+    batched = torch.zeros(offset, dtype=torch.uint8)
+    Packer().pack_bucket(tuple(ops), {"q": view}, batched)
+    assert torch.equal(batched, want)
+    single = torch.zeros(offset, dtype=torch.uint8)
+    for op in ops:
+        Packer().pack(op, view, single)
+    assert torch.equal(single, want)
+    view.mul_(2)  # a new version, packed again through the same (cached) bucket
+    flat = torch.cat(list(view))
+    want.zero_()
+    for op in ops:
+        Packer().pack(op, flat, want)
+    Packer().pack_bucket(tuple(ops), {"q": view}, batched)
+    assert torch.equal(batched, want)
