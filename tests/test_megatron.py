@@ -11,13 +11,15 @@ per job, the same four processes for all:
   offsets, vocabulary 1000 padded to 1024 (make_vocab_size_divisible_by 128 x TP 2: the
   last rank holds 24 pad rows, never sent), untied output layer; into one TP-1 engine
   rank (every tensor assembled from several trainer ranks) and TP-4 engines.
-- Qwen3-MoE, TP 2 x EP 2 (expert TP 1; two data-parallel replicas of everything else):
-  `local_experts.N` of each EP rank; into TP-2 / EP-2 engines.
+- Qwen3-MoE, TP 2 x EP 2 x expert TP 2: `local_experts.N` of each EP rank, each cut over
+  expert TP like a dense MLP; into TP-2 / EP-2 engines.
 - DeepSeek-V3, TP 2 x EP 2: MLA (`linear_q_down_proj` ... `linear_kv_up_proj`, q/kv
   layernorms), a dense first layer, a shared expert, the router's expert bias (a float32
   buffer); into TP-2 / EP-2 engines. Megatron-core 0.16 cannot build MLA without
   Transformer Engine as it is; the rank script stands in for the three parameter-free
   parts that need it (see tests/ranks/megatron_trainer.py).
+- Kimi-K2 (DeepSeek-V3's layout), PP 2 x EP 2 (TP 1, two replicas of the attention):
+  the dense layer on one stage, the MoE layer on the other; into TP-4 / EP-2 engines.
 - Qwen2 (QKV bias), TP 1 x PP 2, tied embeddings (the last stage's output-layer copy is
   left out), two replicas; into TP-2 engines.
 
@@ -54,8 +56,9 @@ JOBS: dict[str, dict[str, Any]] = {
         hf=dict(CONFIGS["qwen3"], num_key_value_heads=4),  # 2 query groups per TP rank
         tp=2, pp=2, ep=1, etp=1, engines=[(1, 1), (4, 1)],
     ),
-    "moe": dict(hf=CONFIGS["qwen3-moe"], tp=2, pp=1, ep=2, etp=1, engines=[(2, 2)]),
+    "moe": dict(hf=CONFIGS["qwen3-moe"], tp=2, pp=1, ep=2, etp=2, engines=[(2, 2)]),
     "deepseek": dict(hf=CONFIGS["deepseek-v3"], tp=2, pp=1, ep=2, etp=1, engines=[(2, 2)]),
+    "kimi": dict(hf=CONFIGS["kimi-k2"], tp=1, pp=2, ep=2, etp=1, engines=[(4, 2)]),
     "tied": dict(
         hf=dict(CONFIGS["qwen2"], tie_word_embeddings=True),
         tp=1, pp=2, ep=1, etp=1, engines=[(2, 1)],
@@ -103,7 +106,9 @@ def _fc1(shards: dict[int, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([g for g, _ in halves]), torch.cat([u for _, u in halves])
 
 
-def to_hf(hf: dict[str, Any], tp: int, pp: int, ep: int, files: list[Path]) -> dict[str, Any]:
+def to_hf(
+    hf: dict[str, Any], tp: int, pp: int, ep: int, etp: int, files: list[Path]
+) -> dict[str, Any]:
     """Megatron-LM's documented layouts, undone with whole shards: TP shards concatenated
     (column-parallel on dim 0, row-parallel on dim 1); linear_qkv as [q heads; k; v] per
     query group; linear_fc1 as each TP rank's [gate; up]; layers split evenly over PP
@@ -191,12 +196,13 @@ def to_hf(hf: dict[str, Any], tp: int, pp: int, ep: int, files: list[Path]) -> d
                 for e in range(experts):
                     owner, local = divmod(e, experts // ep)
                     base = src + f"mlp.experts.local_experts.{local}."
-                    fc1 = by[(base + "linear_fc1.weight", stage, owner, 0)]
-                    gate, up = fc1.chunk(2, dim=0)
+                    fc1 = {r: by[(base + "linear_fc1.weight", stage, owner, r)] for r in range(etp)}
+                    fc2 = {r: by[(base + "linear_fc2.weight", stage, owner, r)] for r in range(etp)}
+                    gate, up = _fc1(fc1)  # expert TP cuts an expert as TP cuts a dense MLP
                     ex = dst + f"mlp.experts.{e}."
                     out[ex + "gate_proj.weight"] = gate
                     out[ex + "up_proj.weight"] = up
-                    out[ex + "down_proj.weight"] = by[(base + "linear_fc2.weight", stage, owner, 0)]
+                    out[ex + "down_proj.weight"] = _cat(fc2, 1)
             else:
                 gate, up = _fc1(tp_shards(src + "mlp.linear_fc1.weight", stage))
                 out[dst + "mlp.gate_proj.weight"] = gate
@@ -250,6 +256,14 @@ def test_megatron_model_publishes_bitwise(
         stage1 = {n for e in ready if e["pp"] == 1 for n in e["boxes"]}
         assert "model.layers.1.self_attn.q_proj.weight" in stage1
         assert not any(n.startswith("model.layers.0.") for n in stage1)
+    if job == "moe":  # expert TP 2: each rank holds half the rows of its experts' gate_proj
+        gate = [e["boxes"].get("model.layers.0.mlp.experts.0.gate_proj.weight") for e in ready]
+        assert sorted(g[0][0] for g in gate if g) == [0, 32], gate  # ep rank 0, etp 0 and 1
+        assert all(g[1][0] == 32 for g in gate if g)
+    if job == "kimi":  # the dense layer 0 on stage 0, the MoE layer 1 on stage 1
+        stage1 = {n for e in ready if e["pp"] == 1 for n in e["boxes"]}
+        assert "model.layers.1.mlp.experts.7.down_proj.weight" in stage1
+        assert not any(n.startswith("model.layers.0.") for n in stage1)
     if job == "tied":
         assert not any("lm_head.weight" in e["boxes"] for e in ready)
     for version in (1, 2):
@@ -259,7 +273,7 @@ def test_megatron_model_publishes_bitwise(
         assert sum(sent) > 0, sent
         files = sorted(out_dir(ranks).glob(f"megatron-{job}-v{version}-r*.pt"))
         assert len(files) == WORLD
-        full = to_hf(hf, tp, pp, ep, files)
+        full = to_hf(hf, tp, pp, ep, spec["etp"], files)
         assert set(full) == {t.name for t in hf_tensors(hf)}
         for etp_size, eep, engines, received in groups:
             for r, eng in enumerate(engines):
