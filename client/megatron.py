@@ -323,3 +323,42 @@ def megatron_pieces(
             code=ErrorCode.INVALID,
         )
     return out
+
+
+class MegatronSource:
+    """A registered Megatron model: its pieces, and where its parameters' storage was then.
+
+    A parameter given new storage (offloaded to the CPU and back, as RL frameworks do
+    between rollouts) leaves the registered views on the old storage; `moved` finds that
+    and gives the new views, so a publish never sends stale weights."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module | Sequence[torch.nn.Module],
+        config: Mapping[str, Any],
+        ranks: Ranks | None,
+        skip: Skip | None,
+    ) -> None:
+        self.model, self.config, self.skip = model, config, skip
+        self.ranks = ranks or Ranks.from_parallel_state()
+        self.pieces = megatron_pieces(model, config, self.ranks, skip=skip)
+        self._where = self._storage()
+
+    def _storage(self) -> list[int]:
+        chunks = list(self.model) if isinstance(self.model, Sequence) else [self.model]
+        return [t.data_ptr() for c in chunks for _, t in _tensors(_unwrap(c))]
+
+    def moved(self) -> dict[str, torch.Tensor]:
+        """{HF name: its view now} for every piece whose parameter has new storage since
+        registration (or the last call that found some); empty when none moved."""
+        where = self._storage()
+        if where == self._where:
+            return {}
+        old = {p.name: p.local for p in self.pieces}
+        self.pieces = megatron_pieces(self.model, self.config, self.ranks, skip=self.skip)
+        self._where = where
+        return {
+            p.name: p.local
+            for p in self.pieces
+            if p.name in old and p.local.data_ptr() != old[p.name].data_ptr()
+        }

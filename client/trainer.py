@@ -50,7 +50,7 @@ from .sources import SourceRegions
 from .staging import Staging
 
 if TYPE_CHECKING:
-    from .megatron import Ranks
+    from .megatron import MegatronSource, Ranks
 
 
 @dataclass
@@ -115,6 +115,7 @@ class Trainer(RankClient):
         self._slot_ops = SlotOps()
         self._ring: tuple[tuple[str, int], StagingRing] | None = None  # of (plan, slots)
         self._module_params: dict[str, torch.Tensor] = {}  # name -> DTensor (register_module)
+        self._megatron: list[MegatronSource] = []  # register_megatron
 
     # --- registration --------------------------------------------------------
 
@@ -215,9 +216,10 @@ class Trainer(RankClient):
         updates parameters in place, so each publish reads them as they are then. Raises
         RegistrationError naming every parameter that does not map; nothing is registered
         then. Returns {HF name: (offsets, sizes)} of what was registered."""
-        from .megatron import megatron_pieces
+        from .megatron import MegatronSource
 
-        pieces = megatron_pieces(model, config, ranks, skip=skip)
+        source = MegatronSource(model, config, ranks, skip)
+        pieces = source.pieces
         entries = {}
         for p in pieces:
             region, offset = self._source_regions.region_of(p.local, zero_copy)
@@ -231,6 +233,7 @@ class Trainer(RankClient):
             )
             entries[p.name] = (spec, p.local)
         self._declare(entries)
+        self._megatron.append(source)
         return {p.name: (p.box.offsets, p.box.sizes) for p in pieces}
 
     def _module_tensors(self) -> dict[str, torch.Tensor]:
@@ -350,6 +353,17 @@ class Trainer(RankClient):
         t0 = time.perf_counter()
         if self._module_params:
             tensors = {**self._module_tensors(), **(tensors or {})}
+        for source in self._megatron:  # parameters given new storage: read them there
+            for name, t in source.moved().items():
+                reg = self._tensors[name]
+                if reg.spec.region >= 0:
+                    raise RegistrationError(
+                        f"{name} was registered zero-copy, but its Megatron parameter has new "
+                        "storage since: register with zero_copy=False to publish parameters "
+                        "that move (offloaded and reloaded)",
+                        code=ErrorCode.INVALID,
+                    )
+                reg.tensor = t  # from now on, as if registered so
         current = self._current(tensors)
         for attempt in range(3):
             plan = self.plan()

@@ -266,9 +266,9 @@ def test_megatron_model_publishes_bitwise(
         assert not any(n.startswith("model.layers.0.") for n in stage1)
     if job == "tied":
         assert not any("lm_head.weight" in e["boxes"] for e in ready)
-    for version in (1, 2):
+    for version in (1, 2, 3):  # 3: every parameter on new storage (offloaded and back)
         for p in ranks:
-            p.cmd(cmd="publish", version=version)
+            p.cmd(cmd="publish", version=version, move=version == 3)
         sent = [p.wait_for("published")["bytes"] for p in ranks]
         assert sum(sent) > 0, sent
         files = sorted(out_dir(ranks).glob(f"megatron-{job}-v{version}-r*.pt"))

@@ -6,7 +6,8 @@ gloo, CPU) for tests/test_megatron.py. Commands on stdin, one JSON object a line
   GPTModel from the HF config (vocabulary padded as Megatron-LM pads it), give every
   parameter values of its own (replicas alike), register it with
   `Trainer.register_megatron`, prepare;
-- {"cmd": "publish", "version": v}: an optimizer-like in-place step, then this rank's own
+- {"cmd": "publish", "version": v, "move": bool}: an optimizer-like in-place step (with
+  `move`, on new storage for every parameter), then this rank's own
   parameters as they are (Megatron names, with its TP/PP/EP coordinates) saved to
   `<out>/<job>-v<v>-r<rank>.pt` for the test's own Megatron->HF conversion, then
   `publish(v)`;
@@ -195,9 +196,13 @@ def fill(model: Any) -> None:
             p.copy_(torch.randn(p.shape, generator=g))  # bfloat16 (float32 expert bias)
 
 
-def step(model: Any, version: int) -> None:
+def step(model: Any, version: int, move: bool) -> None:
+    """An optimizer-like update in place; with `move`, every parameter first gets new
+    storage (what offloading the model to the CPU and back between rollouts does)."""
     with torch.no_grad():
         for p in tensors(model).values():
+            if move:
+                p.data = p.data.clone()
             p.mul_(0.75).add_(version / 8)
 
 
@@ -240,7 +245,7 @@ def main() -> None:
             elif msg["cmd"] == "publish":
                 assert model is not None and tr is not None
                 v = msg["version"]
-                step(model, v)
+                step(model, v, bool(msg.get("move")))
                 own = {n: p.detach().clone() for n, p in tensors(model).items()}
                 torch.save(
                     {"params": own, **coordinates()},
