@@ -371,19 +371,31 @@ def test_grouped_experts_over_ep_and_expert_tp_are_boxes_of_their_experts() -> N
     assert got == want
 
 
+CUDA = pytest.param(
+    "cuda",
+    marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize(
     "transform", [Copy(), Cast(dtype="float32"), Fp8BlockQuant(block=4), Fp8BlockScale(block=4)]
 )
-def test_packing_a_merged_rows_box_gives_the_rows_it_stands_for(transform: Any) -> None:
+def test_packing_a_merged_rows_box_gives_the_rows_it_stands_for(
+    transform: Any, device: str
+) -> None:
     """A bucket's pack ops over a merged-rows tensor (interleaved QKV's q rows), batched
-    (`Packer.pack_bucket`) and one by one (`Packer.pack`), write the same bytes as the
-    same ops over the concatenated rows, for boxes that cut groups and span several."""
+    (`Packer.pack_bucket`; on a GPU, replayed as a CUDA graph the second time) and one by
+    one (`Packer.pack`), write the same bytes as the same ops over the concatenated rows,
+    for boxes that cut groups and span several."""
     from weightwire.client.pack import Packer
     from weightwire.protocol.plan import PackOp
     from weightwire.protocol.tensors import Piece, piece_nbytes
 
     torch.manual_seed(0)
-    local = torch.randn(3 * 10, 8, dtype=torch.bfloat16)  # 3 groups: 8 q rows, 2 other
+    local = torch.randn(
+        3 * 10, 8, dtype=torch.bfloat16, device=device
+    )  # 3 groups: 8 q rows, 2 other
     view = local.view(3, 10, 8)[:, :8]  # the q rows: a 24 x 8 tensor, as a 3-D view
     flat = torch.cat(list(view))
     boxes = [Box(offsets=(0, 0), sizes=(24, 8)), Box(offsets=(4, 0), sizes=(16, 8))]
@@ -395,13 +407,13 @@ def test_packing_a_merged_rows_box_gives_the_rows_it_stands_for(transform: Any) 
             PackOp(source="q", box=box, transform=transform, staging_offset=offset, nbytes=n)
         )
         offset += -(-n // 16) * 16
-    want = torch.zeros(offset, dtype=torch.uint8)
+    want = torch.zeros(offset, dtype=torch.uint8, device=device)
     for op in ops:
         Packer().pack(op, flat, want)
-    batched = torch.zeros(offset, dtype=torch.uint8)
+    batched = torch.zeros(offset, dtype=torch.uint8, device=device)
     Packer().pack_bucket(tuple(ops), {"q": view}, batched)
     assert torch.equal(batched, want)
-    single = torch.zeros(offset, dtype=torch.uint8)
+    single = torch.zeros(offset, dtype=torch.uint8, device=device)
     for op in ops:
         Packer().pack(op, view, single)
     assert torch.equal(single, want)
