@@ -35,10 +35,10 @@ from typing import Any
 import pytest
 import torch
 
-from weightwire.cli.localcluster import LocalCluster
 from weightwire.client import Engine
 from weightwire.client.buckets import row_parts, slice_box
 from weightwire.client.dtypes import TORCH
+from weightwire.harness.localcluster import LocalCluster
 from weightwire.plan.rules import engine_tensors, hf_tensors
 from weightwire.protocol.tensors import Box, Cast, Copy, Fp8BlockQuant, Fp8BlockScale
 
