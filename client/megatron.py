@@ -240,6 +240,11 @@ class _Mapper:
             if fc == "linear_fc1":
                 return self.fc1(ep, local, r.etp, r.etp_size)
             return [self.sharded(ep + "down_proj.weight", local, r.etp, r.etp_size)]
+        if re.fullmatch(r"mlp\.experts\.weight[12]", rest):
+            raise ValueError(
+                "is legacy GroupedMLP's (every local expert, transposed, in one tensor): no "
+                "box of an HF tensor; use SequentialMLP or TEGroupedMLP experts"
+            )
         if rest.startswith("self_attention.linear_qkv."):
             kind = rest.rsplit(".", 1)[1]
             if kind in ("weight", "bias"):

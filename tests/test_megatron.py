@@ -307,8 +307,9 @@ def test_merged_rows_box_is_the_rows_it_stands_for(start: int, stop: int) -> Non
 
 
 def test_megatron_layout_that_does_not_map_names_the_parameter() -> None:
-    """A local tensor that is no shard of its HF tensor, and a parameter no family has, raise
-    RegistrationError naming each; nothing is returned."""
+    """A local tensor that is no shard of its HF tensor, a parameter no family has, and
+    legacy GroupedMLP experts (no box) raise RegistrationError naming each; nothing is
+    returned."""
     from weightwire.client.megatron import Ranks, megatron_pieces
     from weightwire.protocol.errors import RegistrationError
 
@@ -319,6 +320,9 @@ def test_megatron_layout_that_does_not_map_names_the_parameter() -> None:
             super().__init__()
             self.layer_number = 1
             self.input_layernorm = torch.nn.Linear(1, 1)  # .weight, .bias: a bias it has not
+            self.mlp = torch.nn.Module()
+            self.mlp.experts = torch.nn.Module()
+            self.mlp.experts.weight1 = torch.nn.Parameter(torch.zeros(128, 512))  # GroupedMLP
 
     class Decoder(torch.nn.Module):
         def __init__(self) -> None:
@@ -335,6 +339,7 @@ def test_megatron_layout_that_does_not_map_names_the_parameter() -> None:
         megatron_pieces(Model(), hf, Ranks())
     msg = err.value.message
     assert "decoder.layers.0.input_layernorm.bias" in msg
+    assert "decoder.layers.0.mlp.experts.weight1 [128, 512]: is legacy GroupedMLP's" in msg
     assert "decoder.final_layernorm.weight [129]" in msg
     assert "nothing was registered" in msg
 
