@@ -348,7 +348,8 @@ def test_grouped_experts_over_ep_and_expert_tp_are_boxes_of_their_experts() -> N
     """Transformer Engine's grouped experts (`mlp.experts.linear_fc1.weightN`, which needs a
     GPU to build) on EP rank 1 of 2 and expert-TP rank 1 of 2, in layer 0 of the second
     pipeline stage (layer_number 2): experts 4..7 of HF layer 1, each fc1 the rank's rows of
-    gate_proj then up_proj (views of the parameter, no copy), each fc2 its columns."""
+    gate_proj then up_proj (views of the parameter, no copy), each fc2 its columns; the
+    model inside DDP and Float16Module wrappers."""
     from weightwire.client.megatron import Ranks, megatron_pieces
 
     hf = CONFIGS["qwen3-moe"]  # 8 experts, moe_intermediate_size 64, hidden 128
@@ -364,7 +365,10 @@ def test_grouped_experts_over_ep_and_expert_tp_are_boxes_of_their_experts() -> N
     layer.mlp.experts = torch.nn.Module()
     layer.mlp.experts.linear_fc1, layer.mlp.experts.linear_fc2 = fc1, fc2
     model.decoder.layers = torch.nn.ModuleList([layer])
-    pieces = megatron_pieces(model, hf, Ranks(ep=1, ep_size=2, etp=1, etp_size=2))
+    ddp = torch.nn.Module()  # Megatron's DDP and Float16Module keep the model as `.module`
+    ddp.module = torch.nn.Module()
+    ddp.module.module = model
+    pieces = megatron_pieces(ddp, hf, Ranks(ep=1, ep_size=2, etp=1, etp_size=2))
     got = {p.name: (p.box.offsets, p.box.sizes, p.local.data_ptr()) for p in pieces}
     want = {}
     for j in range(4):
