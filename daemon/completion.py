@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import structlog
@@ -29,6 +29,9 @@ Apply = Callable[["RankCompletion", int], None]
 apply and verify the version (it answers through `on_applied`)."""
 Verdict = Callable[["RankCompletion", int, bool, str, str], None]
 """verdict(rank, version, ok, code, message): tell the version's sources the outcome."""
+
+Fence = Callable[[tuple[str, ...], str], Awaitable[None]]
+"""fence(nodes, reason): returns once no write of those nodes can land here any more."""
 
 HISTORY = 64
 
@@ -51,6 +54,7 @@ class RankCompletion:
     expect: Expect
     plan_hash: str
     notify: Notify
+    fence: Fence | None = None
     current: dict[int, _InProgress] = field(default_factory=dict)
     completed: deque[VersionComplete] = field(default_factory=lambda: deque(maxlen=HISTORY))
     failed: dict[int, VersionFailed] = field(default_factory=dict)
@@ -63,6 +67,8 @@ class RankCompletion:
     def verified(self) -> bool:
         """Delta-capable plan: a version completes only once the engine applied and verified it."""
         return self.expect.delta_region >= 0 and self.apply is not None
+
+    _reports: asyncio.Task[None] | None = None  # the last report still being made
 
     @property
     def last_complete(self) -> int:
@@ -99,7 +105,12 @@ class RankCompletion:
             return  # another source of a version already settled here
         if version < self.last_complete:
             # it never completed here and never will: the rank hears that it failed
-            self._fail(version, ErrorCode.ABORTED, f"superseded by version {self.last_complete}")
+            self._fail(
+                version,
+                ErrorCode.ABORTED,
+                f"superseded by version {self.last_complete}",
+                fence=(source,),  # it would write a stale version: stop it, not the others
+            )
             return
         if self.dead_lows.get(low) is not None and self.dead_lows[low] != version:
             del self.dead_lows[low]  # a new version reuses these low bits
@@ -160,24 +171,42 @@ class RankCompletion:
             gbps=round(self.expect.nbytes / seconds / 1e9, 3) if seconds > 0 else None,
             sources=sorted(st.sources),
         )
-        self.notify(self.job, self.rank, done)
-        if self.verified and self.verdict is not None:
-            self.verdict(self, st.version, True, "", "")
-        for fut in self.waiters.pop(st.version, []):
-            if not fut.done():
-                fut.set_result(done)
+        waiters = self.waiters.pop(st.version, [])
+        version = st.version
+
+        def settle() -> None:
+            if self.verified and self.verdict is not None:
+                self.verdict(self, version, True, "", "")
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_result(done)
+
+        self._report(done, settle, ())
         for other in [s for s in self.current.values() if s.version is not None]:
             assert other.version is not None
             if other.version < st.version:
-                self.fail(other.version, ErrorCode.ABORTED, f"superseded by version {st.version}")
+                # Not fenced: every source finished this version's writes before it began
+                # the newer one, and fencing now would cut the newer ones already flowing.
+                # (A late write of it is still refused by admission on tcp and cuda.)
+                self.fail(
+                    other.version,
+                    ErrorCode.ABORTED,
+                    f"superseded by version {st.version}",
+                    fence=(),
+                )
 
-    def fail(self, version: int, code: ErrorCode, message: str) -> None:
+    def fail(
+        self, version: int, code: ErrorCode, message: str, *, fence: tuple[str, ...] | None = None
+    ) -> None:
         """Version `version` failed here, unless it already completed or failed."""
         if version in self.failed or self._completed(version):
             return
-        self._fail(version, code, message)
+        self._fail(version, code, message, fence=fence)
 
-    def _fail(self, version: int, code: ErrorCode, message: str) -> None:
+    def _fail(
+        self, version: int, code: ErrorCode, message: str, *, fence: tuple[str, ...] | None = None
+    ) -> None:
+        """Reported only once the nodes in `fence` (None: every source) are fenced."""
         low = version_low(version)
         st = self.current.get(low)
         if st is not None and st.version in (None, version):
@@ -190,12 +219,44 @@ class RankCompletion:
         log.warning(
             "version failed", rank=self.rank, version=version, code=code.value, error=message
         )
-        self.notify(self.job, self.rank, msg)
-        if self.verified and self.verdict is not None:
-            self.verdict(self, version, False, code.value, message)
-        for fut in self.waiters.pop(version, []):
-            if not fut.done():
-                fut.set_exception(error_from_code(code.value, message))
+        waiters = self.waiters.pop(version, [])
+
+        def settle() -> None:
+            if self.verified and self.verdict is not None:
+                self.verdict(self, version, False, code.value, message)
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_exception(error_from_code(code.value, message))
+
+        self._report(msg, settle, self.expect.sources if fence is None else fence)
+
+    def _report(
+        self,
+        msg: VersionComplete | VersionFailed,
+        settle: Callable[[], None],
+        fence: tuple[str, ...],
+    ) -> None:
+        """Tell the engine's sessions and waiters, once the nodes in `fence` are fenced
+        and after any report of this rank still being made."""
+        before = self._reports
+        if (before is None or before.done()) and (not fence or self.fence is None):
+            self.notify(self.job, self.rank, msg)
+            settle()
+            return
+
+        async def report() -> None:
+            if before is not None:
+                await asyncio.wait([before])
+            if fence and self.fence is not None:
+                reason = f"version {msg.version} failed at rank {self.rank}"
+                try:
+                    await self.fence(fence, reason)
+                except Exception as exc:  # the fence logs what it could not do; report anyway
+                    log.error("fence failed", rank=self.rank, version=msg.version, error=repr(exc))
+            self.notify(self.job, self.rank, msg)
+            settle()
+
+        self._reports = asyncio.get_running_loop().create_task(report())
 
     def fail_low(self, low: int, code: ErrorCode, message: str) -> None:
         st = self.current.get(low)
@@ -270,6 +331,7 @@ class Completions:
     notify: Notify
     apply: Apply | None = None
     verdict: Verdict | None = None
+    fence: Fence | None = None
     ranks: dict[tuple[str, int], RankCompletion] = field(default_factory=dict)
     by_slot: dict[int, RankCompletion] = field(default_factory=dict)
 
@@ -288,11 +350,12 @@ class Completions:
                 notify=self.notify,
                 apply=self.apply,
                 verdict=self.verdict,
+                fence=self.fence,
             )
             if old is not None:
                 old.fail_in_progress(ErrorCode.PLAN_CHANGED, "the plan changed mid-version")
                 rc.completed, rc.failed, rc.dead_lows = old.completed, old.failed, old.dead_lows
-                rc.waiters = old.waiters
+                rc.waiters, rc._reports = old.waiters, old._reports
             fresh[(job, e.rank)] = rc
         for key, old in self.ranks.items():
             if key[0] == job and key not in fresh:
@@ -313,6 +376,13 @@ class Completions:
             log.warning("immediate for an unknown slot", slot=slot, peer=source)
             return
         rc.on_imm(low)
+
+    def admit(self, source: str, imm: int) -> bool:
+        """False for a write of a version its destination rank has failed (tcp and cuda
+        ask before any of its bytes land)."""
+        low, slot = decode_imm(imm)
+        rc = self.by_slot.get(slot)
+        return rc is None or low not in rc.dead_lows
 
     def of_job(self, job: str) -> list[RankCompletion]:
         return [rc for (j, _), rc in self.ranks.items() if j == job]

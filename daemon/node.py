@@ -85,7 +85,10 @@ class Daemon(RankService, PlanKeeping, DataPlane):
         self.transports: list[Transport] = make_transports(self.cfg)
         self.registry = RegionRegistry(self.node, self.transports, self.cfg.region_dir)
         self.completions = Completions(
-            notify=self._notify_engine, apply=self._apply_engine, verdict=self._verdict
+            notify=self._notify_engine,
+            apply=self._apply_engine,
+            verdict=self._verdict,
+            fence=self.fence,
         )
         self.local = LocalServer(
             self,
@@ -119,6 +122,7 @@ class Daemon(RankService, PlanKeeping, DataPlane):
         for t in self.transports:
             await t.start(self.completions.on_imm)
             t.set_signal(self._signal_for(t))
+            t.set_admission(self.completions.admit)
         self.authenticator = start_authenticator(self.ctx, self.mesh.security)
         endpoint = self.mesh.bind(self.cfg.peer_bind, self.cfg.advertise_host)
         if self.cfg.is_coordinator:
@@ -282,11 +286,26 @@ class Daemon(RankService, PlanKeeping, DataPlane):
         log.warning("peer lost", peer=node, reason=reason)
         for t in self.transports:
             self._spawn(t.disconnect(node, reason))
+        self._spawn(self.fence((node,), reason))  # nothing of its lands here from now on
         for rc in self.completions.ranks.values():
             rc.fail_in_progress(ErrorCode.PEER_LOST, reason, source=node)
         for job, plan in list(self.plans.items()):
             if node in self._nodes_of(plan):
                 self._withdraw(job, f"plan withdrawn: {reason}")
+
+    async def fence(self, nodes: tuple[str, ...], reason: str) -> None:
+        """Stop every write of `nodes` landing here, on every transport, before a failure
+        is reported (bounded: each transport's fence is)."""
+        jobs = [t.fence(n, reason) for t in self.transports for n in nodes]
+        try:
+            async with asyncio.timeout(self.cfg.stall_timeout_s):
+                outcomes = await asyncio.gather(*jobs, return_exceptions=True)
+        except TimeoutError:
+            log.error("fence timed out", peers=list(nodes), reason=reason)
+            return
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                log.error("fence failed", peers=list(nodes), error=repr(outcome))
 
     def node_back(self, node: str) -> None:
         if node in self.lost:

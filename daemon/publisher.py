@@ -396,6 +396,8 @@ class Publisher:
 
     async def _post_bucket(self, run: Run, bucket: int) -> None:
         parts = await self._prepared(run, bucket)
+        if run.finished:  # failed meanwhile: nothing more of it is sent
+            raise run.error or WeightwireError("the version already failed", code=ErrorCode.ABORTED)
         high = encode_imm(run.version, 0)
         outcomes = await asyncio.gather(
             *(p.transport.write_prepared(p.prepared, [high | s for s in p.slots]) for p in parts)

@@ -39,6 +39,9 @@ def make_transports(cfg: DaemonConfig) -> list[Transport]:
         advertise_host=cfg.advertise_host,
         streams=cfg.tcp_streams,
         stall_timeout_s=cfg.stall_timeout_s,
+        handshake_timeout_s=cfg.tcp_handshake_timeout_s,
+        max_unauthenticated=cfg.tcp_max_unauthenticated,
+        max_streams_per_peer=cfg.tcp_max_streams_per_peer,
     )
     chosen.append(tcp)
     return chosen

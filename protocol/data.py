@@ -35,6 +35,9 @@ class Write(DataFrame, frozen=True, tag=2):
     offset: NonNeg
     length: NonNeg
     imm: Annotated[int, msgspec.Meta(ge=-1, lt=2**32)] = -1  # -1: no immediate
+    # the immediate of the write this frame is part of, on every frame of it (-1: none), so
+    # that the receiver can refuse a failed version's bytes before any of them land
+    tag: Annotated[int, msgspec.Meta(ge=-1, lt=2**32)] = -1
 
 
 class Ack(DataFrame, frozen=True, tag=3):

@@ -55,6 +55,7 @@ class VerbsKit(TransportKit):
 
     name = "verbs"
     precise_codes = True  # the owner checks each descriptor once: exact codes
+    admits_before_landing = False  # one-sided: immediates come after the bytes
 
     def __init__(self, dev_a: str, dev_b: str, **opts: Any) -> None:
         self.devices = {"node-a": [dev_a], "node-b": [dev_b]}

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
-from tests.conformance.harness import TransportKit
+from tests.conformance.harness import Pair, Pausable, TransportKit
+from tests.conformance.proxy import PausableRelay
 from tests.conformance.suite import *  # noqa: F403
 from weightwire.memory.hostmem import SharedFile, create_shared
+from weightwire.protocol.regions import TransportEndpoints
 from weightwire.transport.base import LocalRegion, Transport
 from weightwire.transport.tcp import TcpTransport
 
@@ -25,6 +28,16 @@ class TcpKit(TransportKit):
         f.unlink()
         self._files[id(f.view)] = f
         return LocalRegion(id=region_id, kind="cpu", length=length, view=f.view, fd=f.fd)
+
+    async def pausable(self, pair: Pair) -> Pausable | None:
+        ep = pair.b.transport.endpoints().tcp
+        assert ep is not None
+        relay = PausableRelay(ep.host, ep.port)
+        await relay.start()
+        await pair.a.transport.disconnect("node-b", "writing through a relay")
+        via = msgspec.structs.replace(ep, host="127.0.0.1", port=relay.port)
+        await pair.a.transport.connect("node-b", TransportEndpoints(tcp=via))
+        return relay
 
     def read(self, region: LocalRegion, offset: int, length: int) -> bytes:
         assert region.view is not None

@@ -10,6 +10,14 @@ one immediate, after every block is visible. A write that cannot be
 done raises a `TransferError` subclass naming the cause; the destination never
 sees the immediate of a refused or failed write.
 
+Fencing: `fence(node)` is how a destination stops a peer's writes before it tells anyone
+that a version failed or that the peer is lost. Once it returns, no byte of a write that
+`node` posted before the call lands in this node's regions, however late the peer sends it
+(a writer paused for seconds and resumed included), and no immediate of it is delivered.
+Paths the peer opens afterwards work again (the next version). Writes whose immediate a
+receiver can see before their bytes (tcp) are also checked against `set_admission`'s
+predicate, so a failed version's writes are refused even on a fresh path.
+
 Transports are created and driven on the daemon's event loop. Blocking work
 (sockets, verbs polling, CUDA copies) runs on threads of the transport's own, which
 hand completions back to the loop.
@@ -29,6 +37,10 @@ from weightwire.protocol.regions import RegionDescriptor, RegionKeys, TransportE
 
 ImmHandler = Callable[[int, str], None]
 """Called on the event loop as `handler(imm, source_node)` once a write's bytes have landed."""
+
+Admit = Callable[[str, int], bool]
+"""`admit(source_node, imm)`: False when the write carrying `imm` belongs to something the
+destination has failed (its bytes must not land)."""
 
 Signal = Callable[[str, bytes], Awaitable[bytes]]
 """Sends an opaque bring-up message to a node's instance of this transport, returns its reply."""
@@ -119,6 +131,17 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     async def disconnect(self, node: str, reason: str) -> None:
         """Drop the data path to `node`; its in-flight writes fail with PeerLostError."""
+
+    @abc.abstractmethod
+    async def fence(self, node: str, reason: str) -> None:
+        """Receive side: stop `node`'s writes landing here (see the module docstring); it
+        returns only once none of the paths `node` had can write any more (incoming
+        connections closed and their receivers finished, queue pairs in error, lanes
+        drained), bounded in time. Writes this node sends to `node` are not affected."""
+
+    def set_admission(self, admit: Admit) -> None:  # noqa: B027 - optional hook
+        """Give receivers that see a write's immediate before its bytes a check to refuse
+        writes of failed versions with (one-sided transports rely on `fence` alone)."""
 
     @abc.abstractmethod
     async def write(

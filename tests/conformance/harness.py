@@ -6,7 +6,7 @@ import abc
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from weightwire.protocol.regions import RegionDescriptor
 from weightwire.transport.base import LocalRegion, Transport
@@ -14,11 +14,28 @@ from weightwire.transport.base import LocalRegion, Transport
 T = TypeVar("T")
 
 
+class Pausable(Protocol):
+    """Something between a writer and its destination that can stop the writer's bytes."""
+
+    def pause(self, after: int = 0) -> None: ...
+
+    def resume(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
 class TransportKit(abc.ABC):
     """Makes transports and memory of the kind a transport moves (host, GPU, ...)."""
 
     name: str
     precise_codes = True  # refusals carry the exact ErrorCode (tcp), not only TransferError
+    admits_before_landing = True  # set_admission's check runs before a write lands (not verbs)
+
+    async def pausable(self, pair: Pair) -> Pausable | None:
+        """Route a -> b through something that can hold a's bytes back mid-write (a writer
+        stopped with SIGSTOP, as b sees it); None: this kit cannot (writes are then posted
+        just before the fence instead)."""
+        return None
 
     @abc.abstractmethod
     def make(self, node: str) -> Transport: ...

@@ -34,6 +34,71 @@ def rand(n: int, seed: int) -> bytes:
     return random.Random(seed).randbytes(n)
 
 
+def test_fence_no_byte_of_a_failed_version_lands_after_the_report(kit: TransportKit) -> None:
+    """A writer stopped mid-version, the destination fails the version (fence, then the
+    report), the writer resumes: the destination's bytes stay as they were at the report,
+    on the old path and, where writes are admitted before they land, on a new one too.
+    The next version then lands bitwise."""
+
+    async def body(p: Pair) -> None:
+        n, parts = 2 * MiB, 8
+        src, _ = p.region(p.a, 1, n * parts)
+        dst, desc = p.region(p.b, 2, n * parts)
+        old, new = rand(n * parts, 30), rand(n * parts, 31)
+        p.kit.fill(src, 0, new)
+        p.kit.fill(dst, 0, old)
+        failed: set[int] = set()
+        p.b.transport.set_admission(lambda node, imm: imm // 100 not in failed)
+        pause = await p.kit.pausable(p)
+        try:
+            for i in range(2):  # version 1 begins: two writes land
+                await p.a.transport.write(src, i * n, desc, i * n, n, 100 + i)
+            if pause is not None:  # the writer stops in the middle of the next write
+                pause.pause(after=n)
+            rest = n * (parts - 2)
+            late = [asyncio.ensure_future(p.a.transport.write(src, 2 * n, desc, 2 * n, rest, 102))]
+            await asyncio.sleep(0.3)  # posted; where the kit can pause, half sent
+            if pause is not None:
+                seen = p.kit.read(dst, 2 * n, rest)
+                assert seen != old[2 * n :], "the write's first bytes never landed"
+                assert seen != new[2 * n :], "the writer was not stopped mid-write"
+            failed.add(1)
+            await p.b.transport.fence("node-a", "version 1 failed")
+            reported = p.kit.read(dst, 0, n * parts)  # the failure is reported now
+            imms_at_report = len(p.b.imms)
+            if pause is not None:
+                pause.resume()
+            outcomes = await asyncio.wait_for(asyncio.gather(*late, return_exceptions=True), 60)
+            if pause is not None:
+                assert all(isinstance(o, Exception) for o in outcomes), outcomes
+            if p.kit.admits_before_landing:
+                with pytest.raises(TransferError):  # the old path writes nothing any more
+                    await p.a.transport.write(src, 0, desc, 4 * n, n, 150)
+                # nor does a new one, for the failed version
+                await p.a.transport.connect("node-b", p.b.transport.endpoints())
+                with pytest.raises(TransferError):
+                    await p.a.transport.write(src, 0, desc, 4 * n, n, 151)
+            await asyncio.sleep(0.5)
+            assert p.kit.read(dst, 0, n * parts) == reported, "bytes landed after the report"
+            assert len(p.b.imms) == imms_at_report, p.b.imms[imms_at_report:]
+            assert reported[: 2 * n] == new[: 2 * n]
+        finally:
+            if pause is not None:
+                await pause.close()
+        for attempt in range(3):  # version 2; a path the fence broke may fail it once
+            await p.a.transport.connect("node-b", p.b.transport.endpoints())
+            try:
+                await p.a.transport.write(src, 0, desc, 0, n * parts, 200)
+                break
+            except PeerLostError:
+                assert attempt < 2, "the writer never got through again after the fence"
+                await asyncio.sleep(0.5)
+        assert p.kit.read(dst, 0, n * parts) == new
+        assert p.b.imms[-1] == (200, "node-a")
+
+    run(kit, body)
+
+
 def test_write_lands_bitwise_at_odd_offsets_and_sizes(kit: TransportKit) -> None:
     async def body(p: Pair) -> None:
         src, _ = p.region(p.a, 1, 8 * MiB)

@@ -157,6 +157,8 @@ class Lane:
         self._waiting: deque[Batch] = deque()
         self._on_thread: asyncio.Task[None] | None = None  # a batch being issued on a thread
         self._closed = False
+        self._inflight: set[Batch] = set()  # taken from _waiting, not finished yet
+        self._drains: list[tuple[set[Batch], asyncio.Future[None]]] = []
         self.issued = {"loop": 0, "thread": 0}
         drv.use(device)
         self._stream = drv.stream()
@@ -196,6 +198,7 @@ class Lane:
             if not batch.taken:
                 return
             self._waiting.popleft()
+            self._inflight.add(batch)
             if batch.blocking or batch.chunk.ops > self.budget.limit:
                 self.issued["thread"] += 1
                 self._on_thread = self._loop.create_task(self._issue_on_thread(batch))
@@ -260,11 +263,33 @@ class Lane:
 
     def _finish(self, batch: Batch) -> None:
         self.budget.give(batch.taken)
+        self._inflight.discard(batch)
+        for left, fut in self._drains:
+            left.discard(batch)
+            if not left and not fut.done():
+                fut.set_result(None)
+        self._drains = [(left, fut) for left, fut in self._drains if left]
         try:
             self._on_landed(batch)
         finally:
             batch.post.settle(batch.failures)
             self._pump()
+
+    async def fence(self, to_node: str, err: BaseException) -> None:
+        """Fail the queued batches with a copy into `to_node`'s memory, and return once
+        every batch already issued has finished: none of them copies anything after."""
+        keep: deque[Batch] = deque()
+        while self._waiting:
+            batch = self._waiting.popleft()
+            if any(c.dst_node == to_node for c in batch.chunk.copies):
+                batch.post.settle({c.index: err for c in batch.chunk.copies})
+            else:
+                keep.append(batch)
+        self._waiting = keep
+        if self._inflight:
+            fut: asyncio.Future[None] = self._loop.create_future()
+            self._drains.append((set(self._inflight), fut))
+            await fut
 
     async def stop(self) -> None:
         """Refuses new posts and fails those queued; the thread ends after the batches

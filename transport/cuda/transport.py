@@ -34,6 +34,7 @@ from weightwire.protocol.regions import (
     TransportEndpoints,
 )
 from weightwire.transport.base import (
+    Admit,
     ImmHandler,
     LocalRegion,
     Prepared,
@@ -89,6 +90,7 @@ class CudaTransport(Transport):
         self._ipc: IpcMaps | None = None
         self._lanes: dict[tuple[int, int], Lane] = {}  # by (copying device, destination's)
         self._closing = False
+        self._admit: Admit | None = None
         self._lock = threading.Lock()
         self._stats = {"bytes_sent": 0, "writes": 0, "bytes_received": 0, "batches": 0}
         self.peers_enabled: list[tuple[int, int]] = []
@@ -201,6 +203,43 @@ class CudaTransport(Transport):
     async def disconnect(self, node: str, reason: str) -> None:
         if self._peers.pop(node, None) is not None:
             Epoch.bump()
+
+    def set_admission(self, admit: Admit) -> None:
+        self._admit = admit
+
+    async def fence(self, node: str, reason: str) -> None:
+        """The writer's lanes are in this process when `node` is this node (or another
+        transport of this process): queued copies into this node's memory fail, issued ones
+        are waited for. A writer in another process copies with its own lanes; it learns
+        of the failure through its daemon (see the README's trust model)."""
+        writer = self if node == self.node else _INSTANCES.get(node)
+        if writer is None or writer._loop is None:
+            return
+        err = PeerLostError(f"{self.node} fenced writes from {node}: {reason}")
+        if writer._loop is self._loop:
+            await writer._fence_lanes(self.node, err)
+        else:
+            done = asyncio.run_coroutine_threadsafe(
+                writer._fence_lanes(self.node, err), writer._loop
+            )
+            await asyncio.wrap_future(done)
+
+    async def _fence_lanes(self, to_node: str, err: BaseException) -> None:
+        await asyncio.gather(*(lane.fence(to_node, err) for lane in list(self._lanes.values())))
+
+    def _refused(self, p: CudaPrepared, imms: Sequence[int | None]) -> BaseException | None:
+        """A failed version's writes into memory of this process are never issued: the
+        destination's admission check, asked before the copies are."""
+        for r, imm in zip(p.requests, imms, strict=True):
+            if imm is None:
+                continue
+            owner = self if r.dst.node == self.node else _INSTANCES.get(r.dst.node)
+            if owner is not None and owner._admit is not None and not owner._admit(self.node, imm):
+                return RegionError(
+                    f"write to region {r.dst.id} of {r.dst.node} belongs to a version it failed",
+                    code=ErrorCode.ABORTED,
+                )
+        return None
 
     def _destination(self, dst: RegionDescriptor, dst_offset: int, length: int) -> tuple[int, int]:
         """(device pointer, device ordinal) of the write's first destination byte."""
@@ -336,6 +375,9 @@ class CudaTransport(Transport):
         self, p: CudaPrepared, imms: Sequence[int | None]
     ) -> list[BaseException | None]:
         """Issue resolved writes on their lanes; each one's outcome, in order."""
+        refused = self._refused(p, imms)
+        if refused is not None:
+            return [refused] * len(imms)
         results: list[BaseException | None] = [None] * len(imms)
         for i, exc in p.failed:
             results[i] = exc

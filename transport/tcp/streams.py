@@ -79,12 +79,29 @@ class OutgoingStream:
     _last_progress: float = field(default_factory=time.monotonic)
     _threads: list[threading.Thread] = field(default_factory=list)
     _bounce: Bounce | None = None  # pinned host memory for GPU sources (made on first use)
+    _running: int = 0
 
     def start(self) -> None:
+        self._running = 2
         for target, role in ((self._send_loop, "send"), (self._ack_loop, "ack")):
-            t = threading.Thread(target=target, name=f"ww-tcp-{role}-{self.node}", daemon=True)
+            t = threading.Thread(
+                target=self._thread, args=(target,), name=f"ww-tcp-{role}-{self.node}", daemon=True
+            )
             t.start()
             self._threads.append(t)
+
+    def _thread(self, body: Callable[[], None]) -> None:
+        """Runs one of the stream's two loops; the last to end releases the socket."""
+        try:
+            body()
+        finally:
+            with self._lock:
+                self._running -= 1
+                last = self._running == 0
+            if last:
+                if self.dead is None:
+                    self.fail(PeerLostError(f"connection to {self.node} ended"))
+                self.sock.close()
 
     def submit(self, pending: Pending) -> None:
         with self._lock:
@@ -252,6 +269,16 @@ def _set_outcome(fut: asyncio.Future[None], exc: BaseException | None) -> None:
         fut.set_exception(exc)
 
 
+class Gate:
+    """What a receive stream asks its transport: may this peer go on (None) or not (why)."""
+
+    def hello(self, stream: IncomingStream) -> WeightwireError | None:
+        return None
+
+    def ended(self, stream: IncomingStream) -> None:
+        pass
+
+
 @dataclass(eq=False)
 class IncomingStream:
     """Receives writes from one peer over one connection, straight into region memory."""
@@ -264,12 +291,16 @@ class IncomingStream:
     stall_timeout_s: float
     on_received: Callable[[int], None]
     on_refused: Callable[[], None]
+    handshake_timeout_s: float = 10.0
+    gate: Gate = field(default_factory=Gate)
+    number: int = 0  # order of acceptance, for fences
     _closed: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
+    _accepted: float = field(default_factory=time.monotonic)
 
     def start(self) -> None:
         self._thread = threading.Thread(
-            target=self._serve, name=f"ww-tcp-recv-{self.address}", daemon=True
+            target=self._run, name=f"ww-tcp-recv-{self.address}", daemon=True
         )
         self._thread.start()
 
@@ -277,11 +308,30 @@ class IncomingStream:
     def peer(self) -> str:
         return self.machine.peer or self.address
 
+    @property
+    def greeted(self) -> bool:
+        return self.machine.peer is not None
+
+    def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            _shutdown(self.sock)
+            self.sock.close()  # the fd goes with the thread, whoever else holds the stream
+            self.gate.ended(self)
+
     def _serve(self) -> None:
         m = self.machine
         stalled_since = time.monotonic()
         try:
             while not self._closed.is_set():
+                if m.peer is None and time.monotonic() - self._accepted > self.handshake_timeout_s:
+                    log.info(
+                        "tcp data connection sent no hello in time; closing",
+                        address=self.address,
+                        timeout_s=self.handshake_timeout_s,
+                    )
+                    return
                 try:
                     n = self.sock.recv_into(m.buffer())
                 except (BlockingIOError, TimeoutError):
@@ -296,6 +346,10 @@ class IncomingStream:
                 stalled_since = time.monotonic()
                 try:
                     event = m.received(n)
+                    if isinstance(event, wire.HelloReceived):
+                        refusal = self.gate.hello(self)
+                        if refusal is not None:
+                            raise wire.FrameViolation(refusal, 0)
                 except wire.FrameViolation as v:
                     self.on_refused()
                     log.warning(
@@ -319,8 +373,6 @@ class IncomingStream:
                 log.info("tcp receive stream ended", peer=self.peer, error=str(exc))
         except RuntimeError:  # loop closed during shutdown
             pass
-        finally:
-            _shutdown(self.sock)
 
     def _linger(self, limit_s: float = 2.0) -> None:
         """Half-close and discard what the peer still sends until it closes too.
@@ -345,10 +397,12 @@ class IncomingStream:
         self._closed.set()
         _shutdown(self.sock)
 
-    def join(self, timeout: float) -> None:
+    def join(self, timeout: float) -> bool:
+        """Wait for the receiving thread; True once it has ended (nothing more lands)."""
         if self._thread is not None:
             self._thread.join(timeout)
-        self.sock.close()
+            return not self._thread.is_alive()
+        return True
 
 
 def _shutdown(sock: socket.socket) -> None:
@@ -356,4 +410,4 @@ def _shutdown(sock: socket.socket) -> None:
         sock.shutdown(socket.SHUT_RDWR)
 
 
-__all__ = ["IncomingStream", "OutgoingStream", "Pending", "tune"]
+__all__ = ["Gate", "IncomingStream", "OutgoingStream", "Pending", "tune"]

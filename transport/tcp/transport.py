@@ -33,13 +33,16 @@ from weightwire.protocol.regions import (
     TcpKey,
     TransportEndpoints,
 )
-from weightwire.transport.base import ImmHandler, LocalRegion, Transport, check_write
+from weightwire.transport.base import Admit, ImmHandler, LocalRegion, Transport, check_write
 
 from . import wire
+from .admission import Admission, Backoff
 from .bounce import Bounce
 from .streams import IncomingStream, OutgoingStream, Pending, tune
 
 log = structlog.get_logger("weightwire.transport.tcp")
+
+FENCE_JOIN_S = 5.0  # how long a fence waits for the receive threads it stopped
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,14 +88,23 @@ class RegionTable:
 
 
 class StreamSink:
-    """One receive stream's sink: host regions directly, GPU regions through a bounce."""
+    """One receive stream's sink: host regions directly, GPU regions through a bounce.
+    A write whose tag (its immediate) the admission check refuses lands nowhere."""
 
-    def __init__(self, table: RegionTable) -> None:
+    def __init__(self, table: RegionTable, admit: Admit | None = None) -> None:
         self.table = table
+        self.admit = admit
+        self.machine: wire.ReceiveMachine | None = None  # whose hello names the peer
         self.bounce: Bounce | None = None
         self._gpu: LocalRegion | None = None
 
     def target(self, write: Write) -> memoryview:
+        peer = self.machine.peer if self.machine is not None else None
+        if write.tag >= 0 and self.admit is not None and not self.admit(peer or "", write.tag):
+            raise RegionError(
+                f"write to region {write.region} belongs to a version this node failed",
+                code=ErrorCode.ABORTED,
+            )
         region = self.table.lookup(write)
         if region.kind == "cpu":
             self._gpu = None
@@ -122,6 +134,9 @@ class TcpTransport(Transport):
         streams: int = 4,
         stall_timeout_s: float = 30.0,
         connect_timeout_s: float = 10.0,
+        handshake_timeout_s: float = 10.0,
+        max_unauthenticated: int = 64,
+        max_streams_per_peer: int = 64,
     ) -> None:
         self.node = node
         self._bind = (bind_host, port)
@@ -129,10 +144,14 @@ class TcpTransport(Transport):
         self.streams = streams
         self.stall_timeout_s = stall_timeout_s
         self.connect_timeout_s = connect_timeout_s
+        self.handshake_timeout_s = handshake_timeout_s
         self._table = RegionTable()
         self._peers: dict[str, list[OutgoingStream]] = {}
         self._connecting: dict[str, asyncio.Lock] = {}
-        self._incoming: set[IncomingStream] = set()
+        self._incoming = Admission(max_unauthenticated, max_streams_per_peer)
+        self._backoff = Backoff()
+        self._paused = False  # the listener, after a failed accept
+        self._admit: Admit | None = None
         self._listener: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_imm: ImmHandler | None = None
@@ -174,15 +193,15 @@ class TcpTransport(Transport):
 
     async def close(self) -> None:
         if self._loop is not None and self._listener is not None:
-            self._loop.remove_reader(self._listener.fileno())
+            if not self._paused:
+                self._loop.remove_reader(self._listener.fileno())
             self._listener.close()
             self._listener = None
         outgoing = [s for streams in self._peers.values() for s in streams]
         self._peers.clear()
         for s in outgoing:
             s.close("transport closed")
-        incoming = list(self._incoming)
-        self._incoming.clear()
+        incoming = self._incoming.take_all()
         for r in incoming:
             r.close()
 
@@ -209,25 +228,67 @@ class TcpTransport(Transport):
 
     # --- receive side --------------------------------------------------------
 
+    def set_admission(self, admit: Admit) -> None:
+        self._admit = admit
+
     def _accept(self) -> None:
         assert self._listener is not None and self._loop is not None
         try:
             conn, addr = self._listener.accept()
-        except (BlockingIOError, InterruptedError):
+        except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+            return
+        except OSError as exc:  # EMFILE and the like: pause, rather than spin on it
+            self._loop.remove_reader(self._listener.fileno())
+            self._paused = True
+            self._loop.call_later(self._backoff.failed(exc), self._resume_accepting)
+            return
+        self._backoff.ok()
+        address = f"{addr[0]}:{addr[1]}"
+        number = self._incoming.number(address)
+        if number is None:
+            conn.close()
             return
         tune(conn, self.stall_timeout_s)
+        sink = StreamSink(self._table, self._admit)
+        sink.machine = wire.ReceiveMachine(sink)
         stream = IncomingStream(
             sock=conn,
-            address=f"{addr[0]}:{addr[1]}",
+            address=address,
             loop=self._loop,
-            machine=wire.ReceiveMachine(StreamSink(self._table)),
+            machine=sink.machine,
             on_imm=self._deliver_imm,
             stall_timeout_s=self.stall_timeout_s,
             on_received=self._count_received,
             on_refused=self._count_refused,
+            handshake_timeout_s=self.handshake_timeout_s,
+            gate=self._incoming,
+            number=number,
         )
         self._incoming.add(stream)
         stream.start()
+
+    def _resume_accepting(self) -> None:
+        if self._listener is not None and self._loop is not None and self._paused:
+            self._paused = False
+            self._loop.add_reader(self._listener.fileno(), self._accept)
+
+    def incoming(self) -> int:
+        """Receive streams open now (connections accepted and not yet ended)."""
+        return len(self._incoming)
+
+    async def fence(self, node: str, reason: str) -> None:
+        doomed = self._incoming.fence(node)
+        for stream in doomed:
+            stream.close()
+
+        def join_all() -> list[IncomingStream]:
+            deadline = time.monotonic() + FENCE_JOIN_S
+            return [s for s in doomed if not s.join(max(0.0, deadline - time.monotonic()))]
+
+        stuck = await asyncio.to_thread(join_all) if doomed else []
+        if stuck:
+            log.error("tcp fence: receive threads still running", peer=node, streams=len(stuck))
+        log.info("tcp fenced", peer=node, streams=len(doomed), reason=reason)
 
     def _deliver_imm(self, imm: int, peer: str) -> None:
         if self._on_imm is not None:
@@ -346,6 +407,7 @@ class TcpTransport(Transport):
                     offset=dst_offset + i * dst_stride,
                     length=length,
                     imm=-1 if imm is None or not last else imm,
+                    tag=-1 if imm is None else imm,
                 )
             )
             stream.submit(Pending(seq, fut, header, src, src_offset + i * src_stride, length))
@@ -354,4 +416,7 @@ class TcpTransport(Transport):
 
     def stats(self) -> dict[str, int]:
         with self._counter_lock:
-            return dict(self._stats)
+            out = dict(self._stats)
+        out["connections_refused"] = self._incoming.refused
+        out["accept_errors"] = self._backoff.failures
+        return out

@@ -240,6 +240,12 @@ class OpenDevice:
             | E.IBV_QP_MAX_QP_RD_ATOMIC,
         )
 
+    def to_error(self, qp: Any) -> None:
+        """Stop a queue pair at once: incoming writes to it are dropped from now on."""
+        a = self.api.QPAttr()
+        a.qp_state = self.api.E.IBV_QPS_ERR
+        qp.modify(a, self.api.E.IBV_QP_STATE)
+
     def to_reset(self, qp: Any) -> None:
         E = self.api.E
         a = self.api.QPAttr()

@@ -222,6 +222,14 @@ class Links:
         log.info("queue pair rebuilt", peer=link.peer, device=q.dev.name, qpn=q.qpn)
         self.sender.pump(q)
 
+    def fenced(self, node: str, ids: tuple[int, ...]) -> None:
+        """`node` destroyed its end of these links (a fence): fail and forget them, so that
+        the next write brings up new ones instead of waiting for its retries to run out."""
+        peer = self.peers.get(node)
+        for link in list(peer.links.values()) if peer is not None else []:
+            if link.id in ids:
+                self.kill(link, f"{node} fenced this node's writes", notify=False)
+
     def kill(self, link: Link, reason: str, *, notify: bool) -> None:
         """Fail everything on the link, destroy its QPs, forget it (and tell the peer)."""
         if link.dead:

@@ -118,6 +118,29 @@ class Receiver:
             self.rt.forget_qp(r.dev, r.qpn, [r.qp, r.recv], r.depth + 1)
         self._count()
 
+    async def fence_node(self, node: str) -> list[int]:
+        """Move every incoming queue pair of `node` to the error state (its writes stop
+        landing once this returns), then drop them. Returns the links they made up."""
+        keys = [k for k in self._inlinks if k[0] == node]
+        links = [self._inlinks.pop(k) for k in keys]
+        qps = [r for inl in links for r in inl.qps]
+        for r in qps:
+            r.state = DEAD
+
+        def stop() -> None:
+            for r in qps:
+                try:
+                    r.dev.to_error(r.qp)
+                except self.rt.api.Error as exc:
+                    log.warning("fence: queue pair not moved to error", peer=node, error=str(exc))
+
+        if qps:
+            await self.rt.thread(stop)
+        for r in qps:
+            self.rt.forget_qp(r.dev, r.qpn, [r.qp, r.recv], r.depth + 1)
+        self._count()
+        return [link for _, link in keys]
+
     def drop_node(self, node: str) -> None:
         for key in [k for k in self._inlinks if k[0] == node]:
             self.drop(*key)

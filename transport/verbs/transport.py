@@ -220,6 +220,21 @@ class VerbsTransport(Transport):
         self._links.disconnect(node, reason)
         self._receiver.drop_node(node)
 
+    async def fence(self, node: str, reason: str) -> None:
+        """`node`'s incoming queue pairs go to the error state before this returns; its
+        writer must connect again (new queue pairs) to write here. Memory keys stay: the
+        fabric is trusted (see the README's trust model)."""
+        links = await self._receiver.fence_node(node)
+        log.info("verbs fenced", peer=node, links=len(links), reason=reason)
+        if links:  # the writer may be stopped: tell it without waiting for it
+            self._rt.spawn(self._tell_fenced(node, tuple(links)))
+
+    async def _tell_fenced(self, node: str, links: tuple[int, ...]) -> None:
+        try:
+            await self._mesh.ask(node, wire.Fenced(links=links))
+        except WeightwireError as exc:
+            log.info("writer not told of its fence", peer=node, error=exc.message)
+
     async def on_signal(self, node: str, payload: bytes) -> bytes:
         """Requests from writers on other nodes. Always answers (refusals carry a code)."""
         try:
@@ -242,6 +257,9 @@ class VerbsTransport(Transport):
                     reply = await self._receiver.accept_connect(node, req)
                 case wire.Reset():
                     reply = await self._receiver.accept_reset(node, req)
+                case wire.Fenced(links=links):
+                    self._links.fenced(node, links)
+                    reply = wire.Accepted()
                 case wire.Close(link=link):
                     if link is None:
                         self._receiver.drop_node(node)

@@ -3,8 +3,9 @@
 A writer owns its outgoing queue pairs ("links", one per local device and remote device
 pair). It asks the destination node to make the matching incoming queue pairs
 (`Connect`), to rebuild one after an error (`Reset`), to forget them (`Close`), and
-whether a region descriptor is real (`Check`). Every request gets an answer: `Accepted`,
-`Checked`, or `Refused` with an error code.
+whether a region descriptor is real (`Check`). A destination that fenced a writer's links
+tells it so (`Fenced`): their queue pairs are gone, new ones must be brought up. Every
+request gets an answer: `Accepted`, `Checked`, or `Refused` with an error code.
 """
 
 from __future__ import annotations
@@ -61,7 +62,11 @@ class Check(msgspec.Struct, frozen=True, kw_only=True, tag="check"):
     length: U64
 
 
-Request = Connect | Reset | Close | Check
+class Fenced(msgspec.Struct, frozen=True, kw_only=True, tag="fenced"):
+    links: tuple[U64, ...]  # the writer's links whose queue pairs the destination destroyed
+
+
+Request = Connect | Reset | Close | Check | Fenced
 
 
 class Accepted(msgspec.Struct, frozen=True, kw_only=True, tag="accepted"):

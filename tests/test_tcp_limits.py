@@ -1,0 +1,194 @@
+"""The tcp data port under abuse (issue 14, item 4): connections that never say hello, too
+many of them, too many from one node, and a listener out of descriptors. Real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import uvloop
+
+from weightwire.protocol import PROTOCOL_VERSION
+from weightwire.protocol.data import DataHello, Refused
+from weightwire.transport.tcp import TcpTransport, wire
+
+HERE = Path(__file__).parent
+
+
+def closed_by_peer(s: socket.socket, timeout_s: float) -> bool:
+    """Whether the far side closes `s` within the time (EOF or reset)."""
+    s.settimeout(timeout_s)
+    try:
+        while True:
+            if not s.recv(4096):
+                return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False
+
+
+async def until(cond, timeout_s: float) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
+
+
+def test_silent_connections_are_closed_after_the_handshake_timeout() -> None:
+    async def body() -> None:
+        t = TcpTransport("a", bind_host="127.0.0.1", handshake_timeout_s=0.5)
+        await t.start(lambda imm, node: None)
+        try:
+            socks = [socket.create_connection(("127.0.0.1", t.port)) for _ in range(5)]
+            assert await until(lambda: t.incoming() == 5, 5)
+            closed = await asyncio.gather(*(asyncio.to_thread(closed_by_peer, s, 5) for s in socks))
+            assert all(closed), closed
+            assert await until(lambda: t.incoming() == 0, 5), t.incoming()
+            for s in socks:
+                s.close()
+        finally:
+            await t.close()
+
+    uvloop.run(body())
+
+
+def test_connections_without_hello_are_capped() -> None:
+    async def body() -> None:
+        t = TcpTransport("a", bind_host="127.0.0.1", max_unauthenticated=4)
+        await t.start(lambda imm, node: None)
+        try:
+            socks = [socket.create_connection(("127.0.0.1", t.port)) for _ in range(12)]
+            assert await until(lambda: t.stats()["connections_refused"] == 8, 5), t.stats()
+            assert t.incoming() == 4
+            closed = await asyncio.gather(
+                *(asyncio.to_thread(closed_by_peer, s, 0.5) for s in socks)
+            )
+            assert sum(closed) == 8, closed  # the four waiting ones are still open
+            for s in socks:
+                s.close()
+            assert await until(lambda: t.incoming() == 0, 5), t.incoming()
+        finally:
+            await t.close()
+
+    uvloop.run(body())
+
+
+def test_one_node_cannot_hold_more_than_its_share_of_connections() -> None:
+    async def body() -> None:
+        t = TcpTransport("a", bind_host="127.0.0.1", max_streams_per_peer=3)
+        await t.start(lambda imm, node: None)
+        hello = wire.encode(DataHello(protocol=PROTOCOL_VERSION, node="greedy"))
+        try:
+            socks = []
+            for _ in range(3):
+                s = socket.create_connection(("127.0.0.1", t.port))
+                s.sendall(hello)
+                socks.append(s)
+            assert await until(lambda: t.incoming() == 3, 5)
+            extra = socket.create_connection(("127.0.0.1", t.port))
+            extra.sendall(hello)
+            extra.settimeout(5)
+            reply = await asyncio.to_thread(extra.recv, 4096)
+            kind, hlen = wire.decode_prefix(reply[:5])
+            msg = wire.decode_header(kind, reply[5 : 5 + hlen])
+            assert isinstance(msg, Refused) and msg.code == "too_large", msg
+            assert "greedy" in msg.message
+            for s in [*socks, extra]:
+                s.close()
+            assert await until(lambda: t.incoming() == 0, 5), t.incoming()
+        finally:
+            await t.close()
+
+    uvloop.run(body())
+
+
+EMFILE_SCRIPT = r"""
+import asyncio, json, resource, sys, time
+import structlog, uvloop
+from weightwire.transport.base import LocalRegion
+from weightwire.memory.hostmem import create_shared
+from weightwire.transport.tcp import TcpTransport
+from weightwire.protocol.regions import RegionDescriptor
+
+logged = []
+
+def keep(_logger, _method, event):
+    logged.append(event)
+    raise structlog.DropEvent
+
+structlog.configure(processors=[keep])
+
+async def main():
+    t = TcpTransport("a", bind_host="127.0.0.1", max_unauthenticated=10_000)
+    await t.start(lambda imm, node: got.append(imm))
+    w = TcpTransport("b", bind_host="127.0.0.1")
+    await w.start(lambda imm, node: None)
+    f, g = create_shared(1 << 20, purpose="test"), create_shared(1 << 20, purpose="test")
+    src = LocalRegion(id=1, kind="cpu", length=1 << 20, view=f.view, fd=f.fd)
+    dst = LocalRegion(id=2, kind="cpu", length=1 << 20, view=g.view, fd=g.fd)
+    src.view[:] = bytes(range(256)) * 4096
+    desc = RegionDescriptor(id=2, node="a", kind="cpu", length=1 << 20, keys=t.register(dst))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    import os
+    used = len(os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (used + 8, hard))
+    print(json.dumps({"port": t.port}), flush=True)
+    cpu0 = time.process_time()
+    await asyncio.sleep(float(sys.argv[1]))  # the flood, from another process
+    cpu = time.process_time() - cpu0
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    await asyncio.sleep(1.5)  # the listener's pause ends; the flood's sockets are gone
+    await w.connect("a", t.endpoints())
+    await w.write(src, 0, desc, 0, 1 << 20, 7)
+    lines = [e for e in logged if e.get("event") == "tcp accept failed; pausing the listener"]
+    print(json.dumps({
+        "cpu_s": cpu, "accept_errors": t.stats()["accept_errors"], "log_lines": len(lines),
+        "errnos": sorted({e["errno"] for e in lines}), "landed": bytes(dst.view) == bytes(src.view),
+        "imms": got,
+    }), flush=True)
+    await w.close()
+    await t.close()
+
+got = []
+uvloop.run(main())
+"""
+
+
+def test_out_of_descriptors_the_listener_backs_off_and_logs_once_per_interval() -> None:
+    seconds = 4.0
+    proc = subprocess.Popen(
+        [sys.executable, "-c", EMFILE_SCRIPT, str(seconds)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(HERE.parent)},
+    )
+    assert proc.stdout is not None
+    port = json.loads(proc.stdout.readline())["port"]
+    held = []
+    deadline = time.monotonic() + seconds - 1
+    while time.monotonic() < deadline and len(held) < 200:
+        try:
+            held.append(socket.create_connection(("127.0.0.1", port), timeout=1))
+        except OSError:
+            break
+    time.sleep(max(0.0, deadline - time.monotonic()))
+    for s in held:
+        s.close()
+    report = json.loads(proc.stdout.readline())
+    assert proc.wait(30) == 0
+    print(report)
+    assert report["accept_errors"] >= 1, report  # it did run out of descriptors
+    assert report["errnos"] == ["EMFILE"], report
+    # paused 50 ms doubling to 1 s: a handful of tries in 4 s, not a spin of thousands
+    assert report["accept_errors"] <= 20, report
+    assert report["log_lines"] == 1, report  # once per 10 s interval
+    assert report["landed"] and report["imms"] == [7], report
