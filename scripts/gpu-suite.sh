@@ -9,7 +9,7 @@
 # No network there: pyzmq, msgspec and structlog come from the carried .whl/ (git-ignored,
 # see results/README.md); weightwire itself is imported from this working tree.
 #
-# SUITE_STAGES picks stages (default: probe,tests,2x2,2x2-zero-copy,1x1,replica,fp8; e.g. SUITE_STAGES=2x2;
+# SUITE_TESTS_S caps the GPU tests stage (default 170 s). SUITE_STAGES picks stages (default: probe,tests,2x2,2x2-zero-copy,1x1,replica,fp8; e.g. SUITE_STAGES=2x2;
 # `rings`, not in the default, compares staging rings of 2 and 4 slots with the whole send).
 # WW_SUITE_CPU=1 runs the same stages without a GPU (tiny model, --device cpu, GPU tests
 # skipped): a self-test of this script, never a measurement.
@@ -137,7 +137,7 @@ fi
 # --- the GPU tests ---------------------------------------------------------------------
 if wanted tests; then
     mapfile -t GPU_TESTS < <(grep -l 'mark.gpu' tests/test_*.py)
-    T=$(cap 170 240)
+    T=${SUITE_TESTS_S:-$(cap 170 240)}
     echo "== pytest -m gpu ${GPU_TESTS[*]} (at most ${T} s)"
     timeout -k 15 "$T" "$PY" -m pytest -m gpu -ra -p no:cacheprovider --timeout 150 \
         --junitxml="$OUT/$TAG-pytest.xml" "${GPU_TESTS[@]}" 2>&1 | tee "$OUT/$TAG-pytest.log"
