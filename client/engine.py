@@ -80,12 +80,21 @@ class Engine(RankClient):
         timeout_s: float = 300.0,
         device: int | None = None,
         delta_area: float = 0.0,
+        replica: int = -1,
+        replica_size: int = 0,
     ) -> None:
         """`delta_area`: register a delta area of this fraction of the registered bytes
         (first `register` call): sources may then send sparse deltas, and every version is
-        applied and verified here (checksums) before it is complete. 0: none."""
+        applied and verified here (checksums) before it is complete. 0: none.
+
+        `replica` / `replica_size`: this rank belongs to engine replica `replica` (one
+        engine: all its ranks, `replica_size` of them), which makes the job elastic: a
+        replica that dies is dropped from versions without failing the others, and one that
+        joins gets a plan of its own between versions (README, "Elastic engines")."""
         if not 0 <= delta_area <= 4:
             raise RegistrationError(f"delta_area {delta_area}: a fraction of the weights, 0..4")
+        if (replica < 0) != (replica_size <= 0):
+            raise ValueError("give both replica and replica_size, or neither")
         self._delta_fraction = delta_area
         self._delta: DeltaReceiver | None = None
         self._delta_request: RegisterRegion | None = None
@@ -100,6 +109,8 @@ class Engine(RankClient):
             job=job,
             timeout_s=timeout_s,
             device=device,
+            replica=replica,
+            replica_size=replica_size,
         )
         self._regions: list[SharedFile] = []
         self._buffers: list[torch.Tensor] = []

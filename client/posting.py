@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from weightwire.protocol.local import BucketReady
+from weightwire.protocol.local import BucketReady, ReplicaOutcome
 
 from .connection import DaemonConnection
 
@@ -100,6 +100,7 @@ class PublishStats:
     buckets: tuple[BucketTimes, ...] = ()
     delta_bytes: int = 0  # of nbytes, delta payloads and trailers
     density: float = 0.0  # changed elements / elements compared (delta buckets)
+    replicas: tuple[ReplicaOutcome, ...] = ()  # elastic jobs: each engine replica's outcome
 
 
 @dataclass(frozen=True)

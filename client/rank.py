@@ -28,6 +28,8 @@ class RankClient:
         job: str,
         timeout_s: float,
         device: int | None,
+        replica: int = -1,
+        replica_size: int = 0,
     ) -> None:
         self.rank, self.world_size, self.job, self.timeout_s = rank, world_size, job, timeout_s
         self._hello = Hello(
@@ -39,6 +41,8 @@ class RankClient:
             pid=os.getpid(),
             client=f"weightwire.client.{type(self).__name__}",
             device_uuid=gpu_uuid(device),
+            replica=replica,
+            replica_size=replica_size,
         )
         self._conn = DaemonConnection(
             socket, on_notify=self._on_notify, on_reset=self._replay, on_lost=self._lost

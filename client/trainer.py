@@ -463,6 +463,7 @@ class Trainer(RankClient):
             buckets=times,
             delta_bytes=result.delta_bytes,
             density=self._delta.last_density,
+            replicas=result.replicas,
         )
 
     def _post_bucket(

@@ -337,7 +337,9 @@ class Completions:
 
     def install(self, job: str, plan_hash: str, expects: tuple[Expect, ...]) -> None:
         fresh: dict[tuple[str, int], RankCompletion] = {}
+        whole = plan_hash
         for e in expects:
+            plan_hash = e.plan_hash or whole  # elastic: the replica's own plan
             old = self.ranks.get((job, e.rank))
             if old is not None and old.plan_hash == plan_hash:
                 fresh[(job, e.rank)] = old

@@ -40,6 +40,18 @@ from weightwire.protocol.peer import (
 from weightwire.protocol.plan import NodePlan
 from weightwire.protocol.regions import RegionDescriptor
 
+from .elastic import (
+    Elastic,
+    Replica,
+    ReplicaPlan,
+    is_elastic,
+    node_hashes,
+    node_plan,
+    packs_digest,
+    replicas_of,
+    trainers_digest,
+)
+
 log = structlog.get_logger("weightwire.daemon.coordinator")
 
 Send = Callable[[str, PeerMsg], None]
@@ -53,6 +65,8 @@ class Job:
     plan_hash: str = ""
     assigned: dict[str, str] = field(default_factory=dict)  # node -> incarnation it was sent to
     problem: str = ""
+    sent: dict[str, str] = field(default_factory=dict)  # elastic: node -> plan hash sent to it
+    elastic: Elastic = field(default_factory=Elastic)
 
 
 @dataclass
@@ -153,7 +167,7 @@ class Coordinator:
         if prev is not None and prev.incarnation == adv.incarnation and prev.seq > adv.seq:
             return
         job.adverts[sender] = adv
-        if adv.plan_hash != job.plan_hash:
+        if adv.plan_hash != job.sent.get(sender, job.plan_hash):
             job.assigned.pop(sender, None)  # it lost or never had the current plan
         self._replan(job)
 
@@ -173,6 +187,9 @@ class Coordinator:
             self._problem(job, WeightwireError(f"internal planning error: {exc!r}"))
 
     async def _plan_job_now(self, job: Job) -> None:
+        if is_elastic(job.adverts):
+            await self._plan_elastic(job)
+            return
         trainers, engines, missing, problems = self._collect(job)
         if problems:
             self._problem(job, PlanError("; ".join(problems), code=ErrorCode.DUPLICATE))
@@ -226,8 +243,122 @@ class Coordinator:
             self.send(node, AssignPlan(plan=plans[node]))  # made now, from the plan's arrays
             job.assigned[node] = member.incarnation
 
+    # --- elastic jobs (daemon/elastic.py) -------------------------------------
+
+    async def _plan_elastic(self, job: Job) -> None:
+        """Plan each complete engine replica on its own (only those not planned yet with
+        these inputs), and send every node whose part changed its new plan."""
+        trainers, _, missing, problems = self._collect(job, elastic=True)
+        replicas, more = replicas_of(job.adverts)
+        if problems or more:
+            self._problem(job, PlanError("; ".join(problems + more), code=ErrorCode.DUPLICATE))
+            return
+        el = job.elastic
+        live = {r: rep for r, rep in replicas.items() if rep.complete}
+        if not live:
+            missing.append("any complete engine replica")
+        if missing:
+            if job.plan_hash:
+                log.info("job incomplete; plan withdrawn", job=job.name, missing=missing)
+            job.plan_hash, job.inputs, job.assigned, job.sent = "", "", {}, {}
+            return
+        td = trainers_digest(job.adverts)
+        if el.trainers != td:
+            el.trainers, el.parts, el.packs = td, {}, ""
+        for r in [r for r in el.parts if r not in live]:
+            log.info("engine replica dropped", job=job.name, replica=r)
+            del el.parts[r]
+        if not el.parts:
+            el.packs = ""
+        t0 = time.monotonic()
+        planned: list[int] = []
+        for r, rep in live.items():
+            inputs = rep.digest(td)
+            part = el.parts.get(r)
+            if part is not None and part.inputs == inputs:
+                continue
+            el.parts.pop(r, None)
+            part = await self._plan_replica(job, trainers, rep, inputs)
+            if part is not None:
+                el.parts[r] = part
+                el.packs = el.packs or part.packs
+                planned.append(r)
+        if not el.parts:
+            job.plan_hash, job.assigned, job.sent = "", {}, {}
+            return
+        hashes, whole = node_hashes(el.packs, el.parts.values())
+        job.problem = ""
+        if whole != job.plan_hash:
+            log.info(
+                "plan ready",
+                job=job.name,
+                plan=whole,
+                replicas=sorted(el.parts),
+                planned=planned,
+                trainers=len(trainers),
+                nodes=len(hashes),
+                seconds=round(time.monotonic() - t0, 4),
+            )
+        job.plan_hash = whole
+        for node in [n for n in job.sent if n not in hashes]:
+            hashes[node] = ""  # a node left with no part: it is told so (an empty plan)
+        for node, node_hash in hashes.items():
+            member = self.members.get(node)
+            if member is None:
+                job.sent.pop(node, None)
+                continue
+            if job.assigned.get(node) == member.incarnation and job.sent.get(node) == node_hash:
+                continue
+            plan_ = node_plan(job.name, el.packs, el.parts.values(), node)
+            self.send(node, AssignPlan(plan=plan_))
+            job.assigned[node] = member.incarnation
+            if node_hash:
+                job.sent[node] = node_hash
+            else:
+                job.sent.pop(node, None)
+
+    async def _plan_replica(
+        self, job: Job, trainers: list[TrainerRank], rep: Replica, inputs: str
+    ) -> ReplicaPlan | None:
+        """One replica's plan, or None (its nodes are told why; the others go on)."""
+        el = job.elastic
+        t0 = time.monotonic()
+        try:
+            engines = resolve_recipes(
+                [
+                    EngineRank(node, a.rank, a.destinations, a.regions, a.slot, a.layout, a.lanes)
+                    for node, a in rep.ranks
+                ]
+            )
+            slots = {e.rank: e.slot for e in engines}
+            plans = await asyncio.to_thread(plan, job.name, trainers, engines, self.options, slots)
+            packs = packs_digest(plans.compact)
+            if el.packs and packs != el.packs:
+                raise PlanError(
+                    f"engine replica {rep.replica} packs differently from the job's other "
+                    f"replicas (another layout, tensor list or registration order); the "
+                    f"replicas of an elastic job must be alike"
+                )
+        except WeightwireError as exc:
+            log.warning(
+                "engine replica refused", job=job.name, replica=rep.replica, error=exc.message
+            )
+            for node in rep.nodes:
+                self.send(node, PlanProblem(job=job.name, code=exc.code.value, message=exc.message))
+            return None
+        log.info(
+            "engine replica planned",
+            job=job.name,
+            replica=rep.replica,
+            plan=plans.plan_hash,
+            ranks=[a.rank for _, a in rep.ranks],
+            writes=plans.write_count,
+            seconds=round(time.monotonic() - t0, 4),
+        )
+        return ReplicaPlan(rep, inputs, plans, packs)
+
     def _problem(self, job: Job, exc: WeightwireError) -> None:
-        job.plan_hash, job.inputs, job.assigned = "", "", {}
+        job.plan_hash, job.inputs, job.assigned, job.sent = "", "", {}, {}
         if job.problem == exc.message:
             return
         job.problem = exc.message
@@ -236,9 +367,11 @@ class Coordinator:
             self.send(node, PlanProblem(job=job.name, code=exc.code.value, message=exc.message))
 
     def _collect(
-        self, job: Job
+        self, job: Job, *, elastic: bool = False
     ) -> tuple[list[TrainerRank], list[EngineRank], list[str], list[str]]:
-        """Trainer and engine ranks of a job, what is still missing, and what conflicts."""
+        """Trainer and engine ranks of a job, what is still missing, and what conflicts.
+        `elastic`: engine ranks come in replicas (elastic.replicas_of), and only trainer
+        ranks must all be there."""
         trainers: dict[int, TrainerRank] = {}
         engines: dict[int, EngineRank] = {}
         worlds: dict[str, set[int]] = defaultdict(set)
@@ -257,11 +390,16 @@ class Coordinator:
                         node, r.rank, r.destinations, r.regions, r.slot, r.layout, r.lanes
                     )
         problems = list(dupes)
+        if elastic:
+            worlds.pop("engine", None)
+            engines = {}
         for role, sizes in worlds.items():
             if len(sizes) > 1:
                 problems.append(f"{role} ranks disagree on world size: {sorted(sizes)}")
         missing = []
         for role, have in (("trainer", trainers), ("engine", engines)):
+            if elastic and role == "engine":
+                continue
             size = next(iter(worlds.get(role, {0})))
             absent = [r for r in range(size) if r not in have]
             if not worlds.get(role):
@@ -273,7 +411,7 @@ class Coordinator:
     def missing(self, job: str) -> list[str] | None:
         """What a job still lacks before it can be planned (None: no such job)."""
         j = self.jobs.get(job)
-        return self._collect(j)[2] if j is not None else None
+        return self._collect(j, elastic=is_elastic(j.adverts))[2] if j is not None else None
 
     def status(self) -> dict[str, object]:
         return {
@@ -283,7 +421,8 @@ class Coordinator:
                     "plan": j.plan_hash or None,
                     "problem": j.problem or None,
                     "nodes": sorted(j.adverts),
-                    "missing": self._collect(j)[2],
+                    "missing": self._collect(j, elastic=is_elastic(j.adverts))[2],
+                    "replicas": sorted(j.elastic.parts) if is_elastic(j.adverts) else None,
                 }
                 for j in self.jobs.values()
             },

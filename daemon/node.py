@@ -290,8 +290,16 @@ class Daemon(RankService, PlanKeeping, DataPlane):
         for rc in self.completions.ranks.values():
             rc.fail_in_progress(ErrorCode.PEER_LOST, reason, source=node)
         for job, plan in list(self.plans.items()):
-            if node in self._nodes_of(plan):
-                self._withdraw(job, f"plan withdrawn: {reason}")
+            if node not in self._nodes_of(plan):
+                continue
+            if self._elastic_engine_node(plan, node):
+                # an engine replica's node: only that replica is dropped from the version
+                # in flight; the coordinator sends the plan without it
+                for (j, _), pub in self.publishers.items():
+                    if j == job:
+                        pub.drop_nodes({node}, reason)
+                continue
+            self._withdraw(job, f"plan withdrawn: {reason}")
 
     async def fence(self, nodes: tuple[str, ...], reason: str) -> None:
         """Stop every write of `nodes` landing here, on every transport, before a failure

@@ -58,6 +58,8 @@ class PlanKeeping:
                             ),
                             -1,
                         ),
+                        replica=s.hello.replica,
+                        replica_size=s.hello.replica_size,
                     )
                 )
         self.advert_seq += 1
@@ -120,6 +122,12 @@ class PlanKeeping:
         for fut in self.plan_waiters.pop(job, []):
             if not fut.done():
                 fut.set_exception(err)
+
+    @staticmethod
+    def _elastic_engine_node(plan: NodePlan, node: str) -> bool:
+        """`node` only hosts engine replicas of this (elastic) plan: losing it drops them."""
+        replica_node = any(node in p.nodes for s in plan.sends for p in s.replicas)
+        return replica_node and not any(node in e.sources for e in plan.expects)
 
     @staticmethod
     def _nodes_of(plan: NodePlan) -> set[str]:

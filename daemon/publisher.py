@@ -18,12 +18,13 @@ import structlog
 
 from weightwire.protocol.errors import (
     ErrorCode,
+    PeerLostError,
     PlanError,
     TransferError,
     VersionError,
     WeightwireError,
 )
-from weightwire.protocol.local import BucketsLanded, PublishResult, Verdict
+from weightwire.protocol.local import BucketsLanded, PublishResult, ReplicaOutcome, Verdict
 from weightwire.protocol.plan import (
     DeltaSlot,
     RankPlan,
@@ -55,11 +56,12 @@ class _Part:
     prepared: Prepared
     slots: tuple[int, ...]  # each write's destination counter, in order
     nbytes: int
+    replica: int = -1  # elastic jobs: the engine replica all its writes go to
 
 
 @dataclass(frozen=True)
 class _Cached:
-    plan: RankPlan
+    plan: RankPlan | str  # the plan prepared for (elastic: its replica's plan hash)
     routes: tuple[tuple[RouteKey, Route], ...]  # those the parts were prepared for
     parts: list[_Part]
 
@@ -88,6 +90,23 @@ class Run:
     delta_bytes: int = 0
     verdicts: dict[tuple[str, int], Verdict] = field(default_factory=dict)
     landed: bool = False  # every write landed; a delta-capable plan then awaits the verdicts
+    dropped: dict[int, WeightwireError] = field(default_factory=dict)  # elastic: replica -> why
+
+    def replica_nodes(self, replica: int) -> set[str]:
+        return {n for p in self.plan.replicas if p.replica == replica for n in p.nodes}
+
+    def outcomes(self) -> tuple[ReplicaOutcome, ...]:
+        return tuple(
+            ReplicaOutcome(replica=p.replica, ok=True)
+            if p.replica not in self.dropped
+            else ReplicaOutcome(
+                replica=p.replica,
+                ok=False,
+                code=self.dropped[p.replica].code.value,
+                message=self.dropped[p.replica].message,
+            )
+            for p in self.plan.replicas
+        )
 
 
 @dataclass
@@ -107,7 +126,8 @@ class Publisher:
     run: Run | None = None
     previous: Run | None = None  # the last run of an earlier session of this rank
     _regions: dict[tuple[str, int], RegionDescriptor] = field(default_factory=dict)
-    _cache: dict[tuple[int, int], _Cached] = field(default_factory=dict)  # by (bucket, slot)
+    _cache: dict[tuple[int, int, str], _Cached] = field(default_factory=dict)
+    """Prepared parts by (bucket, ring slot, replica plan hash: "" when not elastic)."""
     _rings: dict[int, StagingRing] = field(default_factory=dict)  # this plan's, by slots
 
     def set_plan(
@@ -117,6 +137,16 @@ class Publisher:
         was lost, and a version in flight fails with that, as any lost peer's does)."""
         running = self.run is not None and not self.run.finished
         new_hash = plan.plan_hash if plan is not None else None
+        old = self.plan
+        if (
+            plan is not None
+            and old is not None
+            and plan.replicas
+            and old.replicas
+            and new_hash == old.plan_hash
+        ):
+            self._replicas_changed(plan)
+            return
         if running and self.plan is not None and new_hash != self.plan.plan_hash:
             why = reason or "the plan changed mid-version"
             self._fail(WeightwireError(why, code=code))
@@ -124,6 +154,61 @@ class Publisher:
         self._regions = {(r.node, r.id): r for r in plan.regions} if plan else {}
         self._cache.clear()
         self._rings.clear()
+
+    def _replicas_changed(self, plan: RankPlan) -> None:
+        """Elastic: the same packs, engine replicas gone or come. A running version keeps
+        its own plan (a replica that joins gets the next version) and drops the replicas
+        that left; what was prepared for the replicas that stay is kept."""
+        live = {p.plan_hash for p in plan.replicas}
+        run = self.run
+        if run is not None and not run.finished:
+            for p in run.plan.replicas:
+                if p.plan_hash not in live:
+                    self._drop(
+                        run,
+                        p.replica,
+                        PeerLostError(f"engine replica {p.replica} left the plan mid-version"),
+                    )
+        self.plan = plan
+        self._regions = {(r.node, r.id): r for r in plan.regions}
+        for key in [k for k in self._cache if k[2] not in live]:
+            del self._cache[key]
+
+    def drop_nodes(self, nodes: set[str], reason: str) -> bool:
+        """Elastic: nodes of engine replicas were lost. The running version drops those
+        replicas (the others go on); False when the plan is not elastic."""
+        if self.plan is None or not self.plan.replicas:
+            return False
+        run = self.run
+        if run is not None and not run.finished:
+            for p in run.plan.replicas:
+                if nodes & set(p.nodes):
+                    self._drop(run, p.replica, PeerLostError(reason))
+        return True
+
+    def _drop(self, run: Run, replica: int, err: WeightwireError) -> None:
+        """Engine replica `replica` gets no more of `run`'s version; the others go on. When
+        none is left the version fails."""
+        if run.finished or replica in run.dropped:
+            return
+        run.dropped[replica] = err
+        log.warning(
+            "replica dropped from version",
+            rank=self.rank,
+            version=run.version,
+            replica=replica,
+            code=err.code.value,
+            error=err.message,
+        )
+        nodes = run.replica_nodes(replica)
+        self.announce(run.version, "abort", f"[{err.code.value}] {err.message}", nodes)
+        if all(p.replica in run.dropped for p in run.plan.replicas):
+            self._fail(err, run)
+        elif not run.tasks:
+            run.landed = len(run.posted) == len(run.plan.buckets) and (
+                run.trailers_posted or not run.plan.trailers
+            )
+            self._maybe_finish(run)
 
     def ring(self, slots: int) -> StagingRing:
         """The plan's staging ring of `slots` slots (0: the whole send)."""
@@ -338,9 +423,38 @@ class Publisher:
         """The bucket's writes prepared on their transports: once per plan, again only when
         a route's transport, source or destination region is not the one prepared for. With
         a staging ring, per (bucket, slot): its staging writes read from the bucket's slot."""
+        writes = run.plan.buckets[bucket].writes
+        if not run.plan.replicas:
+            return await self._prepared_part(run, bucket, "", run.plan, writes, -1)
+        parts: list[_Part] = []
+        for p in run.plan.replicas:
+            if p.replica in run.dropped:
+                continue
+            ranks = set(p.ranks)
+            mine = tuple(w for w in writes if w.dst_rank in ranks)
+            h = p.plan_hash
+            try:
+                parts += await self._prepared_part(run, bucket, h, h, mine, p.replica)
+            except WeightwireError as exc:  # its node cannot be reached: that replica only
+                self._drop(run, p.replica, exc)
+        return parts
+
+    async def _prepared_part(
+        self,
+        run: Run,
+        bucket: int,
+        part_key: str,
+        prepared_for: RankPlan | str,
+        writes: tuple[WriteOp, ...],
+        replica: int,
+    ) -> list[_Part]:
         slot, shift = run.ring.slot[bucket], run.ring.shift[bucket]
-        cached = self._cache.get((bucket, slot))
-        if cached is not None and cached.plan is run.plan:
+        cached = self._cache.get((bucket, slot, part_key))
+        same = cached is not None and (
+            cached.plan is prepared_for
+            or (isinstance(prepared_for, str) and cached.plan == prepared_for)
+        )
+        if cached is not None and same:
             for key, route in cached.routes:
                 now = await self._route(run, key)
                 if any(a is not b for a, b in zip(now, route, strict=True)):
@@ -349,7 +463,7 @@ class Publisher:
                 return cached.parts
         groups: dict[Transport, list[tuple[WriteOp, WriteRequest]]] = {}
         routes: dict[RouteKey, Route] = {}
-        for w in run.plan.buckets[bucket].writes:
+        for w in writes:
             key = (w.src_region, w.dst_node, w.dst_region)
             route = routes[key] = await self._route(run, key)
             transport, src, dst = route
@@ -372,10 +486,11 @@ class Publisher:
                 transport.prepare([req for _, req in items]),
                 tuple(w.slot for w, _ in items),
                 sum(w.nbytes for w, _ in items),
+                replica,
             )
             for transport, items in groups.items()
         ]
-        self._cache[(bucket, slot)] = _Cached(run.plan, tuple(routes.items()), parts)
+        self._cache[(bucket, slot, part_key)] = _Cached(prepared_for, tuple(routes.items()), parts)
         return parts
 
     async def _post(
@@ -398,16 +513,30 @@ class Publisher:
         parts = await self._prepared(run, bucket)
         if run.finished:  # failed meanwhile: nothing more of it is sent
             raise run.error or WeightwireError("the version already failed", code=ErrorCode.ABORTED)
+        parts = [p for p in parts if p.replica not in run.dropped]
         high = encode_imm(run.version, 0)
         outcomes = await asyncio.gather(
-            *(p.transport.write_prepared(p.prepared, [high | s for s in p.slots]) for p in parts)
+            *(p.transport.write_prepared(p.prepared, [high | s for s in p.slots]) for p in parts),
+            return_exceptions=True,
         )
+        first: BaseException | None = None
         for part, results in zip(parts, outcomes, strict=True):
-            if any(results):
-                err = next(e for e in results if e is not None)
-                raise err
+            err: BaseException | None = (
+                results
+                if isinstance(results, BaseException)
+                else next((e for e in results if e is not None), None)
+            )
+            if err is not None and part.replica >= 0 and isinstance(err, WeightwireError):
+                self._drop(run, part.replica, err)  # that replica only: the others go on
+                continue
+            if err is not None:
+                first = first or err
+                continue
+            assert not isinstance(results, BaseException)
             run.bytes_done += part.nbytes
             run.writes_done += len(part.slots)
+        if first is not None:
+            raise first
         run.bucket_landed[bucket] = time.time()
         if run.ring.slots and not run.finished:
             self.reply(BucketsLanded(version=run.version, buckets=(bucket,)))
@@ -505,6 +634,7 @@ class Publisher:
                 ),
                 verdicts=tuple(run.verdicts.values()),
                 delta_bytes=run.delta_bytes,
+                replicas=run.outcomes(),
             )
         )
 
@@ -541,6 +671,7 @@ class Publisher:
                 message=err.message,
                 verdicts=tuple(run.verdicts.values()),
                 delta_bytes=run.delta_bytes,
+                replicas=run.outcomes(),
             )
         )
 

@@ -168,7 +168,12 @@ class Compact:
 
     def node_plan(self, node: str) -> NodePlan:
         sends = tuple(self.rank_plan(t) for t, tr in enumerate(self.trainers) if tr.node == node)
-        expects = tuple(
+        expects = self.node_plan_expects(node)
+        return NodePlan(plan_hash=self.plan_hash, job=self.job, sends=sends, expects=expects)
+
+    def node_plan_expects(self, node: str) -> tuple[Expect, ...]:
+        """What the engine ranks of `node` expect per version."""
+        return tuple(
             Expect(
                 rank=e.rank,
                 slot=self.slots[e.rank],
@@ -179,7 +184,6 @@ class Compact:
             for i, e in enumerate(self.engines)
             if e.node == node
         )
-        return NodePlan(plan_hash=self.plan_hash, job=self.job, sends=sends, expects=expects)
 
 
 class PlanSet(Mapping[str, NodePlan]):

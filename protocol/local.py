@@ -37,6 +37,10 @@ class Hello(LocalMsg, frozen=True, tag="hello"):
     pid: int = 0
     client: str = ""
     device_uuid: str = ""  # the GPU this rank uses ("" for none): picks its NICs (lanes)
+    # engine ranks of an elastic job: the replica (one engine, all its ranks) this rank is
+    # part of, and how many ranks that replica has (-1 / 0: not elastic)
+    replica: Annotated[int, msgspec.Meta(ge=-1, lt=1 << 20)] = -1
+    replica_size: Annotated[int, msgspec.Meta(ge=0, lt=1 << 20)] = 0
 
 
 class Welcome(LocalMsg, frozen=True, tag="welcome"):
@@ -175,6 +179,16 @@ class AbortVersion(LocalMsg, frozen=True, tag="abort_version"):
     reason: str = ""
 
 
+class ReplicaOutcome(msgspec.Struct, frozen=True, kw_only=True):
+    """What became of one engine replica's writes of a version (elastic jobs): all landed
+    (ok), or dropped with the first cause (a dead replica fails only itself)."""
+
+    replica: int
+    ok: bool
+    code: str = ""
+    message: str = ""
+
+
 class PublishResult(LocalMsg, frozen=True, tag="publish_result"):
     """All of a rank's writes of `version` landed (ok) or the version failed (code/message)."""
 
@@ -189,6 +203,7 @@ class PublishResult(LocalMsg, frozen=True, tag="publish_result"):
     buckets: tuple[tuple[float, float], ...] = ()  # per bucket: (posted, landed), wall clock
     verdicts: tuple[Verdict, ...] = ()  # delta-capable plans: each engine rank's outcome
     delta_bytes: NonNeg = 0  # of nbytes, those of delta payloads and trailers
+    replicas: tuple[ReplicaOutcome, ...] = ()  # elastic jobs: each engine replica's outcome
 
 
 # --- engine ----------------------------------------------------------------

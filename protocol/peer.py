@@ -47,6 +47,8 @@ class RankAdvert(msgspec.Struct, frozen=True, kw_only=True):
     slot: int = -1  # engine ranks: the immediate counter its node gave it (unique on the node)
     delta_region: int = -1  # engine ranks: the region it registered for delta payloads
     lanes: int = 1  # independent paths (NICs) its node's data plane has for this rank
+    replica: int = -1  # engine ranks of an elastic job: their replica (Hello.replica)
+    replica_size: int = 0  # and how many ranks that replica has
 
 
 class Advertise(PeerMsg, frozen=True, tag="advertise"):

@@ -149,8 +149,22 @@ class Bucket(msgspec.Struct, frozen=True, kw_only=True):
     deltas: tuple[DeltaSlot, ...] = ()
 
 
+class ReplicaPart(msgspec.Struct, frozen=True, kw_only=True):
+    """One engine replica of an elastic job, as a trainer rank's plan sees it: its writes
+    are those to `ranks`, planned on their own (`plan_hash`), so that replicas come and go
+    without changing the others' writes."""
+
+    replica: int
+    plan_hash: str
+    ranks: tuple[NonNeg, ...]
+    nodes: tuple[str, ...]
+
+
 class RankPlan(msgspec.Struct, frozen=True, kw_only=True):
-    """Everything one trainer rank does per version, in order."""
+    """Everything one trainer rank does per version, in order.
+
+    In an elastic job `plan_hash` names the packs only (the same for every set of engine
+    replicas), and `replicas` says which writes go to which replica."""
 
     plan_hash: str
     rank: NonNeg
@@ -160,6 +174,7 @@ class RankPlan(msgspec.Struct, frozen=True, kw_only=True):
     trailers: tuple[Trailer, ...] = ()  # delta-capable plans: one per engine rank written
     delta_bytes: NonNeg = 0  # its delta-out region: payloads and trailers, encoded there
     shadow_bytes: NonNeg = 0  # what it keeps to compare against (the bytes last sent)
+    replicas: tuple[ReplicaPart, ...] = ()
 
     @property
     def write_count(self) -> int:
@@ -180,6 +195,7 @@ class Expect(msgspec.Struct, frozen=True, kw_only=True):
     sources: tuple[str, ...] = ()  # nodes that write to this rank
     delta_region: int = -1  # its delta area (>= 0: every version is applied and verified)
     trailers: tuple[tuple[NonNeg, NonNeg], ...] = ()  # (offset, capacity) in the delta area
+    plan_hash: str = ""  # elastic jobs: its replica's plan (else the node plan's)
 
 
 class NodePlan(msgspec.Struct, frozen=True, kw_only=True):

@@ -227,7 +227,7 @@ def test_a_staging_ring_writes_each_bucket_from_its_slot_prepared_once() -> None
             landed = [m for m in seen if isinstance(m, BucketsLanded) and m.version == version]
             assert sorted(b for m in landed for b in m.buckets) == [0, 1, 2, 3]
             assert kit.read(dst, 0, n) == data, f"version {version}"
-            assert set(pub._cache) == {(0, 0), (1, 1), (2, 0), (3, 1)}
+            assert set(pub._cache) == {(0, 0, ""), (1, 1, ""), (2, 0, ""), (3, 1, "")}
             parts = {k: c.parts for k, c in pub._cache.items()}
             if prepared:  # the same prepared writes, posted again
                 assert all(parts[k] is prepared[k] for k in parts)

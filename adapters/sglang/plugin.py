@@ -236,6 +236,8 @@ def attach(runner: Any, settings: Settings) -> Binding:
         job=settings.job,
         timeout_s=settings.timeout_s,
         device=device,
+        replica=replica,  # elastic: this server (its TP ranks) comes and goes as one
+        replica_size=tp,
     )
     try:
         if settings.mode == "rules":
