@@ -130,3 +130,42 @@ def test_module_shards_without_the_stream(cluster: LocalCluster) -> None:
             check(received, want)
     for e in actors + rollouts:
         e.close()
+
+
+def test_in_place_destinations(cluster: LocalCluster) -> None:
+    """destinations="in_place": engine ranks of their own (as the SGLang plugin registers
+    the server's parameters) receive the writes; the rollout worker's receive_weights
+    waits until they hold the version and yields nothing for the adapter to load."""
+    import weightwire.adapters.verl  # noqa: F401
+    from weightwire.client import Engine
+
+    job = "verl-in-place"
+    params = {n: torch.zeros_like(t) for n, t in model(0).items()}
+    server = Engine(0, 1, socket=cluster.daemons[1].socket, job=job, replica=0, replica_size=1)
+    server.register(params)
+    actors = [
+        ce.CheckpointEngineRegistry.new(
+            "weightwire", bucket_size=1 << 20, socket=cluster.daemons[0].socket, job=job
+        )
+        for _ in range(ACTORS)
+    ]
+    rollout = ce.CheckpointEngineRegistry.new(
+        "weightwire",
+        bucket_size=1 << 20,
+        socket=cluster.daemons[1].socket,
+        job=job,
+        destinations="in_place",
+    )
+    actor_kw, rollout_kw = type(rollout).build_topology(ACTORS, 1, [])
+    for i, a in enumerate(actors):
+        a.init_process_group(**{k: v[i] for k, v in actor_kw.items()})
+    rollout.init_process_group(**{k: v[0] for k, v in rollout_kw.items()})
+    for version in (1, 2):
+        out = asyncio.run(
+            step(actors, [rollout], version, lambda v=version: iter(model(v).items()))
+        )
+        assert out[ACTORS] == {}  # nothing to load: the bytes are in the parameters
+        check(params, model(version))
+    for e in [*actors, rollout]:
+        e.close()
+    server.close()
