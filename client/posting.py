@@ -12,6 +12,9 @@ import torch
 from weightwire.protocol.local import BucketReady, ReplicaOutcome
 
 from .connection import DaemonConnection
+from .ring import Landed
+
+POLL_S = 100e-6  # how often packing events are checked while waiting for a slot
 
 
 class Poster:
@@ -55,6 +58,24 @@ class Poster:
         (before waiting for `bucket` to land: the daemon must have been told of it)."""
         while any(b == bucket for b, _ in self._pending):
             self._send(wait=True)
+
+    def await_landed(self, landed: Landed, bucket: int, timeout_s: float, what: str) -> bool:
+        """Wait for a slot: until `bucket` (posted already) has landed, as `Landed.wait`.
+        Meanwhile post each bucket queued before as soon as its packing completes: the
+        daemon must not learn of bucket k only once the slot for k+N is free (that made the
+        ring move one bucket at a time). The events are polled every `POLL_S`, the
+        landing wakes this thread at once."""
+        deadline = time.monotonic() + timeout_s
+        while self._pending:
+            self._send(wait=False)
+            if not self._pending:
+                break
+            outcome = landed.poll(bucket, POLL_S)
+            if outcome is not None:
+                return outcome
+            if time.monotonic() >= deadline:
+                raise landed.timed_out(bucket, timeout_s, what)
+        return landed.wait(bucket, max(deadline - time.monotonic(), 0.0), what)
 
     def finish(self) -> None:
         """Every bucket is queued: post the rest as they complete."""

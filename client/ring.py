@@ -35,6 +35,20 @@ class Landed:
     def wait(self, bucket: int, timeout_s: float, what: str) -> bool:
         """True once `bucket` has landed; False if the version ended first (failed: its
         result says why). Raises TimeoutError_ after `timeout_s`."""
+        outcome = self.poll(bucket, timeout_s)
+        if outcome is None:
+            raise self.timed_out(bucket, timeout_s, what)
+        return outcome
+
+    @staticmethod
+    def timed_out(bucket: int, timeout_s: float, what: str) -> TimeoutError_:
+        return TimeoutError_(
+            f"{what}: bucket {bucket}'s writes did not finish within "
+            f"{timeout_s:.0f} s, so its staging slot never came free"
+        )
+
+    def poll(self, bucket: int, timeout_s: float) -> bool | None:
+        """As `wait`, but None (no error) if `bucket` has not landed within `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         with self._cv:
             while bucket not in self._buckets:
@@ -42,10 +56,7 @@ class Landed:
                     return False
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError_(
-                        f"{what}: bucket {bucket}'s writes did not finish within "
-                        f"{timeout_s:.0f} s, so its staging slot never came free"
-                    )
+                    return None
                 self._cv.wait(left)
         return True
 

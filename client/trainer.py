@@ -398,7 +398,7 @@ class Trainer(RankClient):
                     reuse = ring.reuse[bucket.index]
                     if reuse >= 0:  # wait until the bucket packed in this slot has landed
                         poster.flush(reuse)
-                        if not landed.wait(reuse, self.timeout_s, what):
+                        if not poster.await_landed(landed, reuse, self.timeout_s, what):
                             break  # the version failed: its result says why
                     p0 = time.perf_counter()
                     started = time.time()

@@ -230,3 +230,69 @@ def test_a_version_failing_mid_ring_ends_the_wait_for_a_slot(ring_cluster: Local
         assert not thread.is_alive() and "error" in out, out
         assert float(out["t"]) - left < 15, out  # type: ignore[arg-type]
         assert publishing(ring_cluster, job)["buckets_posted"] < p["buckets"]
+
+
+class _Sent:
+    """Stands in for the daemon connection: records what the poster sends, when."""
+
+    def __init__(self) -> None:
+        self.posted: list[tuple[int, ...]] = []
+
+    def send(self, msg: object) -> None:
+        from weightwire.protocol.local import BucketReady
+
+        assert isinstance(msg, BucketReady)
+        self.posted.append((msg.bucket, *msg.more))
+
+
+class _PackEvent:
+    """A bucket's packing, done once `done` is set (as a CUDA event's query())."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+
+    def query(self) -> bool:
+        return self.done.is_set()
+
+    def synchronize(self) -> None:
+        assert self.done.wait(10)
+
+
+def test_buckets_packed_while_waiting_for_a_slot_are_posted_before_it_comes_free() -> None:
+    # Ring of 2: bucket 0 is posted, bucket 1 is still packing, the trainer waits for
+    # bucket 0's slot to pack bucket 2. Bucket 1 must reach the daemon as soon as it is
+    # packed, not once bucket 0 has landed: bucket 0 landing may wait on nothing else here
+    # but the ring would move one bucket at a time if it did.
+    from weightwire.client.posting import Poster
+    from weightwire.client.ring import Landed
+
+    conn = _Sent()
+    poster = Poster(conn, version=1)  # type: ignore[arg-type]
+    landed = Landed()
+    poster.post(0, torch.device("cpu"), time.time())  # no event: packed at once
+    assert conn.posted == [(0,)]
+    packing = _PackEvent()
+    poster._pending.append((1, packing))  # type: ignore[arg-type]  # as post() on a GPU
+    poster.started[1] = time.time()
+
+    def gpu_then_daemon() -> None:
+        packing.done.set()
+        deadline = time.monotonic() + 10
+        while conn.posted != [(0,), (1,)] and time.monotonic() < deadline:
+            time.sleep(0.001)
+        landed.add((0,))  # the daemon lands bucket 0 only after it heard of bucket 1
+
+    helper = threading.Timer(0.05, gpu_then_daemon)
+    helper.start()
+    try:
+        assert poster.await_landed(landed, 0, 20.0, "test") is True
+    finally:
+        helper.join()
+    assert conn.posted == [(0,), (1,)]
+    assert 0 < poster.ready[1] - poster.started[1] < 20
+
+    # a version ending first ends the wait (it failed: its result says why)
+    landed.end()
+    assert poster.await_landed(landed, 5, 20.0, "test") is False
+    with pytest.raises(WeightwireError, match="never came free"):
+        poster.await_landed(Landed(), 7, 0.05, "test")
