@@ -3,9 +3,11 @@
 Plain copies and casts are grouped by dtypes and by whether the source is contiguous:
 torch copies a group of contiguous pairs in one fused kernel, and falls back to one copy
 per pair for the whole group if any pair is strided. FP8 boxes of one shape, block size
-and dtype are stacked and quantized in one pass. On the GPU the copies (thousands of
-small strided ones for a layer of experts) are captured once as a CUDA graph, so a
-version replays them with one launch per bucket instead of one per copy.
+and dtype are stacked and quantized in one pass, or, where Triton runs (`fp8_kernel`),
+every FP8 box of the bucket goes through one kernel launch per source dtype that writes
+codes and scales straight into staging. On the GPU the copies (thousands of small strided
+ones for a layer of experts) and those FP8 launches are captured once as a CUDA graph, so
+a version replays them with one launch per bucket instead of one per copy.
 """
 
 from __future__ import annotations
@@ -20,13 +22,16 @@ import torch
 from weightwire.protocol.plan import PackOp
 from weightwire.protocol.tensors import Box, Cast, Copy, Fp8BlockQuant, Fp8BlockScale
 
+from . import fp8_kernel
 from .dtypes import TORCH
 from .fp8 import quantize_blocks
+from .fp8_kernel import Fp8Batch, Fp8Box
 
 log = structlog.get_logger("weightwire.client.pack")
 
 GRAPHS = os.environ.get("WEIGHTWIRE_PACK_GRAPHS", "1") != "0"
 _graph_failure_logged = False
+_kernel_failed = False  # the FP8 kernel failed once in this process: the torch path only
 
 
 def box_of(t: torch.Tensor, op: PackOp) -> torch.Tensor:
@@ -93,6 +98,18 @@ class Fp8Group:
         self.codes: list[torch.Tensor | None] = []  # staging views (None: not asked for)
         self.scales: list[torch.Tensor | None] = []
 
+    def boxes(self, staging: torch.Tensor) -> list[Fp8Box]:
+        """The group's boxes as the kernel takes them (offsets into `staging`)."""
+        base = staging.data_ptr()
+        return [
+            Fp8Box(
+                src,
+                codes.data_ptr() - base if codes is not None else -1,
+                scales.data_ptr() - base if scales is not None else -1,
+            )
+            for src, codes, scales in zip(self.srcs, self.codes, self.scales, strict=True)
+        ]
+
     def run(self) -> None:
         codes, scales = quantize_blocks(torch.stack(self.srcs), self.block)
         for wanted, got in ((self.codes, codes), (self.scales, scales)):
@@ -117,7 +134,8 @@ class BucketPack:
         self.staging_ptr = staging.data_ptr()
         self.sources = self._identity(tensors)
         self.copies: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
-        self.fp8: list[Fp8Group] = []
+        self.fp8: list[Fp8Group] = []  # quantized by torch, stacked by shape
+        self.kernel: list[Fp8Batch] = []  # quantized by the kernel, one launch each
         self.rest: list[PackOp] = []
         self.graph: torch.cuda.CUDAGraph | None = None
         self._graphs = graphs and GRAPHS and staging.is_cuda
@@ -145,11 +163,28 @@ class BucketPack:
         else:
             for outs, srcs in self.copies:
                 torch._foreach_copy_(outs, srcs)
-            if self._graphs and self.copies:
+            self._run_kernel()
+            if self._graphs and (self.copies or self.kernel):
                 self.graph = self._capture()
                 self._graphs = False
         for group in self.fp8:
             group.run()
+
+    def _run_kernel(self) -> None:
+        """The FP8 launches, eagerly (the first run compiles them). A kernel that fails
+        hands its boxes to the torch path, for this bucket and every later one."""
+        global _kernel_failed
+        try:
+            for batch in self.kernel:
+                batch.run()
+        except Exception as exc:
+            if not _kernel_failed:
+                log.warning(
+                    "FP8 packs run through torch: the Triton kernel failed", error=repr(exc)
+                )
+            _kernel_failed = True
+            self.fp8 += self._kernel_groups
+            self.kernel = []
 
     def _capture(self) -> torch.cuda.CUDAGraph | None:
         global _graph_failure_logged
@@ -163,6 +198,8 @@ class BucketPack:
                 try:
                     for outs, srcs in self.copies:
                         torch._foreach_copy_(outs, srcs)
+                    for batch in self.kernel:
+                        batch.run()
                 finally:
                     graph.capture_end()
         except RuntimeError as exc:
@@ -224,4 +261,13 @@ class BucketPack:
                 case _:
                     self.rest.append(op)
         self.copies = list(copies.values())
-        self.fp8 = list(fp8.values())
+        self._kernel_groups: list[Fp8Group] = []
+        by_kind: dict[tuple[int, torch.dtype], list[Fp8Box]] = {}
+        for (block, dtype, _), group in fp8.items():
+            usable = dtype in fp8_kernel.DTYPES and not _kernel_failed
+            if not usable or not fp8_kernel.available([staging, *group.srcs], block):
+                self.fp8.append(group)
+                continue
+            self._kernel_groups.append(group)
+            by_kind.setdefault((block, dtype), []).extend(group.boxes(staging))
+        self.kernel = [Fp8Batch(boxes, staging, block) for (block, _), boxes in by_kind.items()]

@@ -1,0 +1,245 @@
+"""The Triton FP8 kernel (`client/fp8_kernel.py`) bit for bit against `quantize_blocks`.
+
+On CPU it runs through Triton's interpreter: small shapes, ragged
+edges, strided boxes, zero tiles, inf and NaN, several tensors and dtypes in one launch,
+codes or scales alone. Triton picks the interpreter when it is imported, so without
+TRITON_INTERPRET=1 in the environment these tests run in a pytest of their own that has
+it (`test_cpu_tests_through_the_interpreter`). The GPU tests (`-m gpu`) run the compiled
+kernel, and a bucket's packs through it inside the bucket's CUDA graph.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from weightwire.client import buckets as bucketsmod
+from weightwire.client import fp8_kernel
+from weightwire.client import pack as packmod
+from weightwire.client.fp8 import quantize_blocks
+from weightwire.client.fp8_kernel import Fp8Box, quantize_into
+
+from .test_fp8 import _bucket, sample
+
+pytestmark = pytest.mark.skipif(fp8_kernel.triton is None, reason="needs Triton")
+CUDA = pytest.mark.skipif(
+    not torch.cuda.is_available() or fp8_kernel.INTERPRETED, reason="needs CUDA (compiled)"
+)
+INTERP = pytest.mark.skipif(
+    not fp8_kernel.INTERPRETED, reason="runs in a pytest with TRITON_INTERPRET=1 (see below)"
+)
+
+
+@pytest.mark.skipif(fp8_kernel.INTERPRETED, reason="this is that pytest")
+def test_cpu_tests_through_the_interpreter() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "WEIGHTWIRE_FP8_TRITON": "1"}
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not gpu",
+         __file__],
+        env=env, capture_output=True, text=True, timeout=900,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
+    last = out.stdout.strip().splitlines()[-1]
+    assert re.search(r"\b2\d passed, 1 skipped", last), last  # skipped: this test itself
+
+
+def _same_scales(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Bitwise, except that a NaN scale (a tile holding a NaN) only has to be a NaN:
+    torch's own NaN payload differs by dtype and device (0x7fc00000 or 0x7fffffff)."""
+    g, w = got.view(torch.float32), want.view(torch.float32)
+    nan = torch.isnan(w)
+    assert torch.equal(torch.isnan(g), nan)
+    assert torch.equal(g.view(torch.int32)[~nan], w.view(torch.int32)[~nan])
+
+
+def _check(
+    xs: list[torch.Tensor],
+    block: int = 128,
+    want: tuple[bool, bool] = (True, True),
+    device: str = "cpu",
+) -> None:
+    """Quantize every x into one staging in one call (odd gaps between the parts) and
+    compare with quantize_blocks of each; bytes in the gaps stay untouched."""
+    layout, off = [], 7
+    for x in xs:
+        codes_at = off if want[0] else -1
+        off += x.numel() + 5 if want[0] else 0
+        off = -(-off // 4) * 4
+        scales_at = off if want[1] else -1
+        n_scales = -(-x.shape[0] // block) * -(-x.shape[1] // block) * 4
+        off += n_scales + 3 if want[1] else 0
+        layout.append((codes_at, scales_at, n_scales))
+    staging = torch.full((off + 9,), 0xA5, dtype=torch.uint8, device=device)
+    quantize_into(
+        [Fp8Box(x, c, s) for x, (c, s, _) in zip(xs, layout, strict=True)], staging, block
+    )
+    got = staging.cpu()
+    touched = torch.zeros_like(got, dtype=torch.bool)
+    for x, (codes_at, scales_at, n_scales) in zip(xs, layout, strict=True):
+        codes, scales = quantize_blocks(x, block)
+        if codes_at >= 0:
+            part = got[codes_at : codes_at + x.numel()]
+            assert torch.equal(part, codes.cpu().view(torch.uint8).flatten())
+            touched[codes_at : codes_at + x.numel()] = True
+        if scales_at >= 0:
+            _same_scales(got[scales_at : scales_at + n_scales], scales.cpu().flatten())
+            touched[scales_at : scales_at + n_scales] = True
+    assert (got[~touched] == 0xA5).all()
+
+
+@INTERP
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 1), (5, 7), (128, 128), (130, 257), (129, 127)])
+def test_ragged_shapes(shape: tuple[int, int], dtype: torch.dtype) -> None:
+    _check([sample(shape, dtype, seed=sum(shape))])
+
+
+@INTERP
+def test_many_boxes_one_launch_strided_and_contiguous() -> None:
+    """Boxes of different tensors, shapes and strides (a row range, a column slice, a
+    transposed view) in one batch."""
+    a = sample((300, 260), torch.bfloat16, seed=1)
+    b = sample((4, 140, 200), torch.bfloat16, seed=2)
+    xs = [a[:172], a[172:], a[:, 130:], a[5:200, 3:250], b[1], b[3, :, :70], a[:140, :100].t()]
+    assert not xs[2].is_contiguous() and not xs[-1].is_contiguous()
+    _check(xs)
+
+
+@INTERP
+@pytest.mark.parametrize("want", [(True, False), (False, True)])
+def test_codes_or_scales_alone(want: tuple[bool, bool]) -> None:
+    _check(
+        [sample((130, 140), torch.bfloat16, seed=3), sample((9, 300), torch.bfloat16, 4)], want=want
+    )
+
+
+@INTERP
+@pytest.mark.parametrize("block", [16, 64])
+def test_other_block_sizes(block: int) -> None:
+    _check([sample((70, 45), torch.float32, seed=block)], block=block)
+
+
+@INTERP
+def test_zero_tiny_inf_nan_and_negative_zero() -> None:
+    x = sample((260, 390), torch.bfloat16, seed=5)
+    x[:128, :128] = 0  # a zero tile: the floor scale
+    x[:128, 128:256] = -0.0
+    x[128:256, :128] = 1e-30  # tiny: the floor, codes round to zero
+    x[0, 300] = float("inf")  # an inf tile: scale inf, codes 0 and NaN (inf/inf)
+    x[130, 300] = float("-inf")
+    x[200, 200] = float("nan")  # a NaN tile: scale NaN, codes NaN
+    x[259, 389] = float("nan")  # in a ragged corner tile
+    x[256:, :128] = 448 * 2**-9  # codes at the e4m3fn subnormal boundary
+    _check([x])
+    _check([x.float()])
+
+
+@INTERP
+def test_wide_range_near_saturation() -> None:
+    """Every tile's extreme element maps to +-448 exactly; the rest spans many binades,
+    subnormal codes included."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn((256, 256), generator=g) * torch.exp(torch.randn((256, 256), generator=g) * 6)
+    _check([x, x.to(torch.bfloat16), -x])
+
+
+@INTERP
+def test_bucket_pack_runs_the_kernel_bitwise() -> None:
+    """A bucket through BucketPack: FP8 boxes go to the kernel (one batch for the bucket's
+    bf16 sources), the bytes equal packing op by op through torch, run after run."""
+    ops, tensors, nbytes = _bucket("cpu")
+    p = packmod.Packer()
+    got = torch.zeros(nbytes, dtype=torch.uint8)
+    for run in range(2):
+        if run == 1:
+            for t in tensors.values():
+                t.mul_(-3)
+        want = torch.zeros(nbytes, dtype=torch.uint8)
+        one = packmod.Packer()
+        for op in ops:
+            one.pack(op, tensors[op.source], want)
+        got.zero_()
+        p.pack_bucket(ops, tensors, got)
+        assert torch.equal(got, want), f"run {run}"
+    (entry,) = p._buckets.values()
+    assert len(entry.kernel) == 1 and not entry.fp8
+    assert entry.kernel[0].ntiles == 6 * (2 * 3 + 1 * 3)
+
+
+@INTERP
+def test_torch_path_without_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fp8_kernel, "ENABLED", False)
+    ops, tensors, nbytes = _bucket("cpu")
+    p = packmod.Packer()
+    got = torch.zeros(nbytes, dtype=torch.uint8)
+    p.pack_bucket(ops, tensors, got)
+    (entry,) = p._buckets.values()
+    assert not entry.kernel and entry.fp8
+
+
+@INTERP
+def test_a_failing_kernel_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom(self: object) -> None:
+        raise RuntimeError("no kernel today")
+
+    monkeypatch.setattr(fp8_kernel.Fp8Batch, "run", boom)
+    monkeypatch.setattr(bucketsmod, "_kernel_failed", False)
+    ops, tensors, nbytes = _bucket("cpu")
+    want = torch.zeros(nbytes, dtype=torch.uint8)
+    one = packmod.Packer()
+    for op in ops:
+        one.pack(op, tensors[op.source], want)
+    got = torch.zeros(nbytes, dtype=torch.uint8)
+    p = packmod.Packer()
+    p.pack_bucket(ops, tensors, got)
+    assert torch.equal(got, want)
+    (entry,) = p._buckets.values()
+    assert not entry.kernel and entry.fp8
+    assert bucketsmod._kernel_failed
+
+
+# --- GPU ---------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@CUDA
+def test_cuda_kernel_bitwise() -> None:
+    torch.cuda.manual_seed(0)
+    a = sample((2 * 2048, 7168), torch.bfloat16, seed=8).cuda()
+    b = sample((3, 1000, 777), torch.float32, seed=9).cuda()
+    x = sample((260, 390), torch.bfloat16, seed=5).cuda()
+    x[:128, :128] = 0
+    x[0, 300] = float("inf")
+    x[200, 200] = float("nan")
+    _check([a[:2048], a[2048:], a[:, 1000:3000], b[1], b[2, :, 5:], x], device="cuda")
+    # and the compiled kernel agrees with torch on the CPU too
+    _check([a[:300, :400].cpu()])
+
+
+@pytest.mark.gpu
+@CUDA
+def test_cuda_bucket_in_its_graph() -> None:
+    """The bucket's FP8 launches are captured in its CUDA graph with the copies; replays
+    read the tensors as they are (in-place updates), bitwise against op by op."""
+    ops, tensors, nbytes = _bucket("cuda")
+    p = packmod.Packer()
+    got = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+    for run in range(4):
+        if run == 2:
+            for t in tensors.values():
+                t.mul_(-3)
+        want = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+        one = packmod.Packer()
+        for op in ops:
+            one.pack(op, tensors[op.source], want)
+        got.zero_()
+        p.pack_bucket(ops, tensors, got)
+        assert torch.equal(got.cpu(), want.cpu()), f"run {run}"
+    (entry,) = p._buckets.values()
+    assert entry.kernel and not entry.fp8 and entry.graph is not None
