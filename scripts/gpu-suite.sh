@@ -9,8 +9,12 @@
 # No network there: pyzmq, msgspec and structlog come from the carried .whl/ (git-ignored,
 # see results/README.md); weightwire itself is imported from this working tree.
 #
-# SUITE_TESTS_S caps the GPU tests stage (default 170 s). SUITE_STAGES picks stages (default: probe,tests,2x2,2x2-zero-copy,1x1,replica,fp8; e.g. SUITE_STAGES=2x2;
-# `rings`, not in the default, compares staging rings of 2 and 4 slots with the whole send).
+# SUITE_TESTS_S caps the GPU tests stage (default 170 s). SUITE_STAGES picks stages (default:
+# probe,tests,colocated,2x2,2x2-zero-copy,1x1,replica,fp8; e.g. SUITE_STAGES=2x2; `rings`, not
+# in the default, compares staging rings of 2 and 4 slots with the whole send). `colocated`:
+# trainer and engine on GPU 0 (--place 0:0), bf16 and FP8 engines (bench-colocated-bf16,
+# bench-colocated-fp8); the summary's "busiest link 0->0 at X of its rate" is the fraction
+# of the same-GPU copy rate.
 # WW_SUITE_CPU=1 runs the same stages without a GPU (tiny model, --device cpu, GPU tests
 # skipped): a self-test of this script, never a measurement.
 set -uo pipefail
@@ -40,7 +44,7 @@ NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr -c 'A-Za-z0-9._\n-' '-' | tr -d '\n')
 TAG="${NGPU}x${NAME:-no-GPU}"
 SELFTEST=${WW_SUITE_CPU:-0}
-STAGES=",${SUITE_STAGES:-probe,tests,2x2,2x2-zero-copy,1x1,replica,fp8},"
+STAGES=",${SUITE_STAGES:-probe,tests,colocated,2x2,2x2-zero-copy,1x1,replica,fp8},"
 wanted() { [[ $STAGES == *",$1,"* ]]; }
 declare -a EXTRA=()
 if ((SELFTEST)); then
@@ -147,11 +151,12 @@ fi
 
 # --- the benchmark -----------------------------------------------------------------------
 # bench NAME MAX RESERVE ARGS...: one `weightwire bench gpu` run with its own JSON, log,
-# trace; a --time-budget inside the hard timeout so it always writes its report
+# trace; a --time-budget inside the hard timeout so it always writes its report. The stage
+# that SUITE_STAGES names is NAME, or $STAGE when set (several runs of one stage).
 bench() {
     local name=$1 max=$2 reserve=$3
     shift 3
-    wanted "$name" || return 0
+    wanted "${STAGE:-$name}" || return 0
     local t
     t=$(cap "$max" "$reserve")
     if ((t < 45)); then
@@ -170,6 +175,13 @@ bench() {
     find "$work" -name '*.log' -exec cp {} "$OUT/$TAG-logs-$name/" \; 2>/dev/null
     if ((brc == 0)); then note "ok: bench $name"; else note "FAIL: bench $name (rc $brc)"; rc=1; fi
 }
+if ((NGPU >= 1)); then
+    # colocated: trainer and engine share GPU 0, so packing is the whole transfer
+    STAGE=colocated bench colocated-bf16 120 300 --pairs 1x1 --place 0:0 --versions 3 \
+        --trace "$OUT/$TAG-bench-colocated-bf16-trace.json"
+    STAGE=colocated bench colocated-fp8 120 240 --pairs 1x1 --place 0:0 --dest fp8 --layers 8 \
+        --versions 3
+fi
 if ((NGPU >= 4)); then
     bench 2x2 200 150 --pairs 2x2 --trace "$OUT/$TAG-bench-2x2-trace.json"
     bench 2x2-zero-copy 150 150 --pairs 2x2 --zero-copy --trace "$OUT/$TAG-bench-2x2-zero-copy-trace.json"
