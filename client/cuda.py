@@ -9,6 +9,10 @@ from weightwire.memory.cudadrv import CudaError, driver
 from weightwire.protocol.errors import ErrorCode, RegistrationError
 from weightwire.protocol.local import CudaRegion
 
+EXPORTED: dict[bytes, int] = {}
+"""IPC handles this process made (for its own allocations) -> the allocation's base: a
+handle cannot be opened by the process that exported it, whose pointer is valid as it is."""
+
 
 def allocation_of(t: torch.Tensor) -> tuple[int, int]:
     """(base, size) of the CUDA allocation holding tensor `t`."""
@@ -32,6 +36,7 @@ def region_of(t: torch.Tensor, base: int | None = None) -> CudaRegion:
             "expandable_segments:True) cannot be, plain cudaMalloc ones can",
             code=ErrorCode.INVALID,
         ) from None
+    EXPORTED[handle] = alloc
     start = t.data_ptr() if base is None else base
     return CudaRegion(device_uuid=drv.devices[device].uuid, ipc_handle=handle, offset=start - alloc)
 

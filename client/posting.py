@@ -33,6 +33,7 @@ class Poster:
         self.ready: dict[int, float] = {}
         self._pending: deque[tuple[int, torch.cuda.Event | None]] = deque()
         self._delta: dict[int, list[tuple[int, int, int]]] = {}
+        self._in_place: set[int] = set()
 
     def post(
         self,
@@ -40,10 +41,15 @@ class Poster:
         device: torch.device,
         started: float,
         delta: list[tuple[int, int, int]] | None = None,
+        in_place: bool = False,
     ) -> None:
         """Bucket `bucket` is queued for packing on `device` (its stream's work so far);
-        `delta`: (bucket, delta slot, bytes) of its payloads, encoded in staging too."""
+        `delta`: (bucket, delta slot, bytes) of its payloads, encoded in staging too;
+        `in_place`: packed straight into its destinations (posted once its event is done,
+        as every bucket, so the bytes are visible before any immediate is delivered)."""
         self.started[bucket] = started
+        if in_place:
+            self._in_place.add(bucket)
         if delta:
             self._delta[bucket] = delta
         event = None
@@ -102,9 +108,14 @@ class Poster:
             for b in ready:
                 self.ready[b] = now
             delta = tuple(d for b in ready for d in self._delta.pop(b, ()))
+            in_place = tuple(b for b in ready if b in self._in_place)
             self.conn.send(
                 BucketReady(
-                    version=self.version, bucket=ready[0], more=tuple(ready[1:]), delta=delta
+                    version=self.version,
+                    bucket=ready[0],
+                    more=tuple(ready[1:]),
+                    delta=delta,
+                    in_place=in_place,
                 )
             )
 

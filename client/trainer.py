@@ -39,6 +39,7 @@ from weightwire.protocol.tensors import SourceTensor
 
 from .connection import expect
 from .delta.sender import DeltaSender, Mode
+from .direct import Direct
 from .dtypes import name_of
 from .layouts import Full, Layout, Part, local_box
 from .modules import Rename, local_of, module_shards
@@ -74,6 +75,7 @@ class Trainer(RankClient):
         staging: Literal["auto", "gpu", "cpu"] = "auto",
         staging_buckets: int = 4,
         delta: Mode = "off",
+        direct: bool = False,
     ) -> None:
         """`staging`: where buckets are packed. "gpu" (the default when the tensors are on a
         GPU) keeps everything on the device; "cpu" is the pinned CPU replica in the
@@ -88,7 +90,12 @@ class Trainer(RankClient):
         sends each bucket as a delta payload where that is smaller, "on" wherever it fits,
         "off" always dense. Those engines verify every version (checksums) either way. It
         keeps a shadow of the whole send (the bytes last sent, `RankPlan.shadow_bytes`) on
-        the staging's device, and a delta-out region (`RankPlan.delta_bytes`)."""
+        the staging's device, and a delta-out region (`RankPlan.delta_bytes`).
+
+        `direct`: buckets whose every write lands on this rank's own GPU (an engine
+        colocated with it) are packed straight into the engine's memory, with no staging
+        hop and no copy; the daemon only delivers their immediates (see `client/direct.py`).
+        Other buckets, and delta-capable plans, go through staging as before."""
         if staging_buckets < 0:
             raise ValueError(f"staging_buckets must be >= 0, got {staging_buckets}")
         self.placement = staging
@@ -112,6 +119,7 @@ class Trainer(RankClient):
         self._staging: Staging | None = None
         self._source_regions = SourceRegions(self._conn, rank)
         self._packer = Packer()
+        self._direct = Direct() if direct else None
         self._slot_ops = SlotOps()
         self._ring: tuple[tuple[str, int], StagingRing] | None = None  # of (plan, slots)
         self._module_params: dict[str, torch.Tensor] = {}  # name -> DTensor (register_module)
@@ -402,7 +410,11 @@ class Trainer(RankClient):
                             break  # the version failed: its result says why
                     p0 = time.perf_counter()
                     started = time.time()
-                    if bucket.packs:
+                    direct = self._direct.targets(plan, bucket, device) if self._direct else None
+                    if direct:  # colocated: packing is the transfer
+                        for region, ops in direct:
+                            self._packer.pack_bucket(ops, current, region)
+                    elif bucket.packs:
                         assert staging is not None
                         ops = self._slot_ops.of(plan, ring, bucket)
                         self._packer.pack_bucket(ops, current, staging)
@@ -414,7 +426,9 @@ class Trainer(RankClient):
                         self._source_regions.host_bytes,
                         _gpu_regions(plan),
                     )
-                    self._post_bucket(poster, bucket.index, device, started, delta)
+                    self._post_bucket(
+                        poster, bucket.index, device, started, delta, in_place=bool(direct)
+                    )
                     pack_s += time.perf_counter() - p0
                 else:
                     poster.finish()
@@ -473,8 +487,9 @@ class Trainer(RankClient):
         device: torch.device,
         started: float,
         delta: list[tuple[int, int, int]],
+        in_place: bool = False,
     ) -> None:
-        poster.post(index, device, started, delta)
+        poster.post(index, device, started, delta, in_place)
 
     def _current(self, tensors: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         current = {name: r.tensor for name, r in self._tensors.items()}
@@ -569,6 +584,8 @@ class Trainer(RankClient):
             self._delta_out.close()
             self._delta_out = None
         self._source_regions.close()
+        if self._direct is not None:
+            self._direct.close()
 
 
 def _gpu_regions(plan: RankPlan) -> Callable[[str, int], bool]:

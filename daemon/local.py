@@ -202,7 +202,7 @@ class LocalServer:
                     identity, msg.req, d.begin_version(session, msg.req, version, plan_hash, slots)
                 )
             case BucketReady(version=version, bucket=bucket, more=more, delta=delta):
-                d.publisher(session).bucket_ready(version, (bucket, *more), delta)
+                d.publisher(session).bucket_ready(version, (bucket, *more), delta, msg.in_place)
             case TrailersReady(version=version, lengths=lengths):
                 d.publisher(session).trailers_ready(version, lengths)
             case Applied():

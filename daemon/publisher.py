@@ -275,9 +275,12 @@ class Publisher:
         version: int,
         buckets: tuple[int, ...],
         delta: tuple[tuple[int, int, int], ...] = (),
+        in_place: tuple[int, ...] = (),
     ) -> None:
         """Buckets of `version` packed by the rank: their writes are posted together.
-        `delta`: (bucket, delta slot, payload bytes) of those sent as delta payloads."""
+        `delta`: (bucket, delta slot, payload bytes) of those sent as delta payloads.
+        `in_place`: those the rank packed straight into their destinations (colocated):
+        only their immediates are delivered (`_post_in_place`)."""
         run = self.run
         if run is not None and version < run.version:
             raise VersionError(
@@ -305,6 +308,13 @@ class Publisher:
                     code=ErrorCode.DUPLICATE,
                 )
         sent = self._check_delta(run, buckets, delta)
+        direct = set(in_place)
+        if not direct <= set(buckets) or direct & set(sent):
+            raise VersionError(
+                f"buckets {sorted(direct)} said packed in place are not all posted now, or "
+                f"also sent as delta payloads",
+                code=ErrorCode.INVALID,
+            )
         run.posted.update(buckets)
         if not run.first_post:
             run.first_post = time.monotonic()
@@ -312,7 +322,7 @@ class Publisher:
         for bucket in buckets:
             run.bucket_posted[bucket] = now
         with structlog.contextvars.bound_contextvars(rank=self.rank, version=version):
-            task = asyncio.get_running_loop().create_task(self._post(run, buckets, sent))
+            task = asyncio.get_running_loop().create_task(self._post(run, buckets, sent, direct))
         run.tasks.add(task)
         task.add_done_callback(lambda t, run=run: self._written(run, t))
 
@@ -494,13 +504,21 @@ class Publisher:
         return parts
 
     async def _post(
-        self, run: Run, buckets: tuple[int, ...], sent: dict[int, dict[int, int]]
+        self,
+        run: Run,
+        buckets: tuple[int, ...],
+        sent: dict[int, dict[int, int]],
+        in_place: set[int],
     ) -> None:
         """All writes of some buckets; the first failure fails the run, once every write
         of them has finished (none may still read staging when the rank is told)."""
         outcomes = await asyncio.gather(
             *(
-                self._post_delta(run, b, sent[b]) if b in sent else self._post_bucket(run, b)
+                self._post_delta(run, b, sent[b])
+                if b in sent
+                else self._post_in_place(run, b)
+                if b in in_place
+                else self._post_bucket(run, b)
                 for b in buckets
             ),
             return_exceptions=True,
@@ -537,6 +555,38 @@ class Publisher:
             run.writes_done += len(part.slots)
         if first is not None:
             raise first
+        run.bucket_landed[bucket] = time.time()
+        if run.ring.slots and not run.finished:
+            self.reply(BucketsLanded(version=run.version, buckets=(bucket,)))
+
+    async def _post_in_place(self, run: Run, bucket: int) -> None:
+        """A bucket the rank packed straight into its destinations' memory, on the GPU its
+        staging is on, and whose bytes are visible there (it waited for its packing to
+        finish before saying so): each write's immediate is delivered as its transport
+        delivers those of its own writes, nothing is copied. Refused, failing the version,
+        unless every write goes from staging to GPU memory of that same GPU through a
+        transport that can deliver immediates so."""
+        b = run.plan.buckets[bucket]
+        by: dict[tuple[Transport, str], list[int]] = {}
+        high = encode_imm(run.version, 0)
+        for w in b.writes:
+            transport, src, dst = await self._route(run, (w.src_region, w.dst_node, w.dst_region))
+            key = dst.keys.cuda
+            uuid = src.extra.get("device_uuid")
+            if w.src_region != -1 or key is None or src.kind != "gpu" or key.device_uuid != uuid:
+                raise TransferError(
+                    f"bucket {bucket} was said packed in place, but its write to region "
+                    f"{w.dst_region} of {w.dst_node} is not staging to the same GPU"
+                )
+            by.setdefault((transport, w.dst_node), []).append(high | w.slot)
+        for (transport, node), imms in by.items():
+            if not transport.deliver_written(node, imms):
+                raise TransferError(
+                    f"bucket {bucket} packed in place: its immediates could not be delivered "
+                    f"to {node} by {transport.name}"
+                )
+        run.bytes_done += sum(w.nbytes for w in b.writes)
+        run.writes_done += len(b.writes)
         run.bucket_landed[bucket] = time.time()
         if run.ring.slots and not run.finished:
             self.reply(BucketsLanded(version=run.version, buckets=(bucket,)))

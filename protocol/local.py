@@ -145,6 +145,9 @@ class BucketReady(LocalMsg, frozen=True, tag="bucket_ready"):
     bucket: NonNeg
     more: tuple[NonNeg, ...] = ()
     delta: tuple[tuple[NonNeg, NonNeg, NonNeg], ...] = ()  # (bucket, delta slot, payload bytes)
+    # of these buckets, those the rank packed straight into their destinations (colocated:
+    # the same GPU), their bytes visible there: the daemon only delivers their immediates
+    in_place: tuple[NonNeg, ...] = ()
 
 
 class TrailersReady(LocalMsg, frozen=True, tag="trailers_ready"):

@@ -71,10 +71,10 @@ def gpu_cluster() -> Iterator[LocalCluster]:
     assert codes == [0, 0], f"daemons exited with {codes}; logs in {c.workdir}"
 
 
-def moved(c: LocalCluster, host: int, transport: str) -> int:
+def moved(c: LocalCluster, host: int, transport: str, stat: str = "bytes_sent") -> int:
     if host >= len(c.daemons):
         return 0
-    return int(fetch(c.daemons[host].socket)["transports"].get(transport, {}).get("bytes_sent", 0))
+    return int(fetch(c.daemons[host].socket)["transports"].get(transport, {}).get(stat, 0))
 
 
 def sync(
@@ -85,8 +85,9 @@ def sync(
     trainer_host: int,
     zero_copy: bool = False,
     staging_buckets: int = 4,
+    direct: bool = False,
 ) -> dict[str, Any]:
-    tg, eg = placement()
+    tg, eg = ([0, 0], [0, 0]) if direct else placement()
     engines, received = [], []
     for r in range(2):
         lay = EngineLayout(tp_size=2, tp_rank=r, model=CFG, dest_dtype=dest)
@@ -103,10 +104,11 @@ def sync(
     trainers: list[tuple[Trainer, dict[str, torch.Tensor]]] = []
     before = {
         "cuda": moved(c, 0, "cuda"),
+        "in_place": moved(c, 0, "cuda", "in_place_writes"),
         "tcp0": moved(c, 0, "tcp"),
         "tcp1": moved(c, 1, "tcp"),
     }
-    nbytes, staged, held, slots = 0, 0, 0, 0
+    nbytes, staged, held, slots, writes = 0, 0, 0, 0, 0
     waited = True  # with a ring: every bucket packed only after its slot's last one landed
     try:
         for version in (1, 2):
@@ -127,6 +129,7 @@ def sync(
                         timeout_s=120,
                         staging=staging,  # type: ignore[arg-type]
                         staging_buckets=staging_buckets,
+                        direct=direct,
                     )
                     tr.register(
                         mine,
@@ -166,6 +169,7 @@ def sync(
                 t.join(180)
             assert not errors, errors
             nbytes += sum(s.nbytes for s in stats)
+            writes += sum(s.writes for s in stats)
             if slots:
                 waited = waited and all(
                     b[k].prepare_start >= b[k - slots].landed > 0
@@ -195,6 +199,8 @@ def sync(
         "slots": slots,
         "waited": waited,
         "cuda": moved(c, 0, "cuda") - before["cuda"],
+        "in_place": moved(c, 0, "cuda", "in_place_writes") - before["in_place"],
+        "writes": writes,
         "tcp0": moved(c, 0, "tcp") - before["tcp0"],
         "tcp1": moved(c, 1, "tcp") - before["tcp1"],
     }
@@ -228,6 +234,17 @@ def test_gpu_staging_ring_through_cuda_ipc(small_buckets: LocalCluster, dest: st
     assert got["slots"] == 2 and got["waited"], got
     assert got["held"] < got["staged"], got
     assert got["cuda"] == got["bytes"] > 0, got
+
+
+@pytest.mark.parametrize("dest", ["", "fp8"])
+def test_gpu_colocated_packs_in_place(gpu_cluster: LocalCluster, dest: str) -> None:
+    """Trainers and engines on GPU 0, `direct=True`: every bucket is packed straight into
+    the engines' memory (this process's own allocations), nothing is copied, every write's
+    immediate is still delivered (the engines complete), all bitwise, two versions."""
+    got = sync(gpu_cluster, f"colocated-{dest or 'bf16'}", dest, "gpu", trainer_host=0, direct=True)
+    assert got["bytes"] > 0, got
+    assert got["cuda"] == 0, got  # no copy: packing was the transfer
+    assert got["in_place"] == got["writes"] > 0, got
 
 
 def test_gpu_zero_copy_sources(gpu_cluster: LocalCluster) -> None:

@@ -202,6 +202,13 @@ class Transport(abc.ABC):
             [replace(r, imm=imm) for r, imm in zip(prepared.requests, imms, strict=True)]
         )
 
+    def deliver_written(self, node: str, imms: Sequence[int]) -> bool:
+        """Deliver to `node` the immediates of writes whose bytes a source rank put there
+        itself (colocated: it packed straight into the destination's memory, and they are
+        visible), the way this transport delivers its own writes' immediates. False where
+        it cannot: the caller fails those writes."""
+        return False
+
     @abc.abstractmethod
     async def close(self) -> None:
         """Fail everything in flight, stop threads, release resources. Bounded in time."""

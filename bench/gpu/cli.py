@@ -69,6 +69,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "for every part the engines take unchanged and contiguous, without packing)",
     )
     p.add_argument(
+        "--direct",
+        action="store_true",
+        help="colocated trainers pack straight into their engines' memory (buckets whose "
+        "writes all land on the trainer's own GPU): no staging hop, no copy",
+    )
+    p.add_argument(
         "--trainer-layout",
         choices=["fsdp", "full"],
         default="fsdp",

@@ -117,6 +117,7 @@ def rank_flags(
         "--trainer-layout",
         args.trainer_layout,
         *(["--zero-copy"] if args.zero_copy else []),
+        *(["--direct"] if getattr(args, "direct", False) else []),
         "--bucket-mb",
         str(args.bucket_mb),
         "--dist-store",

@@ -65,6 +65,7 @@ def main() -> None:
     p.add_argument("--job", default="bench-gpu")
     p.add_argument("--staging", choices=["auto", "gpu", "cpu"], default="auto")
     p.add_argument("--zero-copy", action="store_true")
+    p.add_argument("--direct", action="store_true")
     p.add_argument("--staging-buckets", type=int, default=4, help="0: the whole send")
     p.add_argument("--trainer-layout", choices=["fsdp", "full"], default="fsdp")
     p.add_argument("--bucket-mb", type=int, default=1024)

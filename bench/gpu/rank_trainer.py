@@ -40,6 +40,7 @@ class TrainerRank(Rank):
             timeout_s=args.timeout,
             staging=args.staging,
             staging_buckets=args.staging_buckets,
+            direct=args.direct,
         )
         layout = Full() if self.full else Shard(0, self.index, self.T)
         self.tr.register(

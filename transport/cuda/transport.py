@@ -446,6 +446,15 @@ class CudaTransport(Transport):
                     if imm is not None and c.dst_node == node:
                         failed.setdefault(c.index, lost)
 
+    def deliver_written(self, node: str, imms: Sequence[int]) -> bool:
+        if not imms:
+            return True
+        delivered = self._deliver(node, list(imms))
+        if delivered:
+            with self._lock:
+                self._stats["in_place_writes"] = self._stats.get("in_place_writes", 0) + len(imms)
+        return delivered
+
     def _deliver(self, node: str, imms: list[int]) -> bool:
         """Immediates of finished copies, to whichever transport owns the destination;
         False if no one is there to take them (disconnected meanwhile)."""

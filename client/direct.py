@@ -1,0 +1,170 @@
+"""Colocated packing: buckets a trainer rank packs straight into its engines' memory.
+
+When every write of a bucket goes from staging into GPU memory of the GPU the rank packs
+on (an engine on the same GPU, `--place 0:0`), packing is the transfer: the bucket's pack
+ops are moved from their staging offsets to where their bytes land, in each destination
+region (its CUDA IPC handle opened once in this process; an engine of this very process:
+its memory as it is), and packed there; no staging hop, no copy. The rank then waits for
+the packing, as for any bucket, and tells the daemon the bucket is packed in place; the
+daemon delivers the writes' immediates, so each engine still counts exactly its planned
+immediates, after the bytes are visible.
+
+A bucket qualifies only if every write is from staging to a region on this GPU, every pack
+op lies inside one block of one write (or of consecutive writes that continue each other
+at both ends: a piece cut at max_write_bytes), and the ops cover every block byte for byte
+(a block written to several engine ranks: the op is packed into each); and not in
+delta-capable plans (those compare and checksum staging). Anything else goes through
+staging as before. A region whose handle cannot be opened here keeps its buckets on the
+staging path.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+from typing import Any
+
+import msgspec
+import structlog
+import torch
+
+from weightwire.memory.cudadrv import CudaError, driver
+from weightwire.protocol.plan import Bucket, PackOp, RankPlan
+from weightwire.protocol.regions import RegionDescriptor
+
+from .cuda import EXPORTED, gpu_uuid
+
+log = structlog.get_logger("weightwire.client.direct")
+
+Target = tuple[torch.Tensor, tuple[PackOp, ...]]
+"""A destination region's bytes (as a flat uint8 tensor) and the ops packed into it."""
+
+
+def device_uuid(device: torch.device) -> str:
+    return gpu_uuid(device.index if device.index is not None else torch.cuda.current_device())
+
+
+class _Mem:
+    """Device memory at a raw pointer, for torch.as_tensor."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__: dict[str, Any] = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+        }
+
+
+class Direct:
+    """Per plan: which buckets this rank packs in place, and their moved ops (made once)."""
+
+    def __init__(self) -> None:
+        self._plan = ""
+        self._targets: dict[int, list[Target] | None] = {}
+        self._regions: dict[tuple[str, int], torch.Tensor | None] = {}
+        self._opened: dict[bytes, int] = {}  # IPC handle -> base here
+
+    def targets(self, plan: RankPlan, bucket: Bucket, device: torch.device) -> list[Target] | None:
+        """Where bucket's ops go when it is packed in place, or None: through staging."""
+        if device.type != "cuda" or plan.trailers or bucket.deltas or not bucket.packs:
+            return None
+        if plan.plan_hash != self._plan:
+            self._plan, self._targets, self._regions = plan.plan_hash, {}, {}
+        if bucket.index not in self._targets:
+            self._targets[bucket.index] = self._make(plan, bucket, device)
+        return self._targets[bucket.index]
+
+    def _make(self, plan: RankPlan, bucket: Bucket, device: torch.device) -> list[Target] | None:
+        uuid = device_uuid(device)
+        regions = {(r.node, r.id): r for r in plan.regions}
+        blocks: list[tuple[int, int, tuple[str, int], int]] = []  # (src, length, dst, offset)
+        for w in bucket.writes:
+            desc = regions.get((w.dst_node, w.dst_region))
+            key = desc.keys.cuda if desc is not None else None
+            if w.src_region != -1 or key is None or key.device_uuid != uuid:
+                return None
+            for src, dst in w.blocks():
+                blocks.append((src, w.length, (w.dst_node, w.dst_region), dst))
+        per: dict[tuple[str, int], list[tuple[int, int, int]]] = {}  # region: (src, n, dst)
+        for src, n, region, dst in _merged(blocks):
+            per.setdefault(region, []).append((src, n, dst))
+        starts = {region: [b[0] for b in bs] for region, bs in per.items()}
+        covered = {region: [0] * len(bs) for region, bs in per.items()}
+        moved: dict[tuple[str, int], list[PackOp]] = {}
+        for op in bucket.packs:
+            lo, hi, landed = op.staging_offset, op.staging_offset + op.nbytes, False
+            for region, bs in per.items():
+                i = bisect.bisect_right(starts[region], lo) - 1
+                if i >= 0 and hi <= bs[i][0] + bs[i][1]:  # inside block i: packed there
+                    src, _, dst = bs[i]
+                    covered[region][i] += op.nbytes
+                    at = dst + lo - src
+                    moved.setdefault(region, []).append(
+                        msgspec.structs.replace(op, staging_offset=at)
+                    )
+                    landed = True
+                elif (i >= 0 and bs[i][0] + bs[i][1] > lo) or (
+                    i + 1 < len(bs) and bs[i + 1][0] < hi
+                ):
+                    return None  # a block holds part of the op only
+            if not landed:
+                return None
+        for region, bs in per.items():
+            if any(c != b[1] for c, b in zip(covered[region], bs, strict=True)):
+                return None
+        out: list[Target] = []
+        for region, ops in moved.items():
+            mem = self._region(regions[region], device)
+            if mem is None:
+                return None
+            out.append((mem, tuple(ops)))
+        return out
+
+    def _region(self, desc: RegionDescriptor, device: torch.device) -> torch.Tensor | None:
+        """The destination region's bytes, mapped into this process once."""
+        at = (desc.node, desc.id)
+        if at not in self._regions:
+            key = desc.keys.cuda
+            assert key is not None
+            base = self._opened.get(key.ipc_handle) or EXPORTED.get(key.ipc_handle)
+            if base is None:
+                drv = driver()
+                drv.use(device.index if device.index is not None else torch.cuda.current_device())
+                try:
+                    base = drv.ipc_open(key.ipc_handle)
+                except CudaError as exc:
+                    log.info("colocated region not mapped; packing through staging",
+                             region=desc.id, node=desc.node, error=exc.message)  # fmt: skip
+                    self._regions[at] = None
+                    return None
+                self._opened[key.ipc_handle] = base
+            mem = _Mem(base + key.offset, desc.length)
+            self._regions[at] = torch.as_tensor(mem, device=device)
+        return self._regions[at]
+
+    def close(self) -> None:
+        self._regions.clear()
+        self._targets.clear()
+        drv = driver() if self._opened else None
+        for base in self._opened.values():
+            with contextlib.suppress(CudaError):
+                assert drv is not None
+                drv.ipc_close(base)
+        self._opened.clear()
+
+
+def _merged(
+    blocks: list[tuple[int, int, tuple[str, int], int]],
+) -> list[tuple[int, int, tuple[str, int], int]]:
+    """Blocks into one region that continue each other at both ends as one: a pack op cut
+    into several writes (max_write_bytes) lies inside one again."""
+    out: list[tuple[int, int, tuple[str, int], int]] = []
+    for src, n, region, dst in sorted(blocks, key=lambda b: (b[2], b[0])):
+        if out:
+            s0, n0, r0, d0 = out[-1]
+            if s0 + n0 == src and r0 == region and d0 + n0 == dst:
+                out[-1] = (s0, n0 + n, r0, d0)
+                continue
+        out.append((src, n, region, dst))
+    return out

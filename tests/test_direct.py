@@ -1,0 +1,144 @@
+"""Colocated packing (`client/direct.py`): pack ops moved from staging to where their bytes
+land give, packed straight into the destination regions, exactly the bytes that staging
+plus the writes give (CPU, real plans: FSDP to TP, strided experts, FP8 codes and scales);
+buckets that do not qualify stay on the staging path. The GPU end to end (real daemons,
+trainer and engine on one GPU, in place, bitwise) is in test_gpu_e2e.py."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+
+from weightwire.client import direct as directmod
+from weightwire.client.direct import Direct
+from weightwire.client.pack import Packer
+from weightwire.plan.planner import PlanOptions, plan
+from weightwire.protocol.plan import RankPlan
+from weightwire.protocol.regions import CudaKey, RegionKeys
+from weightwire.protocol.tensors import Box, Fp8BlockQuant, Fp8BlockScale, Piece
+
+from .planlib import check_bitwise, engine, execute, slice_of, trainer
+from .test_planner import fsdp, model, tp_pieces
+
+UUID = "GPU-test"
+
+
+def _on_gpu(rp: RankPlan, other: set[int] = frozenset()) -> RankPlan:  # type: ignore[assignment]
+    """The plan as if its destination regions were GPU memory of this rank's GPU (those
+    of ranks in `other`: of another GPU)."""
+    regions = tuple(
+        msgspec.structs.replace(
+            r,
+            kind="gpu",
+            keys=RegionKeys(
+                cuda=CudaKey(
+                    host_id="h",
+                    device_uuid="GPU-other" if r.id - 1 in other else UUID,
+                    ipc_handle=b"\0" * 64,
+                )
+            ),
+        )
+        for r in rp.regions
+    )
+    return msgspec.structs.replace(rp, regions=regions)
+
+
+def _in_place(plans, ts, es, g, monkeypatch, other=frozenset()):  # type: ignore[no-untyped-def]
+    """Every trainer rank's buckets packed in place where they qualify; returns the
+    engines' regions and how many buckets went in place / through staging."""
+    regions = {
+        (e.node, r.id): torch.zeros(r.length, dtype=torch.uint8) for e in es for r in e.regions
+    }
+    owner = {(e.node, r.id): e.rank for e in es for r in e.regions}
+    monkeypatch.setattr(directmod, "device_uuid", lambda device: UUID)
+    monkeypatch.setattr(Direct, "_region", lambda self, desc, device: regions[(desc.node, desc.id)])
+    counts = [0, 0]
+    for t in ts:
+        local = {s.name: slice_of(g[s.name], s.held()).clone() for s in t.tensors}
+        rp = _on_gpu(next(s for s in plans[t.node].sends if s.rank == t.rank), other)
+        d, packer = Direct(), Packer()
+        for bucket in rp.buckets:
+            targets = d._make(rp, bucket, torch.device("cpu"))
+            counts[targets is None] += 1
+            for region, ops in targets or ():
+                packer.pack_bucket(ops, local, region)
+    return {owner[k]: v for k, v in regions.items()}, counts
+
+
+@pytest.mark.parametrize(("trainers", "tp"), [(2, 2), (3, 2), (1, 3)])
+def test_fsdp_to_tp_in_place_bitwise(trainers: int, tp: int, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    g = model()
+    ts = [trainer("T", r, g, fsdp(r, trainers, g)) for r in range(trainers)]
+    es = [engine("E", r, tp_pieces(g, r, tp)) for r in range(tp)]
+    plans = plan("job", ts, es, PlanOptions(bucket_bytes=512, max_write_bytes=300))
+    got, (direct, staged) = _in_place(plans, ts, es, g, monkeypatch)
+    assert direct and not staged
+    check_bitwise(got, es, g)
+    want = execute(plans, ts, es, g)
+    for rank, region in want.items():
+        assert torch.equal(got[rank], region)
+
+
+def test_strided_experts_and_fp8_in_place_bitwise(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Stacked experts (strided writes) and FP8 codes and scales of them, each engine
+    rank a column half."""
+    experts, rows, cols = 8, 256, 260
+    gen = torch.Generator().manual_seed(3)
+    g = {
+        f"layers.0.mlp.experts.{e}.down": torch.randn(rows, cols, generator=gen).to(torch.bfloat16)
+        for e in range(experts)
+    }
+    ts = [trainer("T", r, g, fsdp(r, 2, g)) for r in range(2)]
+    half = cols // 2
+    tiles = -(-rows // 128) * -(-half // 128)
+
+    def dests(r: int) -> list:  # type: ignore[type-arg]
+        box = Box.rows((rows, cols), r * half, r * half + half, dim=1)
+        names = [f"layers.0.mlp.experts.{e}.down" for e in range(experts)]
+        return [
+            ("w2", "bfloat16", (experts, rows, half),
+             tuple(Piece(source=n, box=box, dst_offset=e * rows * half * 2)
+                   for e, n in enumerate(names))),
+            ("w2_fp8", "float8_e4m3fn", (experts, rows, half),
+             tuple(Piece(source=n, box=box, dst_offset=e * rows * half, transform=Fp8BlockQuant())
+                   for e, n in enumerate(names))),
+            ("w2_scale", "float32", (experts, -(-rows // 128), -(-half // 128)),
+             tuple(Piece(source=n, box=box, dst_offset=e * tiles * 4, transform=Fp8BlockScale())
+                   for e, n in enumerate(names))),
+        ]  # fmt: skip
+
+    es = [engine("E", r, dests(r)) for r in range(2)]
+    plans = plan("job", ts, es, PlanOptions(max_write_bytes=1 << 16))
+    assert any(w.count > 1 for s in plans["T"].sends for b in s.buckets for w in b.writes)
+    want = execute(plans, ts, es, g)
+    got, (direct, staged) = _in_place(plans, ts, es, g, monkeypatch)
+    assert direct and not staged
+    for rank, region in want.items():
+        assert torch.equal(got[rank], region), f"engine rank {rank}"
+
+
+def test_buckets_not_all_on_this_gpu_stay_on_staging(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    g = model()
+    ts = [trainer("T", r, g, fsdp(r, 2, g)) for r in range(2)]
+    es = [engine("E", r, tp_pieces(g, r, 2)) for r in range(2)]
+    plans = plan("job", ts, es, PlanOptions(bucket_bytes=1 << 20))
+    _, (direct, staged) = _in_place(plans, ts, es, g, monkeypatch, other={1})
+    assert staged and not direct  # every bucket also writes to engine rank 1, elsewhere
+
+
+def test_ops_that_do_not_cover_their_writes_stay_on_staging(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    g = model()
+    ts = [trainer("T", 0, g, fsdp(0, 1, g))]
+    es = [engine("E", 0, tp_pieces(g, 0, 1))]
+    plans = plan("job", ts, es, PlanOptions(bucket_bytes=1 << 20))
+    monkeypatch.setattr(directmod, "device_uuid", lambda device: UUID)
+    monkeypatch.setattr(Direct, "_region", lambda self, desc, device: torch.zeros(desc.length))
+    rp = _on_gpu(plans["T"].sends[0])
+    bucket = max(rp.buckets, key=lambda b: len(b.packs))
+    assert len(bucket.packs) > 1
+    assert Direct()._make(rp, bucket, torch.device("cpu")) is not None
+    short = msgspec.structs.replace(bucket, packs=bucket.packs[1:])
+    assert Direct()._make(rp, short, torch.device("cpu")) is None
+    # and never for CPU tensors, delta-capable plans or buckets with delta slots
+    assert Direct().targets(rp, bucket, torch.device("cpu")) is None
