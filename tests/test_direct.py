@@ -142,3 +142,51 @@ def test_ops_that_do_not_cover_their_writes_stay_on_staging(monkeypatch) -> None
     assert Direct()._make(rp, short, torch.device("cpu")) is None
     # and never for CPU tensors, delta-capable plans or buckets with delta slots
     assert Direct().targets(rp, bucket, torch.device("cpu")) is None
+
+
+def test_daemon_refuses_in_place_buckets_that_are_not_colocated() -> None:
+    """A rank that says a bucket was packed in place when its writes are not staging to
+    GPU memory of its own GPU (here: host memory over tcp) fails that version with a
+    TransferError naming the bucket; no immediate is delivered for it, so the engine never
+    completes the version; the next version, packed as planned, lands bitwise."""
+    from weightwire.client import Engine, Trainer
+    from weightwire.harness.localcluster import LocalCluster
+    from weightwire.protocol.errors import TransferError
+
+    from .conftest import FAST
+
+    c = LocalCluster(hosts=1, extra=FAST)
+    c.start()
+    try:
+        c.wait_joined()
+        sock = c.daemons[0].socket
+        w = torch.arange(64 * 48, dtype=torch.float32).view(64, 48)
+        got = {"w": torch.zeros_like(w)}
+        eng = Engine(0, 1, socket=sock, job="inplace", timeout_s=30)
+        eng.register(got)
+        tr = Trainer(0, 1, socket=sock, job="inplace", timeout_s=30)
+        tr.register({"w": w})
+        tr.prepare()
+        lie = {"on": True}
+        post = Trainer._post_bucket
+
+        def claim(self, poster, index, device, started, delta, in_place=False):  # type: ignore[no-untyped-def]
+            post(self, poster, index, device, started, delta, in_place or lie["on"])
+
+        Trainer._post_bucket = claim  # type: ignore[method-assign]
+        try:
+            with pytest.raises(TransferError, match="packed in place"):
+                tr.publish(1)
+            with pytest.raises(TransferError, match="packed in place"):
+                eng.wait(1, 5)
+            lie["on"] = False
+            w.mul_(-1)
+            tr.publish(2)
+        finally:
+            Trainer._post_bucket = post  # type: ignore[method-assign]
+        eng.wait(2, 30)
+        assert torch.equal(got["w"].view(torch.uint8), w.view(torch.uint8))
+        tr.close()
+        eng.close()
+    finally:
+        assert c.stop() == [0], f"logs in {c.workdir}"
