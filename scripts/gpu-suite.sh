@@ -12,9 +12,10 @@
 # SUITE_TESTS_S caps the GPU tests stage (default 170 s). SUITE_STAGES picks stages (default:
 # probe,tests,colocated,2x2,2x2-zero-copy,1x1,replica,fp8; e.g. SUITE_STAGES=2x2; `rings`, not
 # in the default, compares staging rings of 2 and 4 slots with the whole send). `colocated`:
-# trainer and engine on GPU 0 (--place 0:0), bf16 and FP8 engines (bench-colocated-bf16,
-# bench-colocated-fp8); the summary's "busiest link 0->0 at X of its rate" is the fraction
-# of the same-GPU copy rate.
+# trainer and engine on GPU 0 (--place 0:0): bf16 through staging (bench-colocated-bf16),
+# then packed in place (--direct) with bf16 and FP8 engines (bench-colocated-bf16-direct,
+# bench-colocated-fp8-direct); the summary's "busiest link 0->0 at X of its rate" is the
+# fraction of the same-GPU copy rate.
 # WW_SUITE_CPU=1 runs the same stages without a GPU (tiny model, --device cpu, GPU tests
 # skipped): a self-test of this script, never a measurement.
 set -uo pipefail
@@ -176,11 +177,14 @@ bench() {
     if ((brc == 0)); then note "ok: bench $name"; else note "FAIL: bench $name (rc $brc)"; rc=1; fi
 }
 if ((NGPU >= 1)); then
-    # colocated: trainer and engine share GPU 0, so packing is the whole transfer
-    STAGE=colocated bench colocated-bf16 120 300 --pairs 1x1 --place 0:0 --versions 3 \
-        --trace "$OUT/$TAG-bench-colocated-bf16-trace.json"
-    STAGE=colocated bench colocated-fp8 120 240 --pairs 1x1 --place 0:0 --dest fp8 --layers 8 \
-        --versions 3
+    # colocated: trainer and engine share GPU 0. Through staging and the cuda transport (as
+    # before), then --direct: packed straight into the engine's memory (packing is the
+    # whole transfer), bf16 and FP8 engines
+    STAGE=colocated bench colocated-bf16 120 330 --pairs 1x1 --place 0:0 --versions 3
+    STAGE=colocated bench colocated-bf16-direct 120 220 --pairs 1x1 --place 0:0 --direct \
+        --versions 3 --trace "$OUT/$TAG-bench-colocated-bf16-direct-trace.json"
+    STAGE=colocated bench colocated-fp8-direct 120 120 --pairs 1x1 --place 0:0 --direct \
+        --dest fp8 --layers 8 --versions 3
 fi
 if ((NGPU >= 4)); then
     bench 2x2 200 150 --pairs 2x2 --trace "$OUT/$TAG-bench-2x2-trace.json"
