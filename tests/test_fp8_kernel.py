@@ -218,8 +218,16 @@ def test_cuda_kernel_bitwise() -> None:
     x[0, 300] = float("inf")
     x[200, 200] = float("nan")
     _check([a[:2048], a[2048:], a[:, 1000:3000], b[1], b[2, :, 5:], x], device="cuda")
-    # and the compiled kernel agrees with torch on the CPU too
-    _check([a[:300, :400].cpu()])
+    # and the compiled kernel agrees with torch on the CPU too (the kernel runs where its
+    # tensors are: the GPU's bytes against quantize_blocks of a CPU copy)
+    x = a[:300, :400]
+    n_scales = 3 * 4 * 4
+    staging = torch.zeros(x.numel() + n_scales, dtype=torch.uint8, device="cuda")
+    quantize_into([Fp8Box(x, 0, x.numel())], staging, 128)
+    codes, scales = quantize_blocks(x.cpu(), 128)
+    got = staging.cpu()
+    assert torch.equal(got[: x.numel()], codes.view(torch.uint8).flatten())
+    _same_scales(got[x.numel() :], scales.flatten())
 
 
 @pytest.mark.gpu
