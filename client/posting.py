@@ -65,8 +65,11 @@ class Poster:
         while any(b == bucket for b, _ in self._pending):
             self._send(wait=True)
 
-    def await_landed(self, landed: Landed, bucket: int, timeout_s: float, what: str) -> bool:
-        """Wait for a slot: until `bucket` (posted already) has landed, as `Landed.wait`.
+    def await_landed(
+        self, landed: Landed, bucket: int, timeout_s: float, what: str, *, issued: bool = False
+    ) -> bool:
+        """Wait for a slot: until `bucket` (posted already) has landed, as `Landed.wait`
+        (with `issued`: or its copies are issued, `Landed.events` tells).
         Meanwhile post each bucket queued before as soon as its packing completes: the
         daemon must not learn of bucket k only once the slot for k+N is free (that made the
         ring move one bucket at a time). The events are polled every `POLL_S`, the
@@ -76,12 +79,12 @@ class Poster:
             self._send(wait=False)
             if not self._pending:
                 break
-            outcome = landed.poll(bucket, POLL_S)
+            outcome = landed.poll(bucket, POLL_S, issued=issued)
             if outcome is not None:
                 return outcome
             if time.monotonic() >= deadline:
                 raise landed.timed_out(bucket, timeout_s, what)
-        return landed.wait(bucket, max(deadline - time.monotonic(), 0.0), what)
+        return landed.wait(bucket, max(deadline - time.monotonic(), 0.0), what, issued=issued)
 
     def finish(self) -> None:
         """Every bucket is queued: post the rest as they complete."""
@@ -133,6 +136,8 @@ class PublishStats:
     delta_bytes: int = 0  # of nbytes, delta payloads and trailers
     density: float = 0.0  # changed elements / elements compared (delta buckets)
     replicas: tuple[ReplicaOutcome, ...] = ()  # elastic jobs: each engine replica's outcome
+    slot_events: int = 0  # ring slots reused once the GPU waits on the copies' events
+    slot_landings: int = 0  # ring slots reused once the copies landed (waited for on the CPU)
 
 
 @dataclass(frozen=True)

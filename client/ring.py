@@ -14,12 +14,14 @@ from weightwire.protocol.plan import Bucket, PackOp, RankPlan, StagingRing
 
 class Landed:
     """Buckets of one version whose writes have all finished, as the daemon reports them
-    (`BucketsLanded`), or the version's end (its `PublishResult`), on the connection's
+    (`BucketsLanded`), or whose copies are all issued on the GPU, fenced by events
+    (`BucketsIssued`), or the version's end (its `PublishResult`), on the connection's
     thread; the publishing thread waits for a slot here."""
 
     def __init__(self) -> None:
         self._cv = threading.Condition()
         self._buckets: set[int] = set()
+        self._issued: dict[int, tuple[bytes, ...]] = {}
         self._ended = False
 
     def add(self, buckets: tuple[int, ...]) -> None:
@@ -27,15 +29,37 @@ class Landed:
             self._buckets.update(buckets)
             self._cv.notify_all()
 
+    def issue(self, buckets: tuple[int, ...], events: tuple[bytes, ...]) -> None:
+        """The buckets' copies are all queued on the GPU, each stream's followed by one of
+        `events` (IPC handles): their slot is free to a stream that waits on those."""
+        if not events:
+            return
+        with self._cv:
+            for b in buckets:
+                self._issued[b] = events
+            self._cv.notify_all()
+
+    def forget_issued(self) -> None:
+        """The events cannot be waited on here: from now on only landings free a slot."""
+        with self._cv:
+            self._issued.clear()
+
+    def events(self, bucket: int) -> tuple[bytes, ...]:
+        """What a stream must wait on before writing `bucket`'s slot, once `poll` said
+        True: nothing if it landed, else the events of its issued copies."""
+        with self._cv:
+            return () if bucket in self._buckets else self._issued.get(bucket, ())
+
     def end(self) -> None:
         with self._cv:
             self._ended = True
             self._cv.notify_all()
 
-    def wait(self, bucket: int, timeout_s: float, what: str) -> bool:
-        """True once `bucket` has landed; False if the version ended first (failed: its
-        result says why). Raises TimeoutError_ after `timeout_s`."""
-        outcome = self.poll(bucket, timeout_s)
+    def wait(self, bucket: int, timeout_s: float, what: str, *, issued: bool = False) -> bool:
+        """True once `bucket` has landed (or, with `issued`, been issued: see `events`);
+        False if the version ended first (failed: its result says why). Raises
+        TimeoutError_ after `timeout_s`."""
+        outcome = self.poll(bucket, timeout_s, issued=issued)
         if outcome is None:
             raise self.timed_out(bucket, timeout_s, what)
         return outcome
@@ -47,11 +71,11 @@ class Landed:
             f"{timeout_s:.0f} s, so its staging slot never came free"
         )
 
-    def poll(self, bucket: int, timeout_s: float) -> bool | None:
+    def poll(self, bucket: int, timeout_s: float, *, issued: bool = False) -> bool | None:
         """As `wait`, but None (no error) if `bucket` has not landed within `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         with self._cv:
-            while bucket not in self._buckets:
+            while bucket not in self._buckets and not (issued and bucket in self._issued):
                 if self._ended:
                     return False
                 left = deadline - time.monotonic()

@@ -24,6 +24,7 @@ from weightwire.protocol.errors import (
 from weightwire.protocol.local import (
     AbortVersion,
     BeginVersion,
+    BucketsIssued,
     BucketsLanded,
     DeclareSources,
     GetPlan,
@@ -76,6 +77,7 @@ class Trainer(RankClient):
         staging_buckets: int = 4,
         delta: Mode = "off",
         direct: bool = False,
+        slot_events: bool = True,
     ) -> None:
         """`staging`: where buckets are packed. "gpu" (the default when the tensors are on a
         GPU) keeps everything on the device; "cpu" is the pinned CPU replica in the
@@ -85,6 +87,12 @@ class Trainer(RankClient):
         into slot k mod N once every write of the bucket packed there before it has finished.
         0 stages the whole send (as much memory as this rank sends). A plan with no more
         buckets than that is staged whole either way.
+
+        `slot_events`: with GPU staging, a slot whose bucket went out by cuda copies only
+        is reused as soon as the daemon has queued those copies: the packing stream waits
+        on the daemon's CUDA IPC events (`BucketsIssued`) instead of this thread waiting
+        for the landing. Any other destination (tcp, RDMA, host memory), or no IPC events,
+        and the slot waits for the landing as before.
 
         `delta`: sparse delta sync to engine ranks that registered a delta area: "auto"
         sends each bucket as a delta payload where that is smaller, "on" wherever it fits,
@@ -100,6 +108,8 @@ class Trainer(RankClient):
             raise ValueError(f"staging_buckets must be >= 0, got {staging_buckets}")
         self.placement = staging
         self.staging_buckets = staging_buckets
+        self.slot_events = slot_events
+        self._ipc_events: dict[bytes, torch.cuda.Event] = {}  # opened once per handle
         self._delta = DeltaSender(delta)
         self._delta_out: Staging | None = None
         self._results: dict[int, Future[PublishResult]] = {}
@@ -382,7 +392,10 @@ class Trainer(RankClient):
             try:
                 self._conn.request(
                     BeginVersion(
-                        version=version, plan_hash=plan.plan_hash, staging_buckets=ring.slots
+                        version=version,
+                        plan_hash=plan.plan_hash,
+                        staging_buckets=ring.slots,
+                        slot_events=self._events_on(device, ring),
                     )
                 )
                 break
@@ -397,6 +410,7 @@ class Trainer(RankClient):
             self._landed[version] = landed
         poster = Poster(self._conn, version)
         pack_s = 0.0
+        by_event = by_landing = 0
         what = f"version {version} of trainer rank {self.rank}"
         result: PublishResult | None = None
         self._delta.begin(version, plan, staging)
@@ -404,10 +418,13 @@ class Trainer(RankClient):
             try:
                 for bucket in plan.buckets:
                     reuse = ring.reuse[bucket.index]
-                    if reuse >= 0:  # wait until the bucket packed in this slot has landed
-                        poster.flush(reuse)
-                        if not poster.await_landed(landed, reuse, self.timeout_s, what):
+                    if reuse >= 0:  # wait until the bucket packed in this slot has landed,
+                        poster.flush(reuse)  # or its copies are issued (GPU waits on them)
+                        freed = self._slot_free(poster, landed, reuse, device, ring, what)
+                        if freed == "ended":
                             break  # the version failed: its result says why
+                        by_event += freed == "events"
+                        by_landing += freed == "landed"
                     p0 = time.perf_counter()
                     started = time.time()
                     direct = self._direct.targets(plan, bucket, device) if self._direct else None
@@ -478,7 +495,46 @@ class Trainer(RankClient):
             delta_bytes=result.delta_bytes,
             density=self._delta.last_density,
             replicas=result.replicas,
+            slot_events=by_event,
+            slot_landings=by_landing,
         )
+
+    def _events_on(self, device: torch.device, ring: StagingRing) -> bool:
+        """Whether to ask for `BucketsIssued`: a ring packed on a GPU, events not given up."""
+        return self.slot_events and ring.slots > 0 and device.type == "cuda"
+
+    def _slot_free(
+        self,
+        poster: Poster,
+        landed: Landed,
+        reuse: int,
+        device: torch.device,
+        ring: StagingRing,
+        what: str,
+    ) -> Literal["events", "landed", "ended"]:
+        """Wait until bucket `reuse`'s slot may be packed again: its copies issued and the
+        packing stream waiting on their events, or (no events) its writes landed; "ended":
+        the version ended first."""
+        issued = self._events_on(device, ring)
+        if not poster.await_landed(landed, reuse, self.timeout_s, what, issued=issued):
+            return "ended"
+        events = landed.events(reuse) if issued else ()
+        if not events:
+            return "landed"
+        try:
+            stream = torch.cuda.current_stream(device)
+            for handle in events:
+                ev = self._ipc_events.get(handle)
+                if ev is None:
+                    ev = torch.cuda.Event.from_ipc_handle(device, handle)
+                    self._ipc_events[handle] = ev
+                stream.wait_event(ev)
+        except RuntimeError:  # the events cannot be opened here: wait for landings instead
+            self.slot_events = False
+            landed.forget_issued()
+            ok = poster.await_landed(landed, reuse, self.timeout_s, what)
+            return "landed" if ok else "ended"
+        return "events"
 
     def _post_bucket(
         self,
@@ -532,6 +588,11 @@ class Trainer(RankClient):
                 landed = self._landed.get(msg.version)
             if landed is not None:
                 landed.add(msg.buckets)
+        elif isinstance(msg, BucketsIssued):
+            with self._lock:
+                landed = self._landed.get(msg.version)
+            if landed is not None:
+                landed.issue(msg.buckets, msg.events)
         elif isinstance(msg, PublishResult):
             with self._lock:
                 fut = self._results.get(msg.version)
@@ -555,6 +616,7 @@ class Trainer(RankClient):
         if self._delta_out is not None:
             self._conn.request(self._delta_request(self._delta_out))
         self._plan = None
+        self._ipc_events.clear()  # the new daemon's events are others
 
     def _reregister_sources(self) -> None:
         """Zero-copy source regions again (the new daemon numbers them anew), and the

@@ -198,9 +198,8 @@ class LocalServer:
             case GetPlan(timeout_s=timeout_s):
                 self._spawn(identity, msg.req, d.plan_for(session, msg.req, timeout_s))
             case BeginVersion(version=version, plan_hash=plan_hash, staging_buckets=slots):
-                self._spawn(
-                    identity, msg.req, d.begin_version(session, msg.req, version, plan_hash, slots)
-                )
+                work = d.begin_version(session, msg.req, version, plan_hash, slots, msg.slot_events)
+                self._spawn(identity, msg.req, work)
             case BucketReady(version=version, bucket=bucket, more=more, delta=delta):
                 d.publisher(session).bucket_ready(version, (bucket, *more), delta, msg.in_place)
             case TrailersReady(version=version, lengths=lengths):

@@ -24,7 +24,13 @@ from weightwire.protocol.errors import (
     VersionError,
     WeightwireError,
 )
-from weightwire.protocol.local import BucketsLanded, PublishResult, ReplicaOutcome, Verdict
+from weightwire.protocol.local import (
+    BucketsIssued,
+    BucketsLanded,
+    PublishResult,
+    ReplicaOutcome,
+    Verdict,
+)
 from weightwire.protocol.plan import (
     DeltaSlot,
     RankPlan,
@@ -34,7 +40,13 @@ from weightwire.protocol.plan import (
     staging_ring,
 )
 from weightwire.protocol.regions import RegionDescriptor
-from weightwire.transport.base import LocalRegion, Prepared, Transport, WriteRequest
+from weightwire.transport.base import (
+    LocalRegion,
+    Prepared,
+    SlotFencing,
+    Transport,
+    WriteRequest,
+)
 
 log = structlog.get_logger("weightwire.daemon.publisher")
 
@@ -75,6 +87,8 @@ class Run:
     staging: LocalRegion | None
     ring: StagingRing
     delta_out: LocalRegion | None = None  # payloads and trailers (src_region DELTA_OUT)
+    slot_events: bool = False  # the rank waits for slots on the GPU (`BucketsIssued`)
+    issued: int = 0  # buckets reported `BucketsIssued`
     posted: set[int] = field(default_factory=set)
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     started: float = field(default_factory=time.monotonic)
@@ -114,7 +128,7 @@ class Publisher:
     job: str
     rank: int
     pick: PickTransport
-    reply: Callable[[PublishResult | BucketsLanded], None]
+    reply: Callable[[PublishResult | BucketsLanded | BucketsIssued], None]
     announce: Callable[[int, str, str, set[str]], None]
     """announce(version, "start"|"abort", message, destination nodes)."""
     source_region: Callable[[int], LocalRegion]
@@ -224,7 +238,9 @@ class Publisher:
     def destinations(self) -> set[str]:
         return {r.node for r in self.plan.regions} if self.plan else set()
 
-    def begin(self, version: int, plan_hash: str, staging_buckets: int = 0) -> None:
+    def begin(
+        self, version: int, plan_hash: str, staging_buckets: int = 0, slot_events: bool = False
+    ) -> None:
         if self.plan is None:
             raise PlanError("this rank has no plan yet", code=ErrorCode.NOT_READY)
         if plan_hash != self.plan.plan_hash:
@@ -265,6 +281,7 @@ class Publisher:
             staging=self.staging,
             ring=ring,
             delta_out=self.delta_out,
+            slot_events=slot_events and ring.slots > 0,
         )
         self.announce(version, "start", "", self.destinations)
         if not self.plan.buckets and not self.plan.trailers:
@@ -533,8 +550,16 @@ class Publisher:
             raise run.error or WeightwireError("the version already failed", code=ErrorCode.ABORTED)
         parts = [p for p in parts if p.replica not in run.dropped]
         high = encode_imm(run.version, 0)
+        fenced = self._fencing(run, bucket, parts)
         outcomes = await asyncio.gather(
-            *(p.transport.write_prepared(p.prepared, [high | s for s in p.slots]) for p in parts),
+            *(
+                p.transport.write_fenced(
+                    p.prepared, [high | s for s in p.slots], self._slot_key(run, bucket), f
+                )
+                if f is not None and isinstance(p.transport, SlotFencing)
+                else p.transport.write_prepared(p.prepared, [high | s for s in p.slots])
+                for p, f in zip(parts, fenced, strict=True)
+            ),
             return_exceptions=True,
         )
         first: BaseException | None = None
@@ -590,6 +615,38 @@ class Publisher:
         run.bucket_landed[bucket] = time.time()
         if run.ring.slots and not run.finished:
             self.reply(BucketsLanded(version=run.version, buckets=(bucket,)))
+
+    def _slot_key(self, run: Run, bucket: int) -> tuple[str, int, int]:
+        return (self.job, self.rank, run.ring.slot[bucket])
+
+    def _fencing(
+        self, run: Run, bucket: int, parts: list[_Part]
+    ) -> list[Callable[[tuple[bytes, ...]], None] | None]:
+        """Per part, what its transport calls once the part's copies are all issued, where
+        the rank waits for slots on the GPU and every part is on a transport that fences
+        (cuda); the last one tells the rank `BucketsIssued` with every part's events.
+        Otherwise None each: the rank waits for the landing."""
+        if not run.slot_events or not parts:
+            return [None] * len(parts)
+        if not all(isinstance(p.transport, SlotFencing) for p in parts):
+            return [None] * len(parts)
+        events: list[bytes] = []
+        left = [len(parts)]
+
+        def issued(handles: tuple[bytes, ...]) -> None:
+            events.extend(handles)
+            left[0] -= 1
+            if not left[0] and not run.finished:
+                run.issued += 1
+                self.reply(
+                    BucketsIssued(
+                        version=run.version,
+                        buckets=(bucket,),
+                        events=tuple(dict.fromkeys(events)),
+                    )
+                )
+
+        return [issued] * len(parts)
 
     async def _post_delta(self, run: Run, bucket: int, sent: dict[int, int]) -> None:
         """A bucket some of whose destinations get a delta payload: each payload travels as
@@ -760,6 +817,8 @@ class Publisher:
             "buckets": len(self.plan.buckets) if self.plan else 0,
             "staging_buckets": run.ring.slots if run else 0,  # 0: the whole send is staged
             "staging_bytes": run.ring.nbytes if run else 0,
+            "slot_events": run.slot_events if run else False,  # slots waited for on the GPU
+            "buckets_issued": run.issued if run else 0,  # of them, reported BucketsIssued
         }
 
 

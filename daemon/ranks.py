@@ -140,11 +140,17 @@ class RankService:
         return f"no plan for job {job!r} yet: the coordinator is waiting for more ranks"
 
     async def begin_version(
-        self, session: Session, req: int, version: int, plan_hash: str, staging_buckets: int = 0
+        self,
+        session: Session,
+        req: int,
+        version: int,
+        plan_hash: str,
+        staging_buckets: int = 0,
+        slot_events: bool = False,
     ) -> Any:
         pub = self.publisher(session)
         await pub.drain(self.cfg.stall_timeout_s)
-        pub.begin(version, plan_hash, staging_buckets)
+        pub.begin(version, plan_hash, staging_buckets, slot_events)
         return Ok(req=req, detail=f"version {version}")
 
     async def wait_version(

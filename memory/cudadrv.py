@@ -22,6 +22,7 @@ IPC_HANDLE_BYTES = 64
 LAZY_ENABLE_PEER_ACCESS = 0x1
 STREAM_NON_BLOCKING = 0x1
 EVENT_DISABLE_TIMING = 0x2
+EVENT_INTERPROCESS = 0x4  # CU_EVENT_INTERPROCESS: needs EVENT_DISABLE_TIMING too
 HOST_REGISTER_PORTABLE = 0x1
 HOST_ALLOC_PORTABLE = 0x1
 RANGE_HANDLE_DMA_BUF_FD = 0x1
@@ -313,6 +314,23 @@ class Driver:
         e = ctypes.c_void_p()
         self._call("cuEventCreate", ctypes.byref(e), ctypes.c_uint(EVENT_DISABLE_TIMING))
         return int(e.value or 0)
+
+    def ipc_event(self) -> tuple[int, bytes]:
+        """An event another process can wait on (in the current context): the event and
+        its IPC handle (64 bytes, for cudaIpcOpenEventHandle / torch's
+        `Event.from_ipc_handle`). Destroy it with `destroy_event`."""
+        e = ctypes.c_void_p()
+        flags = EVENT_INTERPROCESS | EVENT_DISABLE_TIMING
+        self._call("cuEventCreate", ctypes.byref(e), ctypes.c_uint(flags))
+        event = int(e.value or 0)
+        handle = _IpcHandle()
+        try:
+            self._call("cuIpcGetEventHandle", ctypes.byref(handle), ctypes.c_void_p(event))
+        except CudaError:
+            self.destroy_event(event)
+            raise
+        # not `handle.reserved`: ctypes cuts a c_char array at its first NUL byte
+        return event, ctypes.string_at(ctypes.addressof(handle), IPC_HANDLE_BYTES)
 
     def record(self, event: int, stream: int) -> None:
         self._call("cuEventRecord", ctypes.c_void_p(event), ctypes.c_void_p(stream))

@@ -135,6 +135,9 @@ class BeginVersion(LocalMsg, frozen=True, tag="begin_version"):
     version: Version
     plan_hash: str
     staging_buckets: NonNeg = 0
+    slot_events: bool = False
+    """The rank can wait on the GPU for a slot (CUDA IPC events): a bucket whose writes are
+    all cuda copies is also reported `BucketsIssued`, once they are all queued."""
 
 
 class BucketReady(LocalMsg, frozen=True, tag="bucket_ready"):
@@ -175,6 +178,20 @@ class BucketsLanded(LocalMsg, frozen=True, tag="buckets_landed"):
 
     version: Version
     buckets: tuple[NonNeg, ...]
+
+
+class BucketsIssued(LocalMsg, frozen=True, tag="buckets_issued"):
+    """Every write of these buckets of `version` is a cuda copy, queued on its stream, and
+    each stream has recorded one of `events` (CUDA IPC event handles, 64 bytes each) after
+    its last copy reading the buckets' staging slot. The rank may pack the slot's next
+    bucket once its packing stream waits on those events (no need to wait for the landing,
+    `BucketsLanded`, which still follows). Sent only to a rank that asked
+    (`BeginVersion.slot_events`); an event is recorded again only after the rank posts
+    the slot's next bucket."""
+
+    version: Version
+    buckets: tuple[NonNeg, ...]
+    events: tuple[bytes, ...] = ()
 
 
 class AbortVersion(LocalMsg, frozen=True, tag="abort_version"):
@@ -294,6 +311,7 @@ LocalMessage = (
     | BeginVersion
     | BucketReady
     | BucketsLanded
+    | BucketsIssued
     | TrailersReady
     | AbortVersion
     | PublishResult

@@ -103,6 +103,8 @@ LOCAL_SAMPLES = [
     L.BeginVersion(version=2**40, plan_hash="abc", req=8),
     L.BucketReady(version=3, bucket=1),
     L.BucketsLanded(version=3, buckets=(0, 2)),
+    L.BeginVersion(version=4, plan_hash="abc", staging_buckets=2, slot_events=True, req=8),
+    L.BucketsIssued(version=3, buckets=(1,), events=(bytes(range(64)), b"\x00" * 64)),
     L.BucketReady(version=3, bucket=1, more=(2,), delta=((1, 0, 4096), (2, 1, 128))),
     L.TrailersReady(version=3, lengths=(104, 144)),
     L.ApplyVersion(rank=1, version=3, region=7, trailers=((0, 104), (128, 144))),

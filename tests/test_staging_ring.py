@@ -296,3 +296,59 @@ def test_buckets_packed_while_waiting_for_a_slot_are_posted_before_it_comes_free
     assert poster.await_landed(landed, 5, 20.0, "test") is False
     with pytest.raises(WeightwireError, match="never came free"):
         poster.await_landed(Landed(), 7, 0.05, "test")
+
+
+def test_a_slot_waits_for_issued_copies_only_when_asked_and_for_landings_otherwise() -> None:
+    # BucketsIssued frees a slot to a rank that waits on the GPU (`issued=True`), with the
+    # events to wait on; a landing frees it to any rank, with nothing to wait on; a rank
+    # that cannot open the events forgets them and waits for landings from then on.
+    from weightwire.client.ring import Landed
+
+    landed = Landed()
+    handle = bytes(range(64))
+    landed.issue((3,), (handle,))
+    assert landed.poll(3, 0.01) is None  # a rank waiting for landings is not freed by it
+    assert landed.poll(3, 0.01, issued=True) is True
+    assert landed.events(3) == (handle,)
+    landed.issue((4,), ())  # no events: nothing to wait on, so no slot freed
+    assert landed.poll(4, 0.01, issued=True) is None
+    landed.add((3,))
+    assert landed.events(3) == ()  # landed: no wait on the GPU needed
+    landed.issue((5,), (handle,))
+    landed.forget_issued()
+    assert landed.poll(5, 0.01, issued=True) is None and landed.events(5) == ()
+    landed.end()  # a version that fails ends the wait either way
+    assert landed.poll(6, 1.0, issued=True) is False
+    assert landed.poll(6, 1.0) is False
+
+
+def test_a_rank_asking_for_slot_events_over_tcp_waits_for_landings_bitwise(
+    ring_cluster: LocalCluster,
+) -> None:
+    # The daemon fences a bucket's slot with CUDA IPC events only when every write of the
+    # bucket is a cuda copy: over tcp it never reports BucketsIssued, and the rank reuses
+    # each slot only once its bucket landed, even though it asked for events.
+    job = "ring-events-tcp"
+    rows = 384
+    dst = torch.zeros(rows, COLS)
+    eng = Engine(0, 1, socket=ring_cluster.daemons[1].socket, job=job, timeout_s=60)
+    eng.register({"w": dst})
+    w = weights(7)[:rows].clone()
+    with Trainer(
+        0, 1, socket=ring_cluster.daemons[0].socket, job=job, timeout_s=60, staging_buckets=2
+    ) as tr:
+        tr.register({"w": w})
+        tr.prepare()
+        tr._events_on = lambda device, ring: ring.slots > 0  # type: ignore[method-assign]
+        for version in (1, 2):
+            w.copy_(weights(version + 7)[:rows])
+            stats = tr.publish(version)
+            eng.wait(version)
+            assert torch.equal(dst.view(torch.uint8), w.view(torch.uint8)), f"v{version}"
+            assert stats.slot_events == 0 and stats.slot_landings == len(stats.buckets) - 2
+            b = stats.buckets
+            for k in range(2, len(b)):
+                assert b[k].prepare_start >= b[k - 2].landed > 0, (version, k)
+            status = publishing(ring_cluster, job)
+            assert status["slot_events"] is True and status["buckets_issued"] == 0, status
+    eng.close()

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, Protocol, runtime_checkable
 
 from weightwire.protocol.errors import ErrorCode, RegionError
 from weightwire.protocol.plan import check_blocks, span
@@ -93,6 +93,20 @@ class Prepared:
 
     def __init__(self, requests: Sequence[WriteRequest]) -> None:
         self.requests = tuple(requests)
+
+
+@runtime_checkable
+class SlotFencing(Protocol):
+    """A transport that can tell when a post's reads of its source are all queued on the
+    GPU, fenced by interprocess events a rank's stream can wait on (the cuda transport)."""
+
+    async def write_fenced(
+        self,
+        prepared: Prepared,
+        imms: Sequence[int | None],
+        slot: Hashable,
+        on_issued: Callable[[tuple[bytes, ...]], None],
+    ) -> list[BaseException | None]: ...
 
 
 class Transport(abc.ABC):

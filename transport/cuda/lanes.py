@@ -109,12 +109,23 @@ def chunks(copies: Sequence[Copy]) -> list[Chunk]:
 
 
 @dataclass(eq=False, slots=True)
+class Fence:
+    """An interprocess event the lane records on its stream right after issuing a post's
+    last chunk; `on_issued` is then called on the loop (not if recording failed)."""
+
+    event: int
+    on_issued: Callable[[], None]
+    recorded: bool = False
+
+
+@dataclass(eq=False, slots=True)
 class Post:
     """One writer's chunks on a lane; its future resolves once every one has finished."""
 
     future: asyncio.Future[Failures]
     pending: int
     failures: Failures = field(default_factory=dict)
+    fence: Fence | None = None
 
     def settle(self, failures: Failures) -> None:
         if failures:
@@ -132,6 +143,7 @@ class Batch:
     imms: Sequence[int | None]  # one per copy
     post: Post
     blocking: bool
+    last: bool = False  # the post's last chunk: its fence is recorded after it
     taken: int = 0  # of the lane's budget
     event: int = 0
     failures: Failures = field(default_factory=dict)
@@ -169,12 +181,17 @@ class Lane:
         self._thread.start()
 
     def post(
-        self, posted: Sequence[tuple[Chunk, Sequence[int | None]]], *, blocking: bool = False
+        self,
+        posted: Sequence[tuple[Chunk, Sequence[int | None]]],
+        *,
+        blocking: bool = False,
+        fence: Fence | None = None,
     ) -> asyncio.Future[Failures]:
         """Queue chunks with their immediates and issue what the budget allows now; the
         future resolves with the failures once every chunk has landed or failed.
-        `blocking`: issuing may wait for the copy itself (pageable host memory)."""
-        post = Post(self._loop.create_future(), len(posted))
+        `blocking`: issuing may wait for the copy itself (pageable host memory).
+        `fence`: recorded once the last chunk is issued (whenever the budget lets it be)."""
+        post = Post(self._loop.create_future(), len(posted), fence=fence)
         if self._closed:
             err = PeerLostError("the cuda transport is closing")
             post.future.set_result({c.index: err for ch, _ in posted for c in ch.copies})
@@ -182,8 +199,8 @@ class Lane:
         if not posted:
             post.future.set_result({})
             return post.future
-        for chunk, imms in posted:
-            self._waiting.append(Batch(chunk, imms, post, blocking))
+        for i, (chunk, imms) in enumerate(posted):
+            self._waiting.append(Batch(chunk, imms, post, blocking, last=i == len(posted) - 1))
         self._pump()
         return post.future
 
@@ -220,6 +237,9 @@ class Lane:
             self._pump()
 
     def _queued(self, batch: Batch) -> None:
+        fence = batch.post.fence
+        if batch.last and fence is not None and fence.recorded:
+            fence.on_issued()
         if batch.event:
             self._queue.put(batch)
         else:  # no event: every copy failed to issue. Finished from the loop, not from
@@ -235,6 +255,11 @@ class Lane:
                     batch.failures[c.index] = exc
             batch.event = self._drv.event()
             self._drv.record(batch.event, self._stream)
+            fence = batch.post.fence
+            if batch.last and fence is not None:
+                with contextlib.suppress(CudaError):  # not recorded: the landing frees the slot
+                    self._drv.record(fence.event, self._stream)
+                    fence.recorded = True
         except Exception as exc:  # a broken context, or a bug: none of it is reported landed
             batch.failures = {c.index: exc for c in batch.chunk.copies}
             if batch.event:

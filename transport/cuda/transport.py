@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -46,7 +47,7 @@ from weightwire.transport.base import (
 from . import lanes
 from .channel import Channel
 from .ipc import IpcMaps
-from .lanes import Batch, Copy, Lane
+from .lanes import Batch, Copy, Fence, Lane
 from .prepared import CudaPrepared, Epoch
 
 log = structlog.get_logger("weightwire.transport.cuda")
@@ -94,6 +95,9 @@ class CudaTransport(Transport):
         self._lock = threading.Lock()
         self._stats = {"bytes_sent": 0, "writes": 0, "bytes_received": 0, "batches": 0}
         self.peers_enabled: list[tuple[int, int]] = []
+        # interprocess events fencing a ring slot on a lane: (slot key, lane) -> (event, handle)
+        self._slot_events: dict[tuple[Hashable, tuple[int, int]], tuple[int, bytes]] = {}
+        self._ipc_events = True  # False once the driver refused one: no fences from then on
 
     # --- lifecycle -----------------------------------------------------------
 
@@ -142,6 +146,11 @@ class CudaTransport(Transport):
                 lane.join(10)
 
         await asyncio.to_thread(join)
+        if self._drv is not None:
+            for event, _ in self._slot_events.values():
+                with contextlib.suppress(CudaError):
+                    self._drv.destroy_event(event)
+        self._slot_events.clear()
         self._channel.close()
         if self._ipc is not None:
             self._ipc.close()
@@ -371,16 +380,74 @@ class CudaTransport(Transport):
             self._resolve(p)
         return await self._post(p, imms)
 
-    async def _post(
-        self, p: CudaPrepared, imms: Sequence[int | None]
+    async def write_fenced(
+        self,
+        prepared: Prepared,
+        imms: Sequence[int | None],
+        slot: Hashable,
+        on_issued: Callable[[tuple[bytes, ...]], None],
     ) -> list[BaseException | None]:
-        """Issue resolved writes on their lanes; each one's outcome, in order."""
+        """As `write_prepared`, and once every copy is issued (queued on its lane's stream),
+        `on_issued` gets the IPC handles of the events each lane recorded right after its
+        last copy: one event per (`slot`, lane), recorded again by the next post for the
+        same slot. Not called if any write failed before issuing or no event could be made
+        (then only the landing tells that the source is free)."""
+        if len(imms) != len(prepared.requests):
+            raise ValueError(f"{len(imms)} immediates for {len(prepared.requests)} writes")
+        p = prepared
+        if not isinstance(p, CudaPrepared) or p.owner is not self:
+            p = self.prepare(prepared.requests)
+        elif p.epoch != Epoch.value or p.failed:
+            self._resolve(p)
+        return await self._post(p, imms, (slot, on_issued))
+
+    def _slot_event(self, slot: Hashable, key: tuple[int, int]) -> tuple[int, bytes] | None:
+        """The interprocess event fencing `slot` on lane `key` (made once), or None."""
+        found = self._slot_events.get((slot, key))
+        if found is None and self._ipc_events:
+            assert self._drv is not None
+            try:
+                self._drv.use(key[0])
+                found = self._slot_events[slot, key] = self._drv.ipc_event()
+            except CudaError as exc:
+                self._ipc_events = False
+                log.warning("no interprocess cuda events: slots wait for landings", error=str(exc))
+        return found
+
+    async def _post(
+        self,
+        p: CudaPrepared,
+        imms: Sequence[int | None],
+        fencing: tuple[Hashable, Callable[[tuple[bytes, ...]], None]] | None = None,
+    ) -> list[BaseException | None]:
+        """Issue resolved writes on their lanes; each one's outcome, in order. `fencing`:
+        (slot, on_issued), as `write_fenced`."""
         refused = self._refused(p, imms)
         if refused is not None:
             return [refused] * len(imms)
         results: list[BaseException | None] = [None] * len(imms)
         for i, exc in p.failed:
             results[i] = exc
+        fences: list[tuple[tuple[int, int], Fence]] = []
+        if fencing is not None and not p.failed:
+            slot, on_issued = fencing
+            handles: list[bytes] = []
+            left = [len(p.lanes)]
+
+            def issued(handle: bytes) -> None:
+                handles.append(handle)
+                left[0] -= 1
+                if not left[0]:
+                    on_issued(tuple(handles))
+
+            for key, _, _ in p.lanes:
+                found = self._slot_event(slot, key)
+                if found is None:
+                    fences = []
+                    break
+                event, handle = found
+                fences.append((key, Fence(event, functools.partial(issued, handle))))
+        fence_of = dict(fences)
         posts = []
         for key, chunks, pageable in p.lanes:
             try:
@@ -391,7 +458,7 @@ class CudaTransport(Transport):
                         results[c.index] = exc
                 continue
             posted = [(chunk, [imms[c.index] for c in chunk.copies]) for chunk in chunks]
-            posts.append(lane.post(posted, blocking=pageable))
+            posts.append(lane.post(posted, blocking=pageable, fence=fence_of.get(key)))
         for failures in await asyncio.gather(*posts):
             for i, failure in failures.items():
                 results[i] = failure
