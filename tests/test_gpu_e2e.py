@@ -86,6 +86,8 @@ def sync(
     zero_copy: bool = False,
     staging_buckets: int = 4,
     direct: bool = False,
+    slot_events: bool = True,
+    versions: tuple[int, ...] = (1, 2),
 ) -> dict[str, Any]:
     tg, eg = ([0, 0], [0, 0]) if direct else placement()
     engines, received = [], []
@@ -110,8 +112,9 @@ def sync(
     }
     nbytes, staged, held, slots, writes = 0, 0, 0, 0, 0
     waited = True  # with a ring: every bucket packed only after its slot's last one landed
+    by_event, by_landing, reuses, issued = 0, 0, 0, 0
     try:
-        for version in (1, 2):
+        for version in versions:
             hf = random_hf(CFG, seed=version)
             if not trainers:
                 for r in range(2):
@@ -130,6 +133,7 @@ def sync(
                         staging=staging,  # type: ignore[arg-type]
                         staging_buckets=staging_buckets,
                         direct=direct,
+                        slot_events=slot_events,
                     )
                     tr.register(
                         mine,
@@ -170,6 +174,14 @@ def sync(
             assert not errors, errors
             nbytes += sum(s.nbytes for s in stats)
             writes += sum(s.writes for s in stats)
+            by_event += sum(s.slot_events for s in stats)
+            by_landing += sum(s.slot_landings for s in stats)
+            reuses += sum(max(len(s.buckets) - slots, 0) for s in stats) if slots else 0
+            issued += sum(
+                int(p["buckets_issued"])  # type: ignore[call-overload]
+                for p in fetch(c.daemons[trainer_host].socket)["publishing"]
+                if p["job"] == job
+            )
             if slots:
                 waited = waited and all(
                     b[k].prepare_start >= b[k - slots].landed > 0
@@ -198,6 +210,10 @@ def sync(
         "held": held,
         "slots": slots,
         "waited": waited,
+        "by_event": by_event,
+        "by_landing": by_landing,
+        "reuses": reuses,
+        "issued": issued,
         "cuda": moved(c, 0, "cuda") - before["cuda"],
         "in_place": moved(c, 0, "cuda", "in_place_writes") - before["in_place"],
         "writes": writes,
@@ -226,14 +242,43 @@ def small_buckets() -> Iterator[LocalCluster]:
 
 @pytest.mark.parametrize("dest", ["", "fp8"])
 def test_gpu_staging_ring_through_cuda_ipc(small_buckets: LocalCluster, dest: str) -> None:
-    """GPU staging as a ring of 2 bucket slots: every bucket packed into its slot only once
-    the slot's last bucket landed (the copy engines done reading it), all bitwise, and
-    less staging memory than the whole send."""
+    """GPU staging as a ring of 2 bucket slots, slots freed by landings (no GPU events):
+    every bucket packed into its slot only once the slot's last bucket landed (the copy
+    engines done reading it), all bitwise, and less staging memory than the whole send."""
     job = f"gpu-ring-{dest or 'bf16'}"
-    got = sync(small_buckets, job, dest, "gpu", trainer_host=0, staging_buckets=2)
+    got = sync(
+        small_buckets, job, dest, "gpu", trainer_host=0, staging_buckets=2, slot_events=False
+    )
     assert got["slots"] == 2 and got["waited"], got
     assert got["held"] < got["staged"], got
     assert got["cuda"] == got["bytes"] > 0, got
+    assert got["by_event"] == 0 and got["by_landing"] == got["reuses"] > 0, got
+    assert got["issued"] == 0, got
+
+
+@pytest.mark.parametrize("dest", ["", "fp8"])
+def test_gpu_staging_ring_slots_fenced_by_ipc_events(
+    small_buckets: LocalCluster, dest: str
+) -> None:
+    """A ring of 2 slots whose buckets all go by cuda copies: the daemon reports each
+    bucket's copies issued with its CUDA IPC events, and the trainer's packing stream waits
+    on them instead of its thread waiting for the landing. Four versions, all bitwise (the
+    GPU ordering alone keeps a slot from being overwritten while it is copied out)."""
+    job = f"gpu-ring-events-{dest or 'bf16'}"
+    got = sync(
+        small_buckets,
+        job,
+        dest,
+        "gpu",
+        trainer_host=0,
+        staging_buckets=2,
+        slot_events=True,
+        versions=(1, 2, 3, 4),
+    )
+    assert got["slots"] == 2 and got["held"] < got["staged"], got
+    assert got["cuda"] == got["bytes"] > 0, got
+    assert got["by_event"] + got["by_landing"] == got["reuses"] > 0, got
+    assert got["by_event"] > 0 and got["issued"] > 0, got  # the event path was taken
 
 
 @pytest.mark.parametrize("dest", ["", "fp8"])
