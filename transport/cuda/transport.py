@@ -438,7 +438,10 @@ class CudaTransport(Transport):
                 handles.append(handle)
                 left[0] -= 1
                 if not left[0]:
-                    on_issued(tuple(handles))
+                    try:
+                        on_issued(tuple(handles))
+                    except Exception as exc:  # called from a lane's issuing: never break it
+                        log.error("issued copies not reported", error=repr(exc))
 
             for key, _, _ in p.lanes:
                 found = self._slot_event(slot, key)
