@@ -97,6 +97,8 @@ class TrainerRank(Rank):
             "pack_seconds": s.pack_seconds,
             "transfer_seconds": s.transfer_seconds,
             "total_seconds": s.total_seconds,
+            "slot_events": s.slot_events,  # ring slots freed by the daemon's IPC events
+            "slot_landings": s.slot_landings,  # ring slots freed by landings
             "buckets": [
                 [b.index, b.nbytes, b.prepare_start, b.prepared, b.posted, b.landed]
                 for b in s.buckets
