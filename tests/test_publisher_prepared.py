@@ -5,6 +5,7 @@ replaced reads the new one, and a new plan writes where it says, bitwise."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Hashable, Sequence
 
 import uvloop
 
@@ -13,7 +14,7 @@ from tests.conformance.suite import rand
 from tests.test_publisher_posts import publisher
 from tests.test_transport_tcp import TcpKit
 from weightwire.daemon.publisher import Publisher
-from weightwire.protocol.local import BucketsLanded, PublishResult
+from weightwire.protocol.local import BucketsIssued, BucketsLanded, PublishResult
 from weightwire.protocol.plan import Bucket, PackOp, RankPlan, WriteOp, decode_imm
 from weightwire.protocol.regions import RegionDescriptor
 from weightwire.protocol.tensors import Box, Copy
@@ -242,5 +243,124 @@ def test_a_staging_ring_writes_each_bucket_from_its_slot_prepared_once() -> None
         await pub.drain(30)
         assert [type(m) for m in seen] == [PublishResult] and seen[0].ok
         assert kit.read(dst, 0, n) == data
+
+    uvloop.run(asyncio.wait_for(with_pair(kit, body), 60))
+
+
+class _Issuing:
+    """A tcp transport that also reports its posts issued, as the cuda transport does once
+    its copies are queued, with one 64-byte "event handle" per (slot key): the publisher's
+    side of `BucketsIssued` on real writes."""
+
+    def __init__(self, inner: Transport) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    async def write_fenced(
+        self,
+        prepared: object,
+        imms: Sequence[int | None],
+        slot: Hashable,
+        on_issued: Callable[[tuple[bytes, ...]], None],
+    ) -> list[BaseException | None]:
+        writing = asyncio.ensure_future(self.inner.write_prepared(prepared, imms))  # type: ignore[arg-type]
+        await asyncio.sleep(0)  # queued
+        on_issued((repr(slot).encode().ljust(64, b"\0"),))
+        return await writing
+
+
+def test_buckets_whose_writes_all_fence_are_reported_issued_with_their_slots_events() -> None:
+    """A ring of 2 slots, four buckets: with the rank asking for slot events and every
+    write on a transport that fences, each bucket is reported issued (its slot's event)
+    before it is reported landed, bitwise; without the rank asking, or with a transport
+    that does not fence, only landings."""
+    kit = TcpKit()
+    part = 4096
+    n = 4 * part
+
+    def plan(dst: RegionDescriptor) -> RankPlan:
+        return RankPlan(
+            plan_hash="ring",
+            rank=0,
+            staging_bytes=n,
+            buckets=tuple(
+                Bucket(
+                    index=b,
+                    packs=(
+                        PackOp(
+                            source="w",
+                            box=Box.full((part,)),
+                            transform=Copy(),
+                            staging_offset=b * part,
+                            nbytes=part,
+                        ),
+                    ),
+                    writes=(
+                        WriteOp(
+                            src_offset=b * part,
+                            length=part,
+                            dst_node=dst.node,
+                            dst_region=2,
+                            dst_offset=b * part,
+                            slot=7,
+                        ),
+                    ),
+                )
+                for b in range(4)
+            ),
+            regions=(dst,),
+        )
+
+    async def body(p: Pair) -> None:
+        dst, desc = p.region(p.b, 2, n)
+        seen: list[PublishResult | BucketsLanded | BucketsIssued] = []
+        fencing = _Issuing(p.a.transport)
+        use: list[object] = [fencing]
+
+        async def pick(*_: object) -> object:
+            return use[0]
+
+        pub = publisher(seen, pick)  # type: ignore[arg-type]
+        pub.set_plan(plan(desc))
+        ring = pub.ring(2)
+        staging, _ = p.region(p.a, 1, ring.nbytes)
+        pub.staging = staging
+        cases = ((1, True, fencing), (2, False, fencing), (3, True, p.a.transport))
+        for version, ask, transport in cases:
+            use[0] = transport
+            pub._cache.clear()  # routes through the transport of this case
+            data = rand(n, version)
+            pub.begin(version, "ring", 2, slot_events=ask)
+            for b in range(4):  # tcp reads staging until it lands: wait for landings here
+                if ring.reuse[b] >= 0:
+                    while not any(
+                        isinstance(m, BucketsLanded)
+                        and m.version == version
+                        and ring.reuse[b] in m.buckets
+                        for m in seen
+                    ):
+                        await asyncio.sleep(0.005)
+                slot = ring.slot[b]
+                kit.fill(staging, slot * part, data[b * part : (b + 1) * part])
+                pub.bucket_ready(version, (b,))
+            await pub.drain(30)
+            mine = [m for m in seen if not isinstance(m, PublishResult) and m.version == version]
+            assert isinstance(seen[-1], PublishResult) and seen[-1].ok, seen[-1]
+            assert kit.read(dst, 0, n) == data, f"version {version}"
+            issued = [m for m in mine if isinstance(m, BucketsIssued)]
+            if ask and transport is fencing:
+                assert [m.buckets for m in issued] == [(0,), (1,), (2,), (3,)]
+                for m in issued:  # the slot's own event, the same for every bucket in it
+                    key = repr(("j", 0, ring.slot[m.buckets[0]])).encode().ljust(64, b"\0")
+                    assert m.events == (key,), m
+                for b in range(4):  # reported issued before landed
+                    order = [type(m) for m in mine if b in m.buckets]
+                    assert order == [BucketsIssued, BucketsLanded], (b, order)
+                assert pub.progress()["buckets_issued"] == 4
+            else:
+                assert not issued and pub.progress()["buckets_issued"] == 0
+                assert sorted(b for m in mine for b in m.buckets) == [0, 1, 2, 3]
 
     uvloop.run(asyncio.wait_for(with_pair(kit, body), 60))
