@@ -178,7 +178,7 @@ def sync(
             by_landing += sum(s.slot_landings for s in stats)
             reuses += sum(max(len(s.buckets) - slots, 0) for s in stats) if slots else 0
             issued += sum(
-                int(p["buckets_issued"])  # type: ignore[call-overload]
+                int(p["buckets_issued"])
                 for p in fetch(c.daemons[trainer_host].socket)["publishing"]
                 if p["job"] == job
             )
