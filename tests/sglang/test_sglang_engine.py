@@ -43,7 +43,7 @@ if importlib.util.find_spec("sglang") is None:
         allow_module_level=True,
     )
 
-import sglang_cpu  # first: SGLANG_USE_CPU_ENGINE and the stand-in modules
+from . import sglang_cpu  # first: SGLANG_USE_CPU_ENGINE and the stand-in modules
 
 # isort: split
 import sglang.srt.plugins as sglang_plugins
