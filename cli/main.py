@@ -51,9 +51,14 @@ def main(argv: list[str] | None = None) -> int:
     btcp = bsub.add_parser("tcp", help="daemon-to-daemon tcp vs iperf3 over veth")
     btcp.add_argument("--json", action="store_true")
     btcp.add_argument("--streams", type=int, default=4)
-    btcp.add_argument("--gb", type=float, default=2.0, help="bytes per measured round")
+    btcp.add_argument(
+        "--gb", type=float, default=1.0, help="bytes per measured round (each setting holds 3x)"
+    )
     btcp.add_argument("--seconds", type=float, default=3.0, help="iperf3 duration per round")
     btcp.add_argument("--rounds", type=int, default=3)
+    btcp.add_argument(
+        "--modes", default="off,auth,encrypt", help="tcp_security settings to measure, in order"
+    )
     bdelta = bsub.add_parser("delta", help="sparse delta sync vs dense, AdamW-trained (CPU)")
     from weightwire.bench.delta import add_arguments as delta_arguments
 

@@ -56,6 +56,10 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tcp_handshake_timeout_s: float = 10.0  # a data connection that sends no hello is closed
     tcp_max_unauthenticated: int = 64  # data connections waiting for a hello; more are refused
     tcp_max_streams_per_peer: int = 64  # data connections one node may hold open here
+    # tcp data connections: "auth" (peer authenticated, every frame MACed), "encrypt" (and
+    # encrypted: untrusted networks), "off" (plain: anyone who reaches the port and knows an
+    # rkey can write); the stronger of two nodes' settings wins
+    tcp_security: Literal["auth", "encrypt", "off"] = "auth"
     stall_timeout_s: float = 30.0
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 2.5

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import structlog
 
 from weightwire.protocol.errors import ErrorCode, PlanError
@@ -13,6 +14,7 @@ from weightwire.protocol.peer import (
     RankAdvert,
 )
 from weightwire.protocol.plan import MAX_SLOTS, NodePlan
+from weightwire.transport.tcp.auth import scoped
 
 from . import heap
 from .peers import COORDINATOR
@@ -88,6 +90,7 @@ class PlanKeeping:
         return self.slots[key]
 
     def install_plan(self, plan: NodePlan) -> None:
+        plan = _scoped(plan)
         old = self.plans.get(plan.job)
         self.plans[plan.job] = plan
         self.plan_problems.pop(plan.job, None)
@@ -96,6 +99,7 @@ class PlanKeeping:
             if pub is not None:
                 pub.set_plan(rp)
         self.completions.install(plan.job, plan.plan_hash, plan.expects)
+        self.grant_writers()
         related = self._nodes_of(plan)
         now = time.monotonic()
         everyone = set[str]().union(*map(self._nodes_of, self.plans.values()))
@@ -119,9 +123,27 @@ class PlanKeeping:
         self.plans.pop(job, None)
         self.plan_problems[job] = err
         self.completions.drop_job(job, err.message)
+        self.grant_writers()
         for fut in self.plan_waiters.pop(job, []):
             if not fut.done():
                 fut.set_exception(err)
+
+    def grant_writers(self) -> None:
+        """Tell the transports who may write into each region of this node: an engine
+        rank's regions the nodes its job's plan names as the rank's sources, with the
+        plan's keys; every other region (staging, no plan) nobody."""
+        sessions = {s.id: s for s in self.local.sessions.values()}
+        for region in self.registry.regions.values():
+            writers: frozenset[str] = frozenset()
+            scope = ""
+            s = sessions.get(region.session)
+            plan = self.plans.get(s.job) if s is not None and s.role == "engine" else None
+            if s is not None and plan is not None:
+                for e in plan.expects:
+                    if e.rank == s.rank:
+                        writers, scope = frozenset(e.sources), plan.plan_hash
+            for t in self.transports:
+                t.authorize(region.local.id, writers, scope)
 
     @staticmethod
     def _elastic_engine_node(plan: NodePlan, node: str) -> bool:
@@ -141,7 +163,17 @@ class PlanKeeping:
         if plan is None:
             return
         log.warning("plan withdrawn", job=job, plan=plan.plan_hash, reason=reason)
+        self.grant_writers()
         for (j, _), pub in self.publishers.items():
             if j == job:
                 pub.set_plan(None, reason, ErrorCode.PEER_LOST)
         self.advertise(job)
+
+
+def _scoped(plan: NodePlan) -> NodePlan:
+    """The plan with its destinations' tcp keys rotated for it (`auth.plan_rkey`)."""
+    sends = tuple(
+        msgspec.structs.replace(rp, regions=tuple(scoped(r, plan.plan_hash) for r in rp.regions))
+        for rp in plan.sends
+    )
+    return msgspec.structs.replace(plan, sends=sends)

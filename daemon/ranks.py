@@ -100,6 +100,7 @@ class RankService:
             self.publisher(session).delta_out = region.local
         elif session.role == "engine" and session.destinations:
             self.advertise(session.job)
+        self.grant_writers()
 
     async def plan_for(self, session: Session, req: int, timeout_s: float) -> PlanReply:
         if session.role != "trainer":

@@ -42,7 +42,13 @@ def make_transports(cfg: DaemonConfig) -> list[Transport]:
         handshake_timeout_s=cfg.tcp_handshake_timeout_s,
         max_unauthenticated=cfg.tcp_max_unauthenticated,
         max_streams_per_peer=cfg.tcp_max_streams_per_peer,
+        security=cfg.tcp_security,
     )
+    if cfg.tcp_security == "off":
+        log.warning(
+            "tcp data connections are UNAUTHENTICATED (tcp_security = off): any host that "
+            "reaches the data port and learns an rkey can write into registered memory"
+        )
     chosen.append(tcp)
     return chosen
 

@@ -3,6 +3,11 @@
 A frame is `kind (u8) | header length (u32 LE) | msgpack header | payload`, where
 only `Write` has a payload (`length` bytes). The kind byte must agree with the
 header's tag.
+
+A connection opens with `DataHello`. When it is authenticated (transport/tcp/auth.py)
+the reader answers `Challenge`, the writer `Proof`, and from then on each header is
+followed by a 16-byte tag (the header length counts the header only) and a payload
+goes as records of at most 1 MiB, each followed by its tag.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ class DataFrame(msgspec.Struct, frozen=True, kw_only=True, tag_field="t", array_
 class DataHello(DataFrame, frozen=True, tag=1):
     protocol: int
     node: str
+    ticket: bytes = b""  # issued by the reader over the control channel ("" = unauthenticated)
+    nonce: bytes = b""  # the writer's handshake nonce
 
 
 class Write(DataFrame, frozen=True, tag=2):
@@ -50,6 +57,28 @@ class Refused(DataFrame, frozen=True, tag=4):
     message: str
 
 
-DataMessage = DataHello | Write | Ack | Refused
+class Challenge(DataFrame, frozen=True, tag=5):
+    """The reader's answer to an authenticated hello: its nonce, the connection's mode
+    (1 authenticated, 2 encrypted) and its proof that it holds the ticket's secret."""
 
-KIND: dict[type[DataFrame], int] = {DataHello: 1, Write: 2, Ack: 3, Refused: 4}
+    nonce: bytes
+    mode: int
+    proof: bytes
+
+
+class Proof(DataFrame, frozen=True, tag=6):
+    """The writer's proof that it holds the ticket's secret (nothing else is accepted first)."""
+
+    proof: bytes
+
+
+DataMessage = DataHello | Write | Ack | Refused | Challenge | Proof
+
+KIND: dict[type[DataFrame], int] = {
+    DataHello: 1,
+    Write: 2,
+    Ack: 3,
+    Refused: 4,
+    Challenge: 5,
+    Proof: 6,
+}

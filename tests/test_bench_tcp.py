@@ -1,4 +1,5 @@
-"""`weightwire bench tcp --json` reports both figures from one run; it never asserts speed."""
+"""`weightwire bench tcp --json` reports both figures from one run, for each tcp security
+setting; it never asserts speed."""
 
 from __future__ import annotations
 
@@ -37,3 +38,9 @@ def test_bench_tcp_reports_weightwire_beside_iperf3() -> None:
     assert report["ratio"] == pytest.approx(
         report["weightwire_gbps"] / report["iperf3_gbps"], rel=0.01
     )
+    assert set(report["modes"]) == {"off", "auth", "encrypt"}  # plain, authenticated, encrypted
+    for mode in report["modes"].values():
+        assert mode["verified"] is True and mode["iperf3_gbps"] > 0
+        assert mode["ratio"] == pytest.approx(
+            mode["weightwire_gbps"] / mode["iperf3_gbps"], rel=0.01
+        )

@@ -16,7 +16,7 @@ import uvloop
 
 from weightwire.protocol import PROTOCOL_VERSION
 from weightwire.protocol.data import DataHello, Refused
-from weightwire.transport.tcp import TcpTransport, wire
+from weightwire.transport.tcp import TcpTransport, auth, handshake, wire
 
 HERE = Path(__file__).parent
 
@@ -82,27 +82,49 @@ def test_connections_without_hello_are_capped() -> None:
     uvloop.run(body())
 
 
+async def authenticated(t: TcpTransport, node: str) -> tuple[socket.socket, auth.Channel]:
+    """A data connection to `t` that completes the handshake as `node`, with a ticket `t`
+    issued to `node` the way the control channel asks for one."""
+    loop = asyncio.get_running_loop()
+    request = auth.encode(auth.TicketRequest(mode=int(auth.Mode.AUTH)))
+    ticket = auth.decode_reply(await t.on_signal(node, request))
+    assert isinstance(ticket, auth.TicketGrant)
+    s = socket.socket()
+    s.setblocking(False)
+    await loop.sock_connect(s, ("127.0.0.1", t.port))
+    channel = await handshake.connect(loop, s, node, t.node, ticket)
+    assert channel is not None
+    return s, channel
+
+
 def test_one_node_cannot_hold_more_than_its_share_of_connections() -> None:
+    """The cap counts authenticated connections by the authenticated name; hellos that only
+    claim the name (no ticket) are refused and never count toward it."""
+
     async def body() -> None:
         t = TcpTransport("a", bind_host="127.0.0.1", max_streams_per_peer=3)
         await t.start(lambda imm, node: None)
-        hello = wire.encode(DataHello(protocol=PROTOCOL_VERSION, node="greedy"))
+        claim = wire.encode(DataHello(protocol=PROTOCOL_VERSION, node="greedy"))
         try:
-            socks = []
-            for _ in range(3):
-                s = socket.create_connection(("127.0.0.1", t.port))
-                s.sendall(hello)
-                socks.append(s)
-            assert await until(lambda: t.incoming() == 3, 5)
-            extra = socket.create_connection(("127.0.0.1", t.port))
-            extra.sendall(hello)
+            claims = []
+            for _ in range(3):  # a keyless host claiming the name takes none of its share
+                c = socket.create_connection(("127.0.0.1", t.port))
+                c.sendall(claim)
+                claims.append(c)
+            socks = [(await authenticated(t, "greedy"))[0] for _ in range(3)]
+            assert await until(lambda: t.incoming() == 3, 5), t.incoming()
+            extra, channel = await authenticated(t, "greedy")
+            extra.setblocking(True)
             extra.settimeout(5)
-            reply = await asyncio.to_thread(extra.recv, 4096)
-            kind, hlen = wire.decode_prefix(reply[:5])
-            msg = wire.decode_header(kind, reply[5 : 5 + hlen])
+            prefix = await asyncio.to_thread(extra.recv, 5, socket.MSG_WAITALL)
+            kind, hlen = wire.decode_prefix(prefix)
+            sealed = await asyncio.to_thread(extra.recv, hlen + auth.TAG, socket.MSG_WAITALL)
+            msg = wire.decode_header(kind, channel.receive.header(prefix, sealed))
             assert isinstance(msg, Refused) and msg.code == "too_large", msg
             assert "greedy" in msg.message
-            for s in [*socks, extra]:
+            other, _ = await authenticated(t, "modest")  # another node still gets in
+            assert await until(lambda: t.incoming() == 4, 5), t.incoming()
+            for s in [*claims, *socks, extra, other]:
                 s.close()
             assert await until(lambda: t.incoming() == 0, 5), t.incoming()
         finally:
@@ -137,6 +159,12 @@ async def main():
     dst = LocalRegion(id=2, kind="cpu", length=1 << 20, view=g.view, fd=g.fd)
     src.view[:] = bytes(range(256)) * 4096
     desc = RegionDescriptor(id=2, node="a", kind="cpu", length=1 << 20, keys=t.register(dst))
+    t.authorize(2, frozenset({"b"}))  # b writes here, with a ticket a issues to it
+
+    async def signal(peer, payload):
+        return await t.on_signal("b", payload)
+
+    w.set_signal(signal)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     import os
     used = len(os.listdir("/proc/self/fd"))

@@ -14,8 +14,9 @@ from weightwire.transport.tcp.transport import RegionTable
 
 def machine(size: int = 64) -> tuple[wire.ReceiveMachine, bytearray]:
     mem = bytearray(size)
-    table = RegionTable()
+    table = RegionTable(grant_wait_s=0)
     table.add(LocalRegion(id=1, kind="cpu", length=size, view=memoryview(mem)), rkey=42)
+    table.grant(1, frozenset({"peer"}), scope="")
     return wire.ReceiveMachine(table), mem
 
 
@@ -99,7 +100,7 @@ def test_write_before_hello_and_wrong_protocol() -> None:
     m, _ = machine()
     with pytest.raises(wire.FrameViolation) as err:
         feed(m, wire.encode(Write(seq=1, region=1, rkey=42, offset=0, length=1)), 64)
-    assert "before hello" in err.value.message
+    assert "before the connection was authenticated" in err.value.message
     m, _ = machine()
     with pytest.raises(wire.FrameViolation) as err:
         feed(m, wire.encode(DataHello(protocol=PROTOCOL_VERSION + 1, node="x")), 64)

@@ -138,6 +138,14 @@ class Transport(abc.ABC):
     def deregister(self, region_id: int) -> None:
         """Stop accepting writes to the region and release what registration held."""
 
+    def authorize(  # noqa: B027 - optional hook
+        self, region_id: int, writers: frozenset[str], scope: str = ""
+    ) -> None:
+        """Receive side: only `writers` (node names) may write into the region from now on,
+        with the region's key for plan `scope`. Transports whose peers are authenticated per
+        connection (tcp) enforce it and start every region with no writers; verbs and cuda
+        rely on a trusted fabric or host and ignore it (see README, "Trust model")."""
+
     @abc.abstractmethod
     async def connect(self, node: str, endpoints: TransportEndpoints) -> None:
         """Bring up the data path to `node` (idempotent). Raises PeerLostError if unreachable."""

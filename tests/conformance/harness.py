@@ -79,6 +79,7 @@ class Pair:
         region = self.kit.region(region_id, length)
         self.regions.append(region)
         keys = node.transport.register(region)
+        node.transport.authorize(region_id, frozenset({self.a.name, self.b.name}))
         desc = RegionDescriptor(
             id=region_id, node=node.name, kind=region.kind, length=length, keys=keys
         )

@@ -52,8 +52,9 @@ class Memory:
     def __init__(self) -> None:
         self.buf = bytearray(b"\xaa" * (GUARD + REGION + GUARD))
         view = memoryview(self.buf)[GUARD : GUARD + REGION]
-        self.table = RegionTable()
+        self.table = RegionTable(grant_wait_s=0)
         self.table.add(LocalRegion(id=1, kind="cpu", length=REGION, view=view), rkey=RKEY)
+        self.table.grant(1, frozenset({"peer"}), scope="")
 
     def guards_intact(self) -> bool:
         return self.buf[:GUARD] == b"\xaa" * GUARD and self.buf[-GUARD:] == b"\xaa" * GUARD

@@ -25,12 +25,13 @@ from weightwire.protocol.data import MAX_HEADER, PREFIX, Ack, Refused, Write
 from weightwire.protocol.errors import (
     PeerLostError,
     TimeoutError_,
+    TransferError,
     WeightwireError,
     error_from_code,
 )
 from weightwire.transport.base import LocalRegion
 
-from . import wire
+from . import auth, wire
 from .bounce import Bounce
 
 log = structlog.get_logger("weightwire.transport.tcp")
@@ -80,6 +81,8 @@ class OutgoingStream:
     _threads: list[threading.Thread] = field(default_factory=list)
     _bounce: Bounce | None = None  # pinned host memory for GPU sources (made on first use)
     _running: int = 0
+    channel: auth.Channel | None = None  # the authenticated connection's keys (None: plain)
+    _scratch: memoryview | None = None  # one encrypted record (made on first use)
 
     def start(self) -> None:
         self._running = 2
@@ -114,32 +117,15 @@ class OutgoingStream:
         self._queue.put(pending)
 
     def _send_loop(self) -> None:
-        fd = self.sock.fileno()
         while True:
             p = self._queue.get()
             if p is None or self.dead is not None:
                 return
             try:
-                self.sock.sendall(p.header, socket.MSG_MORE)
-                if p.src.kind == "gpu":
-                    assert p.src.device is not None
-                    if self._bounce is None:
-                        self._bounce = Bounce()
-                    staged = self._bounce.from_device(
-                        p.src.device, p.src.address + p.src_offset, p.length
-                    )
-                    self.sock.sendall(staged)
-                elif p.src.fd is not None:
-                    off, left = p.src_offset, p.length
-                    while left:
-                        n = os.sendfile(fd, p.src.fd, off, left)
-                        if n == 0:
-                            raise PeerLostError("sendfile made no progress")
-                        off += n
-                        left -= n
+                if self.channel is None:
+                    self._send_plain(p)
                 else:
-                    assert p.src.view is not None
-                    self.sock.sendall(p.src.view[p.src_offset : p.src_offset + p.length])
+                    self._send_sealed(p, self.channel.send)
                 self.on_sent(p.length)
             except BlockingIOError:
                 self.fail(
@@ -156,15 +142,69 @@ class OutgoingStream:
                     self.sock.shutdown(socket.SHUT_WR)
                 return
 
+    def _send_plain(self, p: Pending) -> None:
+        self.sock.sendall(p.header, socket.MSG_MORE)
+        if p.src.kind == "gpu":
+            self.sock.sendall(self._from_gpu(p))
+        elif p.src.fd is not None:
+            self._sendfile(p.src.fd, p.src_offset, p.length)
+        else:
+            assert p.src.view is not None
+            self.sock.sendall(p.src.view[p.src_offset : p.src_offset + p.length])
+
+    def _send_sealed(self, p: Pending, sealer: auth.Sealer) -> None:
+        """Header and tag, then the payload record by record, each with its tag (AUTH: the
+        bytes go in clear) or encrypted (ENCRYPT)."""
+        self.sock.sendall(wire.seal(p.header, sealer), socket.MSG_MORE)
+        if p.length == 0:
+            return
+        if p.src.kind == "gpu":
+            view = self._from_gpu(p)
+        elif p.src.view is not None:
+            view = p.src.view[p.src_offset : p.src_offset + p.length]
+        else:
+            raise TransferError(f"region {p.src.id} has no host view to authenticate from")
+        for start in range(0, p.length, auth.RECORD):
+            record = view[start : start + auth.RECORD]
+            more = socket.MSG_MORE if start + auth.RECORD < p.length else 0
+            if sealer.encrypts:
+                if self._scratch is None:
+                    self._scratch = memoryview(bytearray(auth.RECORD + auth.TAG))
+                self.sock.sendall(sealer.encrypt_record(record, self._scratch), more)
+                continue
+            # sendall, not sendfile: sendfile of 1 MiB records between tags halved the rate
+            # (measured on loopback: 10-12 against 24 Gbit/s)
+            self.sock.sendall(record, socket.MSG_MORE)
+            self.sock.sendall(sealer.record_tag(record), more)
+
+    def _from_gpu(self, p: Pending) -> memoryview:
+        assert p.src.device is not None
+        if self._bounce is None:
+            self._bounce = Bounce()
+        return self._bounce.from_device(p.src.device, p.src.address + p.src_offset, p.length)
+
+    def _sendfile(self, src_fd: int, off: int, left: int) -> None:
+        fd = self.sock.fileno()
+        while left:
+            n = os.sendfile(fd, src_fd, off, left)
+            if n == 0:
+                raise PeerLostError("sendfile made no progress")
+            off += n
+            left -= n
+
     def _ack_loop(self) -> None:
         prefix = bytearray(PREFIX.size)
-        header = bytearray(MAX_HEADER)
+        header = bytearray(MAX_HEADER + auth.TAG)
+        opener = self.channel.receive if self.channel is not None else None
+        extra = auth.TAG if opener is not None else 0
         while not self._closed.is_set():
             try:
                 self._recv_ticking(memoryview(prefix))
                 kind, hlen = wire.decode_prefix(prefix)
-                self._recv_ticking(memoryview(header)[:hlen])
-                msg = wire.decode_header(kind, memoryview(header)[:hlen])
+                sealed = memoryview(header)[: hlen + extra]
+                self._recv_ticking(sealed)
+                body = opener.header(memoryview(prefix), sealed) if opener else sealed
+                msg = wire.decode_header(kind, body)
             except WeightwireError as problem:
                 cause: WeightwireError = problem
                 if self.send_error is not None:
@@ -183,6 +223,9 @@ class OutgoingStream:
                     # The peer closes a stream after refusing on it: fail it now, so that no
                     # caller who sees this refusal can pick the dying stream again.
                     refusal = error_from_code(code, f"{self.node} refused: {message}")
+                    if seq == 0:  # the connection itself (its hello): every write fails so
+                        self.fail(refusal)
+                        return
                     self.fail(
                         PeerLostError(f"{self.node} closed the stream after refusing a write"),
                         refused=(seq, refusal),
@@ -327,7 +370,7 @@ class IncomingStream:
             while not self._closed.is_set():
                 if m.peer is None and time.monotonic() - self._accepted > self.handshake_timeout_s:
                     log.info(
-                        "tcp data connection sent no hello in time; closing",
+                        "tcp data connection not authenticated in time; closing",
                         address=self.address,
                         timeout_s=self.handshake_timeout_s,
                     )
@@ -359,15 +402,17 @@ class IncomingStream:
                         error=v.message,
                         seq=v.seq,
                     )
-                    self.sock.sendall(wire.refused(v.seq, v))
+                    self.sock.sendall(m.reply(wire.refused(v.seq, v)))
                     self._linger()
                     return
-                if isinstance(event, wire.Landed):
+                if isinstance(event, wire.Reply):
+                    self.sock.sendall(event.data)
+                elif isinstance(event, wire.Landed):
                     w: Write = event.write
                     self.on_received(w.length)
                     if w.imm >= 0:
                         self.loop.call_soon_threadsafe(self.on_imm, w.imm, self.peer)
-                    self.sock.sendall(wire.ack(w.seq))
+                    self.sock.sendall(m.reply(wire.ack(w.seq)))
         except OSError as exc:
             if not self._closed.is_set():
                 log.info("tcp receive stream ended", peer=self.peer, error=str(exc))

@@ -1,8 +1,11 @@
 """The tcp transport: one-sided writes over plain TCP, several streams per peer.
 
-Every region gets a random 64-bit key when it is registered (tcp's rkey); a write
-must name the region, its key, and stay inside it, or it is refused, logged, and
-its connection closed.
+Every region gets a random 64-bit key when it is registered (tcp's rkey), and under
+each plan answers to a key derived from it and the plan (`auth.plan_rkey`). A write
+must come from a node `authorize` named as a writer of the region, name the region and
+its key, and stay inside it, or it is refused, logged, and its connection closed.
+Connections are authenticated (and optionally encrypted) as auth.py describes, with
+tickets that the destination issues over the control channel (`on_signal`).
 """
 
 from __future__ import annotations
@@ -18,13 +21,15 @@ from typing import ClassVar
 
 import structlog
 
-from weightwire.protocol import PROTOCOL_VERSION
-from weightwire.protocol.data import DataHello, Write
+from weightwire.protocol.data import (
+    Write,
+)
 from weightwire.protocol.errors import (
     ErrorCode,
     PeerLostError,
     RegionError,
     TimeoutError_,
+    error_from_code,
 )
 from weightwire.protocol.regions import (
     RegionDescriptor,
@@ -33,9 +38,16 @@ from weightwire.protocol.regions import (
     TcpKey,
     TransportEndpoints,
 )
-from weightwire.transport.base import Admit, ImmHandler, LocalRegion, Transport, check_write
+from weightwire.transport.base import (
+    Admit,
+    ImmHandler,
+    LocalRegion,
+    Signal,
+    Transport,
+    check_write,
+)
 
-from . import wire
+from . import auth, handshake, wire
 from .admission import Admission, Backoff
 from .bounce import Bounce
 from .streams import IncomingStream, OutgoingStream, Pending, tune
@@ -45,36 +57,83 @@ log = structlog.get_logger("weightwire.transport.tcp")
 FENCE_JOIN_S = 5.0  # how long a fence waits for the receive threads it stopped
 
 
+GRANT_WAIT_S = 2.0  # how long a write refused by the grants waits for the plan to catch up
+
+
 @dataclass(frozen=True, slots=True)
 class _Registered:
     region: LocalRegion
-    rkey: int
+    rkey: int  # as registered
+    wire_rkey: int  # what writes must present under the current plan
+    writers: frozenset[str]  # nodes that may write into it
+
+    def refusal(self, write: Write, peer: str) -> RegionError | None:
+        if peer not in self.writers:
+            return RegionError(
+                f"{peer} is not a planned source of region {write.region}",
+                code=ErrorCode.UNAUTHORIZED,
+            )
+        if self.wire_rkey != write.rkey:
+            return RegionError(
+                f"wrong key for region {write.region} (from {peer})", code=ErrorCode.UNAUTHORIZED
+            )
+        return None
 
 
 class RegionTable:
-    """The receive side's view of registered regions (read from receive threads)."""
+    """The receive side's view of registered regions (read from receive threads). A region
+    takes writes from nobody until `grant` names its writers."""
 
-    def __init__(self) -> None:
+    def __init__(self, grant_wait_s: float = GRANT_WAIT_S) -> None:
         self._regions: dict[int, _Registered] = {}
+        self._changed = threading.Condition()
+        self.grant_wait_s = grant_wait_s
 
     def add(self, region: LocalRegion, rkey: int) -> None:
-        self._regions[region.id] = _Registered(region, rkey)
+        with self._changed:
+            self._regions[region.id] = _Registered(region, rkey, rkey, frozenset())
+            self._changed.notify_all()
 
     def remove(self, region_id: int) -> None:
-        self._regions.pop(region_id, None)
+        with self._changed:
+            self._regions.pop(region_id, None)
+            self._changed.notify_all()
 
-    def lookup(self, write: Write) -> LocalRegion:
-        """The region a write may land in; RegionError (the connection closes) otherwise."""
-        reg = self._regions.get(write.region)
-        if reg is None:
-            raise RegionError(f"unknown region {write.region}", code=ErrorCode.UNKNOWN_REGION)
-        if reg.rkey != write.rkey:
-            raise RegionError(f"wrong key for region {write.region}", code=ErrorCode.UNAUTHORIZED)
+    def grant(self, region_id: int, writers: frozenset[str], scope: str) -> None:
+        with self._changed:
+            reg = self._regions.get(region_id)
+            if reg is None:
+                return
+            wire_rkey = auth.plan_rkey(reg.rkey, scope)
+            self._regions[region_id] = _Registered(reg.region, reg.rkey, wire_rkey, writers)
+            self._changed.notify_all()
+
+    def lookup(self, write: Write, peer: str) -> LocalRegion:
+        """The region a write may land in; RegionError (the connection closes) otherwise.
+
+        A write that the grants refuse waits up to `grant_wait_s` for them to change: a
+        writer may hold a new plan a moment before this node has installed it."""
+        deadline: float | None = None
+        with self._changed:
+            while True:
+                reg = self._regions.get(write.region)
+                if reg is None:
+                    raise RegionError(
+                        f"unknown region {write.region}", code=ErrorCode.UNKNOWN_REGION
+                    )
+                problem = reg.refusal(write, peer)
+                if problem is None:
+                    break
+                now = time.monotonic()
+                deadline = deadline if deadline is not None else now + self.grant_wait_s
+                if now >= deadline:
+                    raise problem
+                self._changed.wait(deadline - now)
         reg.region.check(write.offset, write.length, "write")
         return reg.region
 
-    def target(self, write: Write) -> memoryview:
-        return self.host_view(self.lookup(write), write)
+    def target(self, write: Write, peer: str) -> memoryview:
+        return self.host_view(self.lookup(write, peer), write)
 
     @staticmethod
     def host_view(region: LocalRegion, write: Write) -> memoryview:
@@ -94,18 +153,18 @@ class StreamSink:
     def __init__(self, table: RegionTable, admit: Admit | None = None) -> None:
         self.table = table
         self.admit = admit
-        self.machine: wire.ReceiveMachine | None = None  # whose hello names the peer
         self.bounce: Bounce | None = None
         self._gpu: LocalRegion | None = None
 
-    def target(self, write: Write) -> memoryview:
-        peer = self.machine.peer if self.machine is not None else None
-        if write.tag >= 0 and self.admit is not None and not self.admit(peer or "", write.tag):
+    def target(self, write: Write, peer: str) -> memoryview:
+        # `peer` is the authenticated writer: a failed version's write is refused before any
+        # byte of it lands, then the region's writers and rkey are checked
+        if write.tag >= 0 and self.admit is not None and not self.admit(peer, write.tag):
             raise RegionError(
                 f"write to region {write.region} belongs to a version this node failed",
                 code=ErrorCode.ABORTED,
             )
-        region = self.table.lookup(write)
+        region = self.table.lookup(write, peer)
         if region.kind == "cpu":
             self._gpu = None
             return self.table.host_view(region, write)
@@ -137,8 +196,12 @@ class TcpTransport(Transport):
         handshake_timeout_s: float = 10.0,
         max_unauthenticated: int = 64,
         max_streams_per_peer: int = 64,
+        security: str | auth.Mode = auth.Mode.AUTH,
     ) -> None:
         self.node = node
+        self.mode = auth.Mode.parse(security)
+        self._tickets = auth.Tickets()
+        self._signal: Signal | None = None
         self._bind = (bind_host, port)
         self._advertise_host = advertise_host
         self.streams = streams
@@ -226,6 +289,40 @@ class TcpTransport(Transport):
     def deregister(self, region_id: int) -> None:
         self._table.remove(region_id)
 
+    def authorize(self, region_id: int, writers: frozenset[str], scope: str = "") -> None:
+        self._table.grant(region_id, writers, scope)
+
+    # --- authentication ------------------------------------------------------
+
+    def set_signal(self, signal: Signal) -> None:
+        self._signal = signal
+
+    async def on_signal(self, node: str, payload: bytes) -> bytes:
+        """A writer asks for a ticket; `node` is the name the control channel authenticated."""
+        return handshake.grant(self._tickets, self.mode, node, payload)
+
+    async def _ticket(self, node: str) -> auth.TicketGrant | None:
+        """A ticket for connections to `node` (None: both ends run unauthenticated)."""
+        payload = auth.encode(auth.TicketRequest(mode=int(self.mode)))
+        if node == self.node:
+            answer = await self.on_signal(node, payload)
+        elif self._signal is None:
+            if self.mode is auth.Mode.OFF:
+                return None
+            raise auth.AuthError(
+                f"tcp security {self.mode.name.lower()} needs the control channel to {node} "
+                "(set_signal was not called)"
+            )
+        else:
+            try:
+                answer = await asyncio.wait_for(self._signal(node, payload), self.connect_timeout_s)
+            except TimeoutError:
+                raise TimeoutError_(f"{node} issued no tcp ticket in time") from None
+        reply = auth.decode_reply(answer)
+        if isinstance(reply, auth.TicketRefused):
+            raise error_from_code(reply.code, f"{node} refused a tcp ticket: {reply.message}")
+        return reply if reply.mode != auth.Mode.OFF else None
+
     # --- receive side --------------------------------------------------------
 
     def set_admission(self, admit: Admit) -> None:
@@ -250,12 +347,13 @@ class TcpTransport(Transport):
             return
         tune(conn, self.stall_timeout_s)
         sink = StreamSink(self._table, self._admit)
-        sink.machine = wire.ReceiveMachine(sink)
         stream = IncomingStream(
             sock=conn,
             address=address,
             loop=self._loop,
-            machine=sink.machine,
+            machine=wire.ReceiveMachine(
+                sink, handshake.Acceptor(self.node, self.mode, self._tickets)
+            ),
             on_imm=self._deliver_imm,
             stall_timeout_s=self.stall_timeout_s,
             on_received=self._count_received,
@@ -323,8 +421,9 @@ class TcpTransport(Transport):
                     s.close("reconnecting")
             streams = []
             try:
+                ticket = await self._ticket(node)
                 for _ in range(max(1, min(self.streams, ep.streams))):
-                    streams.append(await self._open_stream(node, ep))
+                    streams.append(await self._open_stream(node, ep, ticket))
             except BaseException:
                 for s in streams:
                     s.close("connect failed")
@@ -332,7 +431,9 @@ class TcpTransport(Transport):
             self._peers[node] = streams
             log.debug("tcp connected", peer=node, streams=len(streams))
 
-    async def _open_stream(self, node: str, ep: TcpEndpoint) -> OutgoingStream:
+    async def _open_stream(
+        self, node: str, ep: TcpEndpoint, ticket: auth.TicketGrant | None
+    ) -> OutgoingStream:
         assert self._loop is not None
         infos = await self._loop.getaddrinfo(ep.host, ep.port, type=socket.SOCK_STREAM)
         family, _, _, _, addr = infos[0]
@@ -349,19 +450,34 @@ class TcpTransport(Transport):
         except OSError as exc:
             sock.close()
             raise PeerLostError(f"tcp connect to {node} at {ep.host}:{ep.port}: {exc}") from None
+        try:
+            channel = await asyncio.wait_for(
+                handshake.connect(self._loop, sock, self.node, node, ticket),
+                self.connect_timeout_s,
+            )
+        except TimeoutError:
+            sock.close()
+            raise TimeoutError_(f"tcp handshake with {node} timed out") from None
+        except OSError as exc:
+            sock.close()
+            raise PeerLostError(f"tcp handshake with {node}: {exc}") from None
+        except BaseException:
+            sock.close()
+            raise
         tune(sock, self.stall_timeout_s)
-        sock.sendall(wire.encode(DataHello(protocol=PROTOCOL_VERSION, node=self.node)))
         stream = OutgoingStream(
             node=node,
             sock=sock,
             loop=self._loop,
             stall_timeout_s=self.stall_timeout_s,
             on_sent=self._count_sent,
+            channel=channel,
         )
         stream.start()
         return stream
 
     async def disconnect(self, node: str, reason: str) -> None:
+        self._tickets.revoke(node)
         for s in self._peers.pop(node, []):
             s.fail(PeerLostError(f"{node}: {reason}"))
 

@@ -3,7 +3,8 @@
 `ReceiveMachine` is the whole receive side without sockets: the caller asks it for
 the buffer to fill next (`buffer()`), receives into it, and reports how many bytes
 arrived (`received(n)`). Payloads are received straight into the destination
-memory that `WriteSink.target` returns, so there is no intermediate copy.
+memory that `WriteSink.target` returns, so there is no intermediate copy (encrypted
+records are decrypted from a record-sized buffer into it: the one pass decryption needs).
 """
 
 from __future__ import annotations
@@ -20,14 +21,18 @@ from weightwire.protocol.data import (
     MAX_HEADER,
     PREFIX,
     Ack,
+    Challenge,
     DataFrame,
     DataHello,
     DataMessage,
+    Proof,
     Refused,
     Write,
 )
 from weightwire.protocol.errors import ErrorCode, ProtocolError, WeightwireError
 from weightwire.protocol.frames import decode_checked
+
+from . import auth
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder: msgspec.msgpack.Decoder[DataMessage] = msgspec.msgpack.Decoder(DataMessage)
@@ -55,11 +60,21 @@ def decode_header(kind: int, header: bytes | memoryview) -> DataMessage:
 
 
 class WriteSink(Protocol):
-    """Where incoming writes land. `target` raises RegionError for a write it refuses."""
+    """Where incoming writes land. `target` raises a WeightwireError for a write it refuses
+    (`peer` is the authenticated writer); `landed` once every byte is there and checked."""
 
-    def target(self, write: Write) -> memoryview: ...
+    def target(self, write: Write, peer: str) -> memoryview: ...
 
     def landed(self, write: Write) -> None: ...
+
+
+class Acceptor(Protocol):
+    """The reader's end of the handshake (handshake.Acceptor): a challenge for a hello (None:
+    accepted unauthenticated), a channel for a good proof; AuthError otherwise."""
+
+    def hello(self, hello: DataHello) -> Challenge | None: ...
+
+    def proof(self, proof: Proof) -> auth.Channel: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,13 +84,26 @@ class Landed:
 
 @dataclass(frozen=True, slots=True)
 class HelloReceived:
+    """The peer is known (authenticated, unless both ends run without authentication)."""
+
     hello: DataHello
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """Bytes the receive side must send back now (the handshake's challenge)."""
+
+    data: bytes
+
+
+Event = Landed | HelloReceived | Reply
 
 
 class _Stage(enum.Enum):
     PREFIX = 1
     HEADER = 2
     PAYLOAD = 3
+    TAG = 4  # the tag after an authenticated (not encrypted) payload record
 
 
 class FrameViolation(WeightwireError):
@@ -87,18 +115,25 @@ class FrameViolation(WeightwireError):
 
 
 class ReceiveMachine:
-    """Parses one direction of a data connection: DataHello first, then Writes."""
+    """Parses one direction of a data connection: DataHello first (then, authenticated,
+    Proof), then Writes. Without an acceptor it takes unauthenticated hellos only."""
 
-    def __init__(self, sink: WriteSink) -> None:
+    def __init__(self, sink: WriteSink, acceptor: Acceptor | None = None) -> None:
         self._sink = sink
-        self._small = bytearray(PREFIX.size + MAX_HEADER)
+        self._acceptor = acceptor
+        self._small = bytearray(PREFIX.size + MAX_HEADER + auth.TAG)
         self._small_view = memoryview(self._small)
         self._stage = _Stage.PREFIX
         self._kind = 0
         self._hlen = 0
         self._filled = 0
-        self._payload: memoryview | None = None
+        self._payload: memoryview | None = None  # the whole write's destination
+        self._record: memoryview | None = None  # what the current record is received into
+        self._done = 0  # payload bytes received and checked
+        self._scratch: memoryview | None = None  # encrypted records land here first
         self._write: Write | None = None
+        self._hello: DataHello | None = None
+        self.channel: auth.Channel | None = None
         self.peer: str | None = None
         self.bytes_landed = 0
 
@@ -106,18 +141,24 @@ class ReceiveMachine:
     def mid_frame(self) -> bool:
         return self._stage is not _Stage.PREFIX or self._filled > 0
 
+    def _header_bytes(self) -> int:
+        return self._hlen + (auth.TAG if self.channel is not None else 0)
+
     def buffer(self) -> memoryview:
         """The memory to receive into next: exactly the rest of the current stage."""
         match self._stage:
             case _Stage.PREFIX:
                 return self._small_view[self._filled : PREFIX.size]
             case _Stage.HEADER:
-                return self._small_view[PREFIX.size + self._filled : PREFIX.size + self._hlen]
+                end = PREFIX.size + self._header_bytes()
+                return self._small_view[PREFIX.size + self._filled : end]
             case _Stage.PAYLOAD:
-                assert self._payload is not None
-                return self._payload[self._filled :]
+                assert self._record is not None
+                return self._record[self._filled :]
+            case _Stage.TAG:
+                return self._small_view[self._filled : auth.TAG]
 
-    def received(self, n: int) -> Landed | HelloReceived | None:
+    def received(self, n: int) -> Event | None:
         """Account for `n` bytes received into `buffer()`; returns a finished event, if any.
 
         Raises FrameViolation for anything the connection must be closed over.
@@ -133,50 +174,59 @@ class ReceiveMachine:
                     self._stage, self._filled = _Stage.HEADER, 0
                 return None
             case _Stage.HEADER:
-                if self._filled < self._hlen:
+                if self._filled < self._header_bytes():
                     return None
-                header = self._small_view[PREFIX.size : PREFIX.size + self._hlen]
-                return self._on_header(header)
+                return self._on_header()
             case _Stage.PAYLOAD:
-                assert self._payload is not None and self._write is not None
-                if self._filled < len(self._payload):
+                assert self._record is not None
+                if self._filled < len(self._record):
                     return None
-                return self._finish_write()
+                return self._on_record()
+            case _Stage.TAG:
+                if self._filled < auth.TAG:
+                    return None
+                return self._on_tag()
 
-    def _on_header(self, header: memoryview) -> Landed | HelloReceived | None:
+    def _on_header(self) -> Event | None:
+        sealed = self._small_view[PREFIX.size : PREFIX.size + self._header_bytes()]
         try:
+            header = sealed
+            if self.channel is not None:
+                header = memoryview(
+                    self.channel.receive.header(self._small_view[: PREFIX.size], sealed)
+                )
             msg = decode_header(self._kind, header)
         except WeightwireError as exc:
             raise FrameViolation(exc, 0) from None
         self._stage, self._filled = _Stage.PREFIX, 0
         match msg:
-            case DataHello(protocol=protocol, node=node) if self.peer is None:
-                if protocol != PROTOCOL_VERSION:
-                    raise FrameViolation(
-                        ProtocolError(
-                            f"peer {node} speaks data protocol {protocol}, "
-                            f"this side {PROTOCOL_VERSION}",
-                            code=ErrorCode.UNSUPPORTED_PROTOCOL,
-                        ),
-                        0,
-                    )
-                self.peer = node
-                return HelloReceived(msg)
-            case Write() if self.peer is None:
-                raise FrameViolation(ProtocolError("write before hello"), msg.seq)
-            case Write():
+            case DataHello() if self._hello is None:
+                return self._on_hello(msg)
+            case Proof() if self._hello is not None and self.peer is None:
+                assert self._acceptor is not None
                 try:
-                    target = self._sink.target(msg)
+                    self.channel = self._acceptor.proof(msg)
+                except WeightwireError as exc:
+                    raise FrameViolation(exc, 0) from None
+                self.peer = self.channel.peer
+                return HelloReceived(self._hello)
+            case Write():
+                if self.peer is None:
+                    raise FrameViolation(
+                        auth.AuthError("write before the connection was authenticated"), msg.seq
+                    )
+                try:
+                    target = self._sink.target(msg, self.peer)
                 except WeightwireError as exc:
                     raise FrameViolation(exc, msg.seq) from None
                 if len(target) != msg.length:
                     raise FrameViolation(
                         WeightwireError(f"sink gave {len(target)} bytes for {msg.length}"), msg.seq
                     )
-                self._write, self._payload = msg, target
+                self._write, self._payload, self._done = msg, target, 0
                 if msg.length == 0:
                     return self._finish_write()
-                self._stage = _Stage.PAYLOAD
+                self._next_record()
                 return None
             case _:
                 raise FrameViolation(
@@ -184,19 +234,108 @@ class ReceiveMachine:
                     getattr(msg, "seq", 0),
                 )
 
+    def _on_hello(self, hello: DataHello) -> Event:
+        self._hello = hello
+        try:
+            check_protocol(hello)
+            if self._acceptor is not None:
+                challenge = self._acceptor.hello(hello)
+            elif hello.ticket:
+                raise auth.AuthError("this side takes no authenticated connections")
+            else:
+                challenge = None
+        except WeightwireError as exc:
+            raise FrameViolation(exc, 0) from None
+        if challenge is not None:
+            return Reply(encode(challenge))
+        self.peer = hello.node
+        return HelloReceived(hello)
+
+    def _next_record(self) -> None:
+        """Point the payload stage at the next record (the whole payload without a channel)."""
+        assert self._payload is not None
+        left = len(self._payload) - self._done
+        ch = self.channel
+        if ch is None:
+            self._record = self._payload[self._done :]
+        elif ch.mode is auth.Mode.ENCRYPT:
+            if self._scratch is None:
+                self._scratch = memoryview(bytearray(auth.RECORD + auth.TAG))
+            self._record = self._scratch[: min(left, auth.RECORD) + auth.TAG]
+        else:
+            n = min(left, auth.RECORD)
+            self._record = self._payload[self._done : self._done + n]
+        self._stage, self._filled = _Stage.PAYLOAD, 0
+
+    def _on_record(self) -> Event | None:
+        assert self._record is not None and self._payload is not None
+        ch = self.channel
+        if ch is None:
+            self._done = len(self._payload)
+        elif ch.mode is auth.Mode.ENCRYPT:
+            n = len(self._record) - auth.TAG
+            try:
+                ch.receive.decrypt_record(self._record, self._payload[self._done : self._done + n])
+            except WeightwireError as exc:
+                raise FrameViolation(exc, self._seq()) from None
+            self._done += n
+        else:
+            self._stage, self._filled = _Stage.TAG, 0
+            return None
+        return self._after_record()
+
+    def _on_tag(self) -> Event | None:
+        assert self._record is not None and self.channel is not None
+        try:
+            self.channel.receive.check_record(self._record, self._small_view[: auth.TAG])
+        except WeightwireError as exc:
+            raise FrameViolation(exc, self._seq()) from None
+        self._done += len(self._record)
+        return self._after_record()
+
+    def _after_record(self) -> Event | None:
+        assert self._payload is not None
+        if self._done < len(self._payload):
+            self._next_record()
+            return None
+        return self._finish_write()
+
+    def _seq(self) -> int:
+        return self._write.seq if self._write is not None else 0
+
     def _finish_write(self) -> Landed:
         write = self._write
         assert write is not None
         self._sink.landed(write)
         self.bytes_landed += write.length
-        self._write, self._payload = None, None
+        self._write, self._payload, self._record = None, None, None
         self._stage, self._filled = _Stage.PREFIX, 0
         return Landed(write)
 
+    def reply(self, frame: DataFrame) -> bytes:
+        """A frame to send back to the peer, sealed once the connection is authenticated."""
+        return seal(encode(frame), self.channel.send if self.channel is not None else None)
 
-def ack(seq: int) -> bytes:
-    return encode(Ack(seq=seq))
+
+def check_protocol(hello: DataHello) -> None:
+    if hello.protocol != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"peer {hello.node} speaks data protocol {hello.protocol}, "
+            f"this side {PROTOCOL_VERSION}",
+            code=ErrorCode.UNSUPPORTED_PROTOCOL,
+        )
 
 
-def refused(seq: int, error: WeightwireError) -> bytes:
-    return encode(Refused(seq=seq, code=error.code.value, message=error.message))
+def seal(frame: bytes, sealer: auth.Sealer | None) -> bytes:
+    """An encoded frame as it goes on an authenticated connection (unchanged without one)."""
+    if sealer is None:
+        return frame
+    return sealer.header(frame[: PREFIX.size], frame[PREFIX.size :])
+
+
+def ack(seq: int) -> Ack:
+    return Ack(seq=seq)
+
+
+def refused(seq: int, error: WeightwireError) -> Refused:
+    return Refused(seq=seq, code=error.code.value, message=error.message)
