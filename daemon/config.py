@@ -53,8 +53,8 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tcp_bind: str = "0.0.0.0"
     tcp_port: int = 0
     tcp_streams: int = 4
-    tcp_handshake_timeout_s: float = 10.0  # a data connection that sends no hello is closed
-    tcp_max_unauthenticated: int = 64  # data connections waiting for a hello; more are refused
+    tcp_handshake_timeout_s: float = 10.0  # a data connection not authenticated in time is closed
+    tcp_max_unauthenticated: int = 64  # connections not yet authenticated; more are refused
     tcp_max_streams_per_peer: int = 64  # data connections one node may hold open here
     # tcp data connections: "auth" (peer authenticated, every frame MACed), "encrypt" (and
     # encrypted: untrusted networks), "off" (plain: anyone who reaches the port and knows an

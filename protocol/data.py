@@ -6,8 +6,9 @@ header's tag.
 
 A connection opens with `DataHello`. When it is authenticated (transport/tcp/auth.py)
 the reader answers `Challenge`, the writer `Proof`, and from then on each header is
-followed by a 16-byte tag (the header length counts the header only) and a payload
-goes as records of at most 1 MiB, each followed by its tag.
+followed by a 16-byte MAC tag (the header length counts the header only) and a payload
+goes as records of at most 1 MiB, each followed by its MAC tag. The MAC of a header covers
+all of it, `Write.tag` (the write's immediate, checked against failed versions) included.
 """
 
 from __future__ import annotations

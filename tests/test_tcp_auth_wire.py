@@ -15,7 +15,8 @@ from weightwire.protocol.data import DataHello, Proof, Write
 from weightwire.protocol.errors import ErrorCode, ProtocolError
 from weightwire.transport.base import LocalRegion
 from weightwire.transport.tcp import auth, handshake, wire
-from weightwire.transport.tcp.transport import RegionTable
+from weightwire.transport.tcp.regions import RegionTable
+from weightwire.transport.tcp.transport import StreamSink
 
 MiB = 1 << 20
 SIZE = 3 * MiB + 100
@@ -122,6 +123,49 @@ def test_forged_header_lands_nothing(mode: auth.Mode) -> None:
     with pytest.raises(wire.FrameViolation):
         r.feed(bytes(frame))
     assert not any(r.mem)
+
+
+def test_the_write_tag_is_under_the_header_mac() -> None:
+    """A tap that rewrites a frame's `tag` (the version it belongs to, which the receiver
+    checks against failed versions) breaks the header's MAC: refused, nothing lands."""
+    r = Reader(auth.Mode.AUTH)
+    ch = connect(r)
+    rkey = auth.plan_rkey(RKEY, "plan-a")
+    w = Write(seq=1, region=1, rkey=rkey, offset=0, length=16, imm=1234, tag=1234)
+    frame = bytearray(sealed(ch, w, b"a" * 16))
+    at = frame.rindex(b"\xcd\x04\xd2")  # msgpack of 1234: the tag, the last header field
+    frame[at + 2] ^= 0x01  # 1235
+    with pytest.raises(wire.FrameViolation) as err:
+        r.feed(bytes(frame))
+    assert err.value.code is ErrorCode.UNAUTHORIZED and "header" in err.value.message
+    assert not any(r.mem)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_failed_versions_write_is_refused_by_the_authenticated_writers_name(
+    mode: auth.Mode,
+) -> None:
+    """The admission check is asked with the name the handshake proved and refuses a failed
+    version's write before any byte of it lands (the region's grants still apply after it)."""
+    asked: list[tuple[str, int]] = []
+
+    def admit(node: str, tag: int) -> bool:
+        asked.append((node, tag))
+        return tag != 9
+
+    r = Reader(mode)
+    r.m = wire.ReceiveMachine(
+        StreamSink(r.table, admit), handshake.Acceptor("engine", mode, r.tickets)
+    )
+    ch = connect(r)
+    good = Write(seq=1, region=1, rkey=auth.plan_rkey(RKEY, "plan-a"), offset=0, length=8, tag=8)
+    (landed,) = r.feed(sealed(ch, good, b"g" * 8))
+    assert isinstance(landed, wire.Landed) and bytes(r.mem[:8]) == b"g" * 8
+    failed = Write(seq=2, region=1, rkey=good.rkey, offset=8, length=8, tag=9)
+    with pytest.raises(wire.FrameViolation) as err:
+        r.feed(sealed(ch, failed, b"f" * 8))
+    assert err.value.code is ErrorCode.ABORTED and err.value.seq == 2
+    assert not any(r.mem[8:]) and asked == [("trainer", 8), ("trainer", 9)]
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -49,7 +49,21 @@ def test_silent_connections_are_closed_after_the_handshake_timeout() -> None:
         await t.start(lambda imm, node: None)
         try:
             socks = [socket.create_connection(("127.0.0.1", t.port)) for _ in range(5)]
-            assert await until(lambda: t.incoming() == 5, 5)
+            # and one that says hello with a real ticket, reads its challenge, and never
+            # proves it holds the ticket: not authenticated, so closed all the same
+            request = auth.encode(auth.TicketRequest(mode=int(auth.Mode.AUTH)))
+            ticket = auth.decode_reply(await t.on_signal("b", request))
+            assert isinstance(ticket, auth.TicketGrant)
+            hello = DataHello(
+                protocol=PROTOCOL_VERSION, node="b", ticket=ticket.ticket, nonce=auth.nonce()
+            )
+            half = socket.create_connection(("127.0.0.1", t.port))
+            half.sendall(wire.encode(hello))
+            half.settimeout(5)
+            kind, _ = wire.decode_prefix(await asyncio.to_thread(half.recv, 5, socket.MSG_WAITALL))
+            assert kind == 5  # Challenge
+            socks.append(half)
+            assert await until(lambda: t.incoming() == 6, 5)
             closed = await asyncio.gather(*(asyncio.to_thread(closed_by_peer, s, 5) for s in socks))
             assert all(closed), closed
             assert await until(lambda: t.incoming() == 0, 5), t.incoming()

@@ -9,7 +9,7 @@ from weightwire.protocol.data import PREFIX, DataHello, Write
 from weightwire.protocol.errors import ErrorCode
 from weightwire.transport.base import LocalRegion
 from weightwire.transport.tcp import wire
-from weightwire.transport.tcp.transport import RegionTable
+from weightwire.transport.tcp.regions import RegionTable
 
 
 def machine(size: int = 64) -> tuple[wire.ReceiveMachine, bytearray]:

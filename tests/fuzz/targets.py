@@ -16,7 +16,7 @@ from weightwire.protocol.local import LocalMessage
 from weightwire.protocol.peer import PeerMessage
 from weightwire.transport.base import LocalRegion
 from weightwire.transport.tcp import wire
-from weightwire.transport.tcp.transport import RegionTable
+from weightwire.transport.tcp.regions import RegionTable
 
 LOCAL = Codec(LocalMessage, max_bytes=1 << 16)
 PEER = Codec(PeerMessage, max_bytes=1 << 16)

@@ -1,9 +1,11 @@
 """Who may hold a data connection on this node, and how the listener weathers abuse.
 
-`Admission` keeps the receive streams: at most `max_unauthenticated` of them still waiting
-for their hello, at most `max_streams_per_peer` per node, and none opened before a fence of
-its node (see `Transport.fence`). `Backoff` paces the listener when `accept` fails for want
-of descriptors or memory, with one log line per interval instead of one per failure.
+`Admission` keeps the receive streams: at most `max_unauthenticated` of them not yet
+authenticated (hello, and where tcp security is on the ticket proof), at most
+`max_streams_per_peer` per node by its authenticated name (checked once the handshake has
+proven it), and none opened before a fence of its node (see `Transport.fence`). `Backoff`
+paces the listener when `accept` fails for want of descriptors or memory, with one log line
+per interval instead of one per failure.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ class Admission(Gate):
         self._log = Limited()
 
     def number(self, address: str) -> int | None:
-        """A number for a connection just accepted, or None: too many await their hello."""
+        """A number for a connection just accepted, or None: too many are not authenticated."""
         with self._lock:
             waiting = sum(1 for s in self._streams if not s.greeted)
             if waiting < self.max_unauthenticated:
@@ -46,7 +48,7 @@ class Admission(Gate):
                 return self._accepted
             self.refused += 1
         self._log.warning(
-            "tcp data connection refused: too many without a hello",
+            "tcp data connection refused: too many not authenticated",
             address=address,
             limit=self.max_unauthenticated,
         )
@@ -57,6 +59,7 @@ class Admission(Gate):
             self._streams.add(stream)
 
     def hello(self, stream: IncomingStream) -> WeightwireError | None:
+        """Called once the stream's peer is authenticated (`stream.peer` is its proven name)."""
         node = stream.peer
         with self._lock:
             if stream.number <= self._fenced_at.get(node, 0):

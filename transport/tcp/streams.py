@@ -313,7 +313,8 @@ def _set_outcome(fut: asyncio.Future[None], exc: BaseException | None) -> None:
 
 
 class Gate:
-    """What a receive stream asks its transport: may this peer go on (None) or not (why)."""
+    """What a receive stream asks its transport: may this peer go on (None) or not (why).
+    `hello` is asked once the peer is authenticated (the handshake's proof checked)."""
 
     def hello(self, stream: IncomingStream) -> WeightwireError | None:
         return None

@@ -2,8 +2,10 @@
 
 Every region gets a random 64-bit key when it is registered (tcp's rkey), and under
 each plan answers to a key derived from it and the plan (`auth.plan_rkey`). A write
-must come from a node `authorize` named as a writer of the region, name the region and
-its key, and stay inside it, or it is refused, logged, and its connection closed.
+must come from a node `authorize` named as a writer of the region (regions.py), name the
+region and its key, carry the tag (immediate) of a version this node has not failed
+(`set_admission`), and stay inside the region, or it is refused, logged, and its
+connection closed.
 Connections are authenticated (and optionally encrypted) as auth.py describes, with
 tickets that the destination issues over the control channel (`on_signal`).
 """
@@ -16,7 +18,6 @@ import secrets
 import socket
 import threading
 import time
-from dataclasses import dataclass
 from typing import ClassVar
 
 import structlog
@@ -50,100 +51,12 @@ from weightwire.transport.base import (
 from . import auth, handshake, wire
 from .admission import Admission, Backoff
 from .bounce import Bounce
+from .regions import RegionTable
 from .streams import IncomingStream, OutgoingStream, Pending, tune
 
 log = structlog.get_logger("weightwire.transport.tcp")
 
 FENCE_JOIN_S = 5.0  # how long a fence waits for the receive threads it stopped
-
-
-GRANT_WAIT_S = 2.0  # how long a write refused by the grants waits for the plan to catch up
-
-
-@dataclass(frozen=True, slots=True)
-class _Registered:
-    region: LocalRegion
-    rkey: int  # as registered
-    wire_rkey: int  # what writes must present under the current plan
-    writers: frozenset[str]  # nodes that may write into it
-
-    def refusal(self, write: Write, peer: str) -> RegionError | None:
-        if peer not in self.writers:
-            return RegionError(
-                f"{peer} is not a planned source of region {write.region}",
-                code=ErrorCode.UNAUTHORIZED,
-            )
-        if self.wire_rkey != write.rkey:
-            return RegionError(
-                f"wrong key for region {write.region} (from {peer})", code=ErrorCode.UNAUTHORIZED
-            )
-        return None
-
-
-class RegionTable:
-    """The receive side's view of registered regions (read from receive threads). A region
-    takes writes from nobody until `grant` names its writers."""
-
-    def __init__(self, grant_wait_s: float = GRANT_WAIT_S) -> None:
-        self._regions: dict[int, _Registered] = {}
-        self._changed = threading.Condition()
-        self.grant_wait_s = grant_wait_s
-
-    def add(self, region: LocalRegion, rkey: int) -> None:
-        with self._changed:
-            self._regions[region.id] = _Registered(region, rkey, rkey, frozenset())
-            self._changed.notify_all()
-
-    def remove(self, region_id: int) -> None:
-        with self._changed:
-            self._regions.pop(region_id, None)
-            self._changed.notify_all()
-
-    def grant(self, region_id: int, writers: frozenset[str], scope: str) -> None:
-        with self._changed:
-            reg = self._regions.get(region_id)
-            if reg is None:
-                return
-            wire_rkey = auth.plan_rkey(reg.rkey, scope)
-            self._regions[region_id] = _Registered(reg.region, reg.rkey, wire_rkey, writers)
-            self._changed.notify_all()
-
-    def lookup(self, write: Write, peer: str) -> LocalRegion:
-        """The region a write may land in; RegionError (the connection closes) otherwise.
-
-        A write that the grants refuse waits up to `grant_wait_s` for them to change: a
-        writer may hold a new plan a moment before this node has installed it."""
-        deadline: float | None = None
-        with self._changed:
-            while True:
-                reg = self._regions.get(write.region)
-                if reg is None:
-                    raise RegionError(
-                        f"unknown region {write.region}", code=ErrorCode.UNKNOWN_REGION
-                    )
-                problem = reg.refusal(write, peer)
-                if problem is None:
-                    break
-                now = time.monotonic()
-                deadline = deadline if deadline is not None else now + self.grant_wait_s
-                if now >= deadline:
-                    raise problem
-                self._changed.wait(deadline - now)
-        reg.region.check(write.offset, write.length, "write")
-        return reg.region
-
-    def target(self, write: Write, peer: str) -> memoryview:
-        return self.host_view(self.lookup(write, peer), write)
-
-    @staticmethod
-    def host_view(region: LocalRegion, write: Write) -> memoryview:
-        """The bytes of `region` (looked up for `write`) that the write lands in."""
-        if region.view is None:
-            raise RegionError(f"region {write.region} is not host memory")
-        return region.view[write.offset : write.offset + write.length]
-
-    def landed(self, write: Write) -> None:
-        pass
 
 
 class StreamSink:
