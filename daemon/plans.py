@@ -13,7 +13,7 @@ from weightwire.protocol.peer import (
     Advertise,
     RankAdvert,
 )
-from weightwire.protocol.plan import MAX_SLOTS, NodePlan
+from weightwire.protocol.plan import MAX_SLOTS, NodePlan, RankPlan
 from weightwire.transport.tcp.auth import scoped
 
 from . import heap
@@ -141,7 +141,8 @@ class PlanKeeping:
             if s is not None and plan is not None:
                 for e in plan.expects:
                     if e.rank == s.rank:
-                        writers, scope = frozenset(e.sources), plan.plan_hash
+                        # elastic jobs: the replica's plan, which its writers scope by too
+                        writers, scope = frozenset(e.sources), e.plan_hash or plan.plan_hash
             for t in self.transports:
                 t.authorize(region.local.id, writers, scope)
 
@@ -171,9 +172,18 @@ class PlanKeeping:
 
 
 def _scoped(plan: NodePlan) -> NodePlan:
-    """The plan with its destinations' tcp keys rotated for it (`auth.plan_rkey`)."""
+    """The plan with its destinations' tcp keys rotated for it (`auth.plan_rkey`): by the
+    plan's hash, or in an elastic job by the hash of the replica on the region's node (what
+    that node's engine ranks expect, `Expect.plan_hash`)."""
+
+    def scope(rp: RankPlan, node: str) -> str:
+        for part in rp.replicas:
+            if node in part.nodes:
+                return part.plan_hash
+        return plan.plan_hash
+
     sends = tuple(
-        msgspec.structs.replace(rp, regions=tuple(scoped(r, plan.plan_hash) for r in rp.regions))
+        msgspec.structs.replace(rp, regions=tuple(scoped(r, scope(rp, r.node)) for r in rp.regions))
         for rp in plan.sends
     )
     return msgspec.structs.replace(plan, sends=sends)
