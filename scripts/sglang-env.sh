@@ -27,7 +27,7 @@ DEPS=(
   "gguf" "einops" "partial_json_parser" "orjson" "psutil" "pybase64" "requests"
   "pillow" "starlette" "IPython" "aiohttp" "dill"
   # weightwire's own runtime deps and the test tools
-  "msgspec" "pyzmq" "structlog" "uvloop" "pytest" "numpy"
+  "msgspec" "pyzmq" "structlog" "uvloop" "cryptography" "xxhash" "pytest" "numpy"
 )
 
 want="$(cat "${BASH_SOURCE[0]}" "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)"  # entry points live in pyproject
