@@ -193,6 +193,36 @@ def _encode_body_np(pos: np.ndarray, values: np.ndarray, n: int, kind: Kind) -> 
     return np.concatenate([head.reshape(-1), values.reshape(-1)])
 
 
+def encode_body_into(
+    dst: np.ndarray, pos: np.ndarray, values: np.ndarray, n: int, kind: Kind
+) -> None:
+    """`encode_body` on the CPU, written straight into `dst` (uint8, exactly the body's
+    size): no body-sized temporary. `values` are the changed elements' bytes (uint8)."""
+    k = pos.size
+    match kind:
+        case Kind.POS32:
+            head = 4 * k
+            np.copyto(dst[:head].view(np.uint32), pos, casting="unsafe")  # < 2**32: n is
+        case Kind.BLOCK16:
+            nblocks = -(-n // BLOCK)
+            counts = np.bincount(pos >> 16, minlength=nblocks)
+            np.copyto(dst[: 4 * nblocks].view(np.uint32), counts, casting="unsafe")
+            # the cast keeps each position's low 16 bits (modular, like `& 0xFFFF`)
+            low = dst[4 * nblocks : 4 * nblocks + 2 * k].view(np.uint16)
+            np.copyto(low, pos, casting="unsafe")
+            head = 4 * nblocks + 2 * k
+        case Kind.BITMAP:
+            head = -(-n // 8)
+            bits = np.zeros(head * 8, dtype=bool)
+            bits[pos] = True
+            dst[:head] = np.packbits(bits, bitorder="little")
+        case _:
+            raise ValueError(f"unknown delta encoding {kind}")
+    if dst.size != head + values.size:
+        raise ValueError(f"a body of {dst.size} bytes for {head + values.size}")
+    dst[head:] = values
+
+
 def _decode_head_np(kind: Kind, body: np.ndarray, n: int, k: int) -> tuple[np.ndarray, int]:
     match kind:
         case Kind.POS32:

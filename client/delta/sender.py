@@ -18,11 +18,12 @@ from typing import Literal
 
 import numpy as np
 import torch
+import xxhash
 
 from weightwire.protocol.local import PublishResult
 from weightwire.protocol.plan import Bucket, DeltaSlot, RankPlan, WriteOp
 
-from . import codec, digest, frames
+from . import codec, digest, frames, scan
 
 Mode = Literal["off", "auto", "on"]
 Dst = tuple[str, int]  # (engine node, immediate slot)
@@ -74,6 +75,8 @@ class DeltaSender:
         if self.shadow is None and plan.trailers:
             device = staging.device if staging is not None else torch.device("cpu")
             self.shadow = torch.zeros(plan.shadow_bytes, dtype=torch.uint8, device=device)
+            if device.type == "cpu" and self.mode != "off":
+                scan.warm()
         self._dsts = {(t.dst_node, t.slot) for t in plan.trailers}
         self._version, self._refs = version, {}
         self._base = self.shadow_version
@@ -103,6 +106,12 @@ class DeltaSender:
         slot, payload bytes) of the payloads to send."""
         if out is None or self.shadow is None:
             return []
+        if (
+            staging is not None
+            and staging.device.type == "cpu"
+            and self.shadow.device.type == "cpu"
+        ):
+            return self._bucket_host(b, _Planned(staging, shift), out, source_bytes, gpu_region)
         self._checksum(b, staging, shift, source_bytes, gpu_region)
         if staging is None:
             return []
@@ -118,6 +127,144 @@ class DeltaSender:
                 self._refs.setdefault((ds.dst_node, ds.slot), []).append((ds.dst_offset, nbytes))
         self._advance(b, new, found)
         return sent
+
+    def _bucket_host(
+        self,
+        b: Bucket,
+        new: _Planned,
+        out: torch.Tensor,
+        source_bytes: SourceBytes,
+        gpu_region: Callable[[str, int], bool],
+    ) -> list[tuple[int, int, int]]:
+        """`bucket` for host staging and shadow: each staging block is read once (compared
+        where a payload may go, copied into the shadow elsewhere) and hashed on the way;
+        a payload's compare stops as soon as it could not fit (or, by a sampled estimate,
+        before it starts)."""
+        assert self.shadow is not None
+        shadow = self.shadow.numpy()
+        claims: dict[tuple[int, int], tuple[int, int]] = {}  # block -> (delta slot, start)
+        jobs: dict[int, _Job] = {}
+        for index, ds in enumerate(b.deltas):
+            if self._wants_delta(ds):
+                job = self._claim(b, index, ds, new, shadow, claims)
+                if job is not None:
+                    jobs[index] = job
+        done: dict[tuple[int, int], None] = {}
+        for wr in b.writes:
+            dst = (wr.dst_node, wr.slot)
+            hashed = dst in self._dsts
+            gpu = hashed and gpu_region(wr.dst_node, wr.dst_region)
+            hasher = xxhash.xxh3_64() if hashed and not gpu else None
+            blocks: list[torch.Tensor] = []
+            for off, length in src_blocks(wr):
+                if wr.src_region >= 0:
+                    data = source_bytes(wr.src_region, off, length) if hashed else None
+                    if data is not None:
+                        _feed(hasher, blocks, data)
+                    continue
+                fresh = new[off : off + length]
+                if (off, length) in done:  # already scanned for another write
+                    if hashed:
+                        _feed(hasher, blocks, fresh)
+                    continue
+                done[(off, length)] = None
+                a, old = fresh.numpy(), shadow[off : off + length]
+                claim = claims.get((off, length))
+                job = jobs.get(claim[0]) if claim is not None else None
+                if job is None or job.dense:
+                    scan.copy(a, old, hasher)
+                else:
+                    self._scan(job, claim[1], a, old, hasher)
+                if gpu:
+                    blocks.append(fresh)
+            if hashed:
+                part = digest.tdigest(blocks) if gpu else hasher.intdigest()  # type: ignore[union-attr]
+                self._parts.setdefault(dst, []).append(part)
+                self._ranges.setdefault(dst, []).append(
+                    (wr.dst_region, wr.dst_offset, wr.length, wr.count, wr.dst_stride)
+                )
+        sent: list[tuple[int, int, int]] = []
+        for index, job in jobs.items():
+            nbytes = 0 if job.dense else self._payload(b, job, out)
+            if nbytes:
+                ds = job.slot
+                sent.append((b.index, index, nbytes))
+                self._refs.setdefault((ds.dst_node, ds.slot), []).append((ds.dst_offset, nbytes))
+        return sent
+
+    def _claim(
+        self,
+        b: Bucket,
+        index: int,
+        ds: DeltaSlot,
+        new: _Planned,
+        shadow: np.ndarray,
+        claims: dict[tuple[int, int], tuple[int, int]],
+    ) -> _Job | None:
+        """A compare job for delta slot `ds`, its blocks claimed; None when it goes dense:
+        blocks another slot compares, misaligned, or a sampled density that would not fit."""
+        w = ds.width
+        blocks = [blk for i in ds.writes for blk in src_blocks(b.writes[i])]
+        if any(blk in claims for blk in blocks):
+            return None
+        changed = compared = 0
+        for off, length in blocks:
+            a, old = new[off : off + length].numpy(), shadow[off : off + length]
+            if not scan.aligned(a, old, w):
+                return None
+            c, n = scan.sample(a, old, w)
+            changed, compared = changed + c, compared + n
+        n = sum(length for _, length in blocks) // w
+        limit = int(ds.capacity / (w + 0.125))  # more changes than this cannot fit
+        if compared and compared < n:  # sampled: go dense unless it may well fit
+            estimate = changed * n // compared
+            kind = codec.best_kind(n, estimate, w, allow_dense=False)
+            size = codec.body_size(kind, n, estimate, w)
+            dense_is_smaller = self.mode == "auto" and size >= n * w
+            if size > 1.5 * ds.capacity or dense_is_smaller:
+                self._changed += changed
+                self._compared += compared
+                return None
+        start = 0
+        for blk in blocks:
+            claims[blk] = (index, start)
+            start += blk[1] // w
+        return _Job(ds, n, limit)
+
+    def _scan(self, job: _Job, start: int, a: np.ndarray, old: np.ndarray, hasher: object) -> None:
+        got = scan.scan(a, old, job.slot.width, job.limit - job.changed, hasher)
+        if got is None:  # cannot fit: the slot goes dense (the shadow is moved on anyway)
+            job.dense = True
+            job.pos, job.values = [], []
+            self._compared += a.size // job.slot.width
+            self._changed += job.limit - job.changed + 1
+            return
+        job.changed += got.pos.size
+        job.pos.append(got.pos + start if start else got.pos)
+        job.values.append(got.values)
+        self._changed += got.pos.size
+        self._compared += got.compared
+
+    def _payload(self, b: Bucket, job: _Job, out: torch.Tensor) -> int:
+        """Encode a job's changes into `out`; its bytes (0: it goes dense)."""
+        ds, w, n = job.slot, job.slot.width, job.elements
+        pos = _join(job.pos, np.int64)
+        k = int(pos.size)
+        kind = codec.best_kind(n, k, w, allow_dense=self.mode != "on")
+        writes = [b.writes[i] for i in ds.writes]
+        blocks = tuple(
+            (wr.dst_region, wr.dst_offset, wr.length, wr.count, wr.dst_stride) for wr in writes
+        )
+        body_len = codec.body_size(kind, n, k, w)
+        head = frames.PayloadHead(int(kind), w, self._version, self._base, n, k, body_len, blocks)
+        if kind is codec.Kind.DENSE or head.size > ds.capacity or head.size < len(ds.writes):
+            return 0
+        values = _join(job.values, np.uint8)
+        at = ds.src_offset
+        dst = out.numpy()
+        dst[at : at + head.body_offset] = np.frombuffer(frames.payload_head(head), np.uint8)
+        codec.encode_body_into(dst[at + head.body_offset : at + head.size], pos, values, n, kind)
+        return head.size
 
     def _checksum(
         self,
@@ -250,6 +397,34 @@ class DeltaSender:
     def abandon(self) -> None:
         """The version failed on this side: the shadow may be half moved on."""
         self.shadow_version, self.held = -1, {}
+
+
+@dataclass
+class _Job:
+    """One delta slot's compare in progress (host path)."""
+
+    slot: DeltaSlot
+    elements: int
+    limit: int
+    changed: int = 0
+    dense: bool = False
+    pos: list[np.ndarray] = field(default_factory=list)
+    values: list[np.ndarray] = field(default_factory=list)
+
+
+def _join(parts: list[np.ndarray], dtype: type) -> np.ndarray:
+    if not parts:
+        return np.zeros(0, dtype=dtype)
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _feed(hasher: object, blocks: list[torch.Tensor], data: torch.Tensor) -> None:
+    """A range's next block: into its xxh3, or kept for its tdigest."""
+    if hasher is None:
+        blocks.append(data)
+        return
+    if data.numel():
+        hasher.update(memoryview(data.contiguous().cpu().numpy()))  # type: ignore[attr-defined]
 
 
 def _cat(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
