@@ -11,7 +11,10 @@ previous step, which the engine holds), then dense (the same weights again, ever
 so both are measured on the same machine at the same moment. Every publish is checked
 bitwise against the trainer's bf16 weights. Reported per learning rate: the measured
 density (changed bf16 elements), bytes moved, publish times (the trainer's call, from
-packing to verified at the engine) and their ratios, medians over the steps.
+packing to verified at the engine) and their ratios, medians over the steps; the
+density is counted exactly here (the sender's own figure, `sender_densities`, is
+estimated from samples where a bucket went dense without a full compare), and
+`delta_phases_s` splits the sender's delta work by phase (sample, scan, copy, encode).
 """
 
 from __future__ import annotations
@@ -68,6 +71,17 @@ def _bitwise(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return all(torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)) for n in a)
 
 
+def _density(before: dict[str, Any], after: dict[str, Any]) -> float:
+    """Changed elements / elements, bitwise (bf16 as int16), exact."""
+    import torch
+
+    changed = total = 0
+    for n, a in after.items():
+        changed += int((a.view(torch.int16) != before[n].view(torch.int16)).sum())
+        total += a.numel()
+    return changed / total if total else 0.0
+
+
 def run_lr(cluster: Any, lr: float, args: Any, job: str) -> dict[str, Any]:
     import torch
 
@@ -85,13 +99,19 @@ def run_lr(cluster: Any, lr: float, args: Any, job: str) -> dict[str, Any]:
     eng.wait(version)
     verified = _bitwise(dst, model.bf16)
     rows = []
+    phases: list[dict[str, float]] = []
+    exact: list[float] = []
     for _ in range(args.steps):
+        before = {n: t.clone() for n, t in model.bf16.items()}
         t0 = time.perf_counter()
         loss = model.step()
         step_s = time.perf_counter() - t0
+        exact.append(_density(before, model.bf16))
+        del before
         version += 1
         tr.delta.mode = "auto"
         delta = tr.publish(version)
+        phases.append(dict(tr.delta.phases))
         eng.wait(version)
         verified &= _bitwise(dst, model.bf16)
         version += 1
@@ -103,7 +123,7 @@ def run_lr(cluster: Any, lr: float, args: Any, job: str) -> dict[str, Any]:
     tr.close()
     eng.close()
     med = statistics.median
-    density = med(d.density for d, _, _, _ in rows)
+    density = med(exact)
     dense_bytes = med(n.nbytes for _, n, _, _ in rows)
     delta_bytes = med(d.nbytes for d, _, _, _ in rows)
     dense_s = med(n.total_seconds for _, n, _, _ in rows)
@@ -125,7 +145,11 @@ def run_lr(cluster: Any, lr: float, args: Any, job: str) -> dict[str, Any]:
         "delta_pack_s": round(med(d.pack_seconds for d, _, _, _ in rows), 4),
         "dense_pack_s": round(med(n.pack_seconds for _, n, _, _ in rows), 4),
         "steps": args.steps,
-        "densities": [round(d.density, 5) for d, _, _, _ in rows],
+        "densities": [round(x, 5) for x in exact],
+        "sender_densities": [round(d.density, 5) for d, _, _, _ in rows],
+        "delta_phases_s": {k: round(med(p.get(k, 0.0) for p in phases), 4) for k in phases[0]}
+        if phases
+        else {},
         "losses": [round(x, 6) for _, _, x, _ in rows],
         "adamw_step_s": round(med(s for _, _, _, s in rows), 3),
         "verified": bool(verified),

@@ -67,6 +67,20 @@ def body_size(kind: Kind, n: int, k: int, width: int) -> int:
     raise ValueError(f"unknown delta encoding {kind}")
 
 
+def max_changes(n: int, width: int, capacity: int) -> int:
+    """The most changes of n elements whose smallest delta body fits `capacity` bytes
+    (-1: none fits); exact, so a compare may stop once it has found more."""
+    best = -1
+    for kind in (Kind.POS32, Kind.BLOCK16, Kind.BITMAP):
+        if kind is Kind.POS32 and n > 0xFFFFFFFF:
+            continue
+        fixed = body_size(kind, n, 0, width)
+        per = body_size(kind, n, 1, width) - fixed
+        if capacity >= fixed:
+            best = max(best, (capacity - fixed) // per)
+    return min(best, n)
+
+
 def best_kind(n: int, k: int, width: int, *, allow_dense: bool = True) -> Kind:
     """The smallest encoding of k changes of n elements (ties go to the simplest)."""
     kinds = [Kind.POS32, Kind.BLOCK16, Kind.BITMAP]

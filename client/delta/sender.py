@@ -12,6 +12,7 @@ changes where a delta was computed, a copy elsewhere.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -26,6 +27,9 @@ from weightwire.protocol.plan import Bucket, DeltaSlot, RankPlan, WriteOp
 from . import codec, digest, frames, scan
 
 Mode = Literal["off", "auto", "on"]
+SAMPLE_MARGIN = 1.1
+"""A slot goes dense without a full compare when its sampled density gives a payload this
+many times its capacity (a wrong guess costs bytes, never correctness)."""
 Dst = tuple[str, int]  # (engine node, immediate slot)
 SourceBytes = Callable[[int, int, int], torch.Tensor]
 """source_bytes(region, offset, length) of a zero-copy source region the rank registered."""
@@ -63,6 +67,7 @@ class DeltaSender:
         self.last_density = 0.0  # changed elements / compared, of the last version
         self._changed = 0
         self._compared = 0
+        self.phases: dict[str, float] = {}  # seconds of the last version, by phase (host path)
 
     @property
     def shadow_bytes(self) -> int:
@@ -81,6 +86,7 @@ class DeltaSender:
         self._version, self._refs = version, {}
         self._base = self.shadow_version
         self._changed = self._compared = 0
+        self.phases = {"sample": 0.0, "scan": 0.0, "copy": 0.0, "encode": 0.0}
         self._parts: dict[Dst, list[int]] = {}  # per engine rank: range checksums so far
         self._ranges: dict[Dst, list[frames.Range]] = {}
 
@@ -144,11 +150,13 @@ class DeltaSender:
         shadow = self.shadow.numpy()
         claims: dict[tuple[int, int], tuple[int, int]] = {}  # block -> (delta slot, start)
         jobs: dict[int, _Job] = {}
+        t0 = time.perf_counter()
         for index, ds in enumerate(b.deltas):
             if self._wants_delta(ds):
                 job = self._claim(b, index, ds, new, shadow, claims)
                 if job is not None:
                     jobs[index] = job
+        self._tick("sample", t0)
         done: dict[tuple[int, int], None] = {}
         for wr in b.writes:
             dst = (wr.dst_node, wr.slot)
@@ -171,10 +179,13 @@ class DeltaSender:
                 a, old = fresh.numpy(), shadow[off : off + length]
                 claim = claims.get((off, length))
                 job = jobs.get(claim[0]) if claim is not None else None
+                t0 = time.perf_counter()
                 if job is None or job.dense:
                     scan.copy(a, old, hasher)
+                    self._tick("copy", t0)
                 else:
                     self._scan(job, claim[1], a, old, hasher)
+                    self._tick("scan", t0)
                 if gpu:
                     blocks.append(fresh)
             if hashed:
@@ -185,12 +196,17 @@ class DeltaSender:
                 )
         sent: list[tuple[int, int, int]] = []
         for index, job in jobs.items():
+            t0 = time.perf_counter()
             nbytes = 0 if job.dense else self._payload(b, job, out)
+            self._tick("encode", t0)
             if nbytes:
                 ds = job.slot
                 sent.append((b.index, index, nbytes))
                 self._refs.setdefault((ds.dst_node, ds.slot), []).append((ds.dst_offset, nbytes))
         return sent
+
+    def _tick(self, phase: str, since: float) -> None:
+        self.phases[phase] = self.phases.get(phase, 0.0) + time.perf_counter() - since
 
     def _claim(
         self,
@@ -212,16 +228,19 @@ class DeltaSender:
             a, old = new[off : off + length].numpy(), shadow[off : off + length]
             if not scan.aligned(a, old, w):
                 return None
-            c, n = scan.sample(a, old, w)
-            changed, compared = changed + c, compared + n
+            c, m = scan.sample(a, old, w)
+            changed, compared = changed + c, compared + m
         n = sum(length for _, length in blocks) // w
-        limit = int(ds.capacity / (w + 0.125))  # more changes than this cannot fit
+        room = ds.capacity - frames.body_offset(len(ds.writes))
+        limit = codec.max_changes(n, w, room)  # more changes than this cannot fit
+        if limit < 0:
+            return None
         if compared and compared < n:  # sampled: go dense unless it may well fit
             estimate = changed * n // compared
             kind = codec.best_kind(n, estimate, w, allow_dense=False)
             size = codec.body_size(kind, n, estimate, w)
             dense_is_smaller = self.mode == "auto" and size >= n * w
-            if size > 1.5 * ds.capacity or dense_is_smaller:
+            if size > SAMPLE_MARGIN * room or dense_is_smaller:
                 self._changed += changed
                 self._compared += compared
                 return None
