@@ -69,14 +69,17 @@ def test_scan_finds_every_change_and_moves_the_shadow(
     pre_old = old_buf.copy()
     mp = pytest.MonkeyPatch()
     mp.setattr(scan, "CHUNK", chunk)
+    acc = scan.Changes(elements + 5, width, elements + 5)
+    acc.k = 5  # after another block's 5 changes, this block at element 5 of the stream
+    acc.pos[:5] = np.arange(5)
     try:
-        got = scan.scan(new, old, width, elements, h)
+        assert scan.scan(new, old, acc, 5, h)
     finally:
         mp.undo()
-    assert got is not None
-    assert np.array_equal(got.pos, want_np)
+    assert np.array_equal(acc.positions[5:], want_np + 5)
+    assert np.array_equal(acc.positions[:5], np.arange(5))
     el = new.view(scan.NP_INT[width]) if elements else np.zeros(0, scan.NP_INT[width])
-    assert got.values.tobytes() == el[want_np].tobytes()
+    assert acc.values[5 * width :].tobytes() == el[want_np].tobytes()
     assert np.array_equal(old, new)  # the shadow took every new byte
     assert np.array_equal(old_buf[:lo], pre_old[:lo])  # and nothing outside the block
     assert np.array_equal(old_buf[lo + elements * width :], pre_old[lo + elements * width :])
@@ -87,12 +90,24 @@ def test_scan_stops_past_the_limit_but_moves_the_shadow_on(path: str) -> None:
     new, old = _pair(1 << 16, 2, 0.2, 1)
     want = int(np.count_nonzero(new.view(np.uint16) != old.view(np.uint16)))
     h = xxhash.xxh3_64()
-    assert scan.scan(new, old, 2, want - 1, h) is None
+    assert not scan.scan(new, old, scan.Changes(1 << 15, 2, want - 1), 0, h)
     assert np.array_equal(old, new)
     assert h.intdigest() == xxhash.xxh3_64_intdigest(new.tobytes())
     new2, old2 = _pair(1 << 16, 2, 0.2, 1)
-    got = scan.scan(new2, old2, 2, want, None)  # exactly at the limit: still a delta
-    assert got is not None and got.pos.size == want
+    acc = scan.Changes(1 << 15, 2, want)
+    assert scan.scan(new2, old2, acc, 0, None)  # exactly at the limit: still a delta
+    assert acc.k == want
+
+
+def test_scan_stops_early_on_a_block_projected_past_the_limit(path: str) -> None:
+    new, old = _pair(16 << 20, 2, 0.2, 3)  # 16 chunks of 1 MiB
+    want = int(np.count_nonzero(new.view(np.uint16) != old.view(np.uint16)))
+    acc = scan.Changes(8 << 20, 2, want // 2)
+    h = xxhash.xxh3_64()
+    assert not scan.scan(new, old, acc, 0, h)
+    assert acc.k < want // 4  # it gave up after the first eighth or so
+    assert np.array_equal(old, new)
+    assert h.intdigest() == xxhash.xxh3_64_intdigest(new.tobytes())
 
 
 def test_copy_and_sample() -> None:

@@ -219,8 +219,9 @@ def encode_body_into(
             np.copyto(dst[:head].view(np.uint32), pos, casting="unsafe")  # < 2**32: n is
         case Kind.BLOCK16:
             nblocks = -(-n // BLOCK)
-            counts = np.bincount(pos >> 16, minlength=nblocks)
-            np.copyto(dst[: 4 * nblocks].view(np.uint32), counts, casting="unsafe")
+            # sorted positions: each block's count from two binary searches, not a pass
+            edges = np.searchsorted(pos, np.arange(nblocks + 1, dtype=np.int64) << 16)
+            np.copyto(dst[: 4 * nblocks].view(np.uint32), np.diff(edges), casting="unsafe")
             # the cast keeps each position's low 16 bits (modular, like `& 0xFFFF`)
             low = dst[4 * nblocks : 4 * nblocks + 2 * k].view(np.uint16)
             np.copyto(low, pos, casting="unsafe")

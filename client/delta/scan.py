@@ -17,7 +17,6 @@ percent density: `np.flatnonzero` dominates).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,23 +28,37 @@ except ImportError:  # pragma: no cover - exercised where numba is absent
 
 CHUNK = 1 << 20  # bytes per step: both streams' chunks stay in L2 while hashed and compared
 NP_INT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+PROJECT_MARGIN = 1.25  # a block whose first eighth or more projects this far past the limit
 SAMPLE_BYTES = 4096
 SAMPLES_PER_BLOCK = 16
 
 
-@dataclass(frozen=True)
-class Scanned:
-    """Changes of one block: sorted element positions (int64, from the block's start) and
-    their new values (the elements' bytes, in order); `compared` elements were compared."""
+class Changes:
+    """Changes found so far for one payload (across its blocks): element positions in its
+    stream (sorted, int64) and their new values, with room for `limit` of them (and the
+    spare entries the word loop writes past it)."""
 
-    pos: np.ndarray
-    values: np.ndarray
-    compared: int
+    def __init__(self, elements: int, width: int, limit: int) -> None:
+        room = max(0, min(limit, elements)) + 9
+        self.width, self.limit, self.k = width, limit, 0
+        self.pos = np.empty(room, dtype=np.int64)
+        self.val = np.empty(room, dtype=NP_INT[width])
+
+    @property
+    def positions(self) -> np.ndarray:
+        return self.pos[: self.k]
+
+    @property
+    def values(self) -> np.ndarray:
+        """The changed elements' bytes, in order (uint8)."""
+        return self.val[: self.k].view(np.uint8)
 
 
-def _words_py(a64: Any, b64: Any, a_el: Any, pos: Any, val: Any, k: int, limit: int, r: int) -> Any:
+def _words_py(
+    a64: Any, b64: Any, a_el: Any, pos: Any, val: Any, k: int, limit: int, r: int, base: int
+) -> Any:
     """Compare words a64 with b64 (the shadow, updated where they differ); record
-    (element position, value) of each differing element of `r` per word from `k` on
+    (base + element position, value) of each differing element of `r` per word from `k` on
     (branch-free within a word: pos and val need `r` spare entries past `limit`).
     Returns (k, words done): it stops after the word that takes k past `limit`."""
     bits = np.uint64(64 // r)
@@ -56,7 +69,7 @@ def _words_py(a64: Any, b64: Any, a_el: Any, pos: Any, val: Any, k: int, limit: 
         if x != 0:
             b64[j] = a64[j]
             for e in range(r):
-                pos[k] = j * r + e
+                pos[k] = base + j * r + e
                 val[k] = a_el[j * r + e]
                 k += ((x >> (bits * np.uint64(e))) & mask) != 0
             if k > limit:
@@ -79,80 +92,72 @@ def warm() -> None:
         a = np.zeros(8, dtype=np.uint8)
         el = a.view(dt)
         _words(a.view(np.uint64), a.copy().view(np.uint64), el, np.zeros(1, np.int64),
-               np.zeros(1, dt), 0, 0, 8 // el.itemsize)  # fmt: skip
+               np.zeros(1, dt), 0, 0, 8 // el.itemsize, 0)  # fmt: skip
 
 
 def aligned(new: np.ndarray, old: np.ndarray, width: int) -> bool:
     return new.ctypes.data % width == 0 and old.ctypes.data % width == 0
 
 
-def scan(
-    new: np.ndarray, old: np.ndarray, width: int, limit: int, hasher: Any | None
-) -> Scanned | None:
+def scan(new: np.ndarray, old: np.ndarray, acc: Changes, base: int, hasher: Any | None) -> bool:
     """Block `new` (uint8) against `old` (the shadow: left equal to `new`), hashing `new`
-    into `hasher`; None when more than `limit` elements changed (the shadow is moved on
-    and the hash fed all the same). Both must be aligned to `width`."""
-    n_el = new.size // width
-    room = min(limit, n_el) + 9  # r spare entries past the limit (see _words_py)
-    pos = np.empty(room, dtype=np.int64)
-    val = np.empty(room, dtype=NP_INT[width])
-    k = 0
-    at = 0
+    into `hasher`, its changes added to `acc` at element `base` of the payload's stream.
+    False when the payload cannot fit: more than `acc.limit` changes, or a block whose
+    first part projects well past it (the shadow is moved on and the hash fed all the
+    same). Both must be aligned to the width."""
+    width = acc.width
     size = new.size
+    k0 = acc.k
+    at = 0
     bail = False
     while at < size:
         end = min(size, at + CHUNK)
         a, b = new[at:end], old[at:end]
         if not bail:
-            k, done = _scan_chunk(a, b, width, pos, val, k, limit, at // width)
-            if k > limit:
-                bail = True
+            done = _scan_chunk(a, b, acc, base + at // width)
+            at_done = at + done
+            spent = acc.k - k0
+            bail = acc.k > acc.limit or (
+                size // 8 <= at_done < size
+                and spent * size > PROJECT_MARGIN * at_done * max(0, acc.limit - k0)
+            )
+            if bail:
                 np.copyto(b[done:], a[done:])
         else:
             np.copyto(b, a)
         if hasher is not None:
             hasher.update(a)
         at = end
-    if bail:
-        return None
-    return Scanned(pos[:k], val[:k].view(np.uint8), n_el)
+    return not bail
 
 
-def _scan_chunk(
-    a: np.ndarray,
-    b: np.ndarray,
-    width: int,
-    pos: np.ndarray,
-    val: np.ndarray,
-    k: int,
-    limit: int,
-    base: int,
-) -> tuple[int, int]:
-    """Changes of chunk a against b (updated), positions from `base`; (k, bytes done)."""
-    k0 = k
+def _scan_chunk(a: np.ndarray, b: np.ndarray, acc: Changes, base: int) -> int:
+    """Changes of chunk a against b (updated) into `acc`, positions from `base`; the bytes
+    done (all, unless it stopped past the limit)."""
+    width, limit = acc.width, acc.limit
     whole = a.size - a.size % 8
     if _words is not None and whole and a.ctypes.data % 8 == 0 and b.ctypes.data % 8 == 0:
         r = 8 // width
-        k, words = _words(
+        acc.k, words = _words(
             a[:whole].view(np.uint64), b[:whole].view(np.uint64),
-            a[:whole].view(NP_INT[width]), pos, val, k, limit, r,
+            a[:whole].view(NP_INT[width]), acc.pos, acc.val, acc.k, limit, r, base,
         )  # fmt: skip
-        pos[k0 : min(k, limit)] += base
-        if k > limit:
-            return k, words * 8
+        if acc.k > limit:
+            return int(words) * 8
         if whole == a.size:
-            return k, a.size
-        k0 = k
+            return a.size
         tail_a, tail_b, tail_at = a[whole:], b[whole:], whole
     else:
         tail_a, tail_b, tail_at = a, b, 0
     ea, eb = tail_a.view(NP_INT[width]), tail_b.view(NP_INT[width])
     hit = np.flatnonzero(ea != eb)
+    k = acc.k
     take = min(hit.size, max(0, limit - k))
-    pos[k : k + take] = hit[:take] + (base + tail_at // width)
-    val[k : k + take] = ea[hit[:take]]
+    acc.pos[k : k + take] = hit[:take] + (base + tail_at // width)
+    acc.val[k : k + take] = ea[hit[:take]]
     eb[hit] = ea[hit]
-    return k + hit.size, a.size
+    acc.k = k + hit.size
+    return a.size
 
 
 def copy(new: np.ndarray, old: np.ndarray, hasher: Any | None) -> None:

@@ -27,7 +27,7 @@ from weightwire.protocol.plan import Bucket, DeltaSlot, RankPlan, WriteOp
 from . import codec, digest, frames, scan
 
 Mode = Literal["off", "auto", "on"]
-SAMPLE_MARGIN = 1.1
+SAMPLE_MARGIN = 1.0
 """A slot goes dense without a full compare when its sampled density gives a payload this
 many times its capacity (a wrong guess costs bytes, never correctness)."""
 Dst = tuple[str, int]  # (engine node, immediate slot)
@@ -248,26 +248,22 @@ class DeltaSender:
         for blk in blocks:
             claims[blk] = (index, start)
             start += blk[1] // w
-        return _Job(ds, n, limit)
+        return _Job(ds, n, scan.Changes(n, w, limit))
 
     def _scan(self, job: _Job, start: int, a: np.ndarray, old: np.ndarray, hasher: object) -> None:
-        got = scan.scan(a, old, job.slot.width, job.limit - job.changed, hasher)
-        if got is None:  # cannot fit: the slot goes dense (the shadow is moved on anyway)
+        acc = job.changes
+        k0 = acc.k
+        fits = scan.scan(a, old, acc, start, hasher)
+        self._compared += a.size // acc.width
+        self._changed += min(acc.k, acc.limit + 1) - k0
+        if not fits:  # cannot fit: the slot goes dense (the shadow is moved on anyway)
             job.dense = True
-            job.pos, job.values = [], []
-            self._compared += a.size // job.slot.width
-            self._changed += job.limit - job.changed + 1
-            return
-        job.changed += got.pos.size
-        job.pos.append(got.pos + start if start else got.pos)
-        job.values.append(got.values)
-        self._changed += got.pos.size
-        self._compared += got.compared
+            job.changes = scan.Changes(0, acc.width, 0)  # let the buffers go
 
     def _payload(self, b: Bucket, job: _Job, out: torch.Tensor) -> int:
         """Encode a job's changes into `out`; its bytes (0: it goes dense)."""
         ds, w, n = job.slot, job.slot.width, job.elements
-        pos = _join(job.pos, np.int64)
+        pos = job.changes.positions
         k = int(pos.size)
         kind = codec.best_kind(n, k, w, allow_dense=self.mode != "on")
         writes = [b.writes[i] for i in ds.writes]
@@ -278,7 +274,7 @@ class DeltaSender:
         head = frames.PayloadHead(int(kind), w, self._version, self._base, n, k, body_len, blocks)
         if kind is codec.Kind.DENSE or head.size > ds.capacity or head.size < len(ds.writes):
             return 0
-        values = _join(job.values, np.uint8)
+        values = job.changes.values
         at = ds.src_offset
         dst = out.numpy()
         dst[at : at + head.body_offset] = np.frombuffer(frames.payload_head(head), np.uint8)
@@ -424,17 +420,8 @@ class _Job:
 
     slot: DeltaSlot
     elements: int
-    limit: int
-    changed: int = 0
+    changes: scan.Changes
     dense: bool = False
-    pos: list[np.ndarray] = field(default_factory=list)
-    values: list[np.ndarray] = field(default_factory=list)
-
-
-def _join(parts: list[np.ndarray], dtype: type) -> np.ndarray:
-    if not parts:
-        return np.zeros(0, dtype=dtype)
-    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 def _feed(hasher: object, blocks: list[torch.Tensor], data: torch.Tensor) -> None:
