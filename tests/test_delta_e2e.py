@@ -141,11 +141,11 @@ class DropsABucket(Trainer):
 
     drop, at = 1, -1
 
-    def _post_bucket(self, poster, index, device, started, delta):  # type: ignore[no-untyped-def]
+    def _post_bucket(self, poster, index, device, started, delta, *args, **kwargs):  # type: ignore[no-untyped-def]
         if (poster.version, index) == (self.at, self.drop):
             assert delta, "the dropped bucket should have been a delta"
             return
-        super()._post_bucket(poster, index, device, started, delta)
+        super()._post_bucket(poster, index, device, started, delta, *args, **kwargs)
 
 
 def test_lost_delta_bucket(cluster: LocalCluster) -> None:
