@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	@test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q "$(TORCH)"
-	$(VPY) -m pip install -q -e ".[client,dev]"
+	$(VPY) -m pip install -q -e ".[client,sglang,metrics,dev]"
 	$(VPY) -m pip install -q --no-deps "$(MCORE)"  # its deps (numpy, packaging, torch) are here
 	@$(VPY) -m pip install -q atheris 2>/dev/null || echo "atheris did not install: fuzzing runs on hypothesis alone"
 	@touch $(STAMP)

@@ -20,6 +20,9 @@ from weightwire.protocol.errors import ErrorCode, WeightwireError, error_from_co
 from weightwire.protocol.local import VersionComplete, VersionFailed
 from weightwire.protocol.plan import Expect, decode_imm, version_low
 
+from .metrics import Recorder
+from .versionlog import gbyte_s
+
 log = structlog.get_logger("weightwire.daemon.completion")
 
 Notify = Callable[[str, int, VersionComplete | VersionFailed], None]
@@ -62,6 +65,7 @@ class RankCompletion:
     waiters: dict[int, list[asyncio.Future[VersionComplete]]] = field(default_factory=dict)
     apply: Apply | None = None
     verdict: Verdict | None = None
+    metrics: Recorder | None = None
 
     @property
     def verified(self) -> bool:
@@ -161,16 +165,28 @@ class RankCompletion:
             rank=self.rank, version=st.version, nbytes=self.expect.nbytes, seconds=seconds
         )
         self.completed.append(done)
-        log.info(
+        log.debug(
             "version complete",
             rank=self.rank,
             version=st.version,
             bytes=self.expect.nbytes,
             writes=self.expect.count,
             seconds=round(seconds, 6),
-            gbps=round(self.expect.nbytes / seconds / 1e9, 3) if seconds > 0 else None,
+            gbyte_s=gbyte_s(self.expect.nbytes, seconds),
             sources=sorted(st.sources),
         )
+        if self.metrics is not None:
+            sources = dict.fromkeys(self.expect.sources, 0)
+            self.metrics.rank_version(
+                self.job,
+                "engine",
+                self.rank,
+                st.version,
+                self.expect.nbytes,
+                seconds,
+                sources,
+                None,
+            )
         waiters = self.waiters.pop(st.version, [])
         version = st.version
 
@@ -219,6 +235,12 @@ class RankCompletion:
         log.warning(
             "version failed", rank=self.rank, version=version, code=code.value, error=message
         )
+        if self.metrics is not None:
+            sources = dict.fromkeys(self.expect.sources, 0)
+            seconds = time.monotonic() - st.started if st is not None else 0.0
+            self.metrics.rank_version(
+                self.job, "engine", self.rank, version, 0, seconds, sources, code.value
+            )
         waiters = self.waiters.pop(version, [])
 
         def settle() -> None:
@@ -332,6 +354,7 @@ class Completions:
     apply: Apply | None = None
     verdict: Verdict | None = None
     fence: Fence | None = None
+    metrics: Recorder | None = None
     ranks: dict[tuple[str, int], RankCompletion] = field(default_factory=dict)
     by_slot: dict[int, RankCompletion] = field(default_factory=dict)
 
@@ -353,6 +376,7 @@ class Completions:
                 apply=self.apply,
                 verdict=self.verdict,
                 fence=self.fence,
+                metrics=self.metrics,
             )
             if old is not None:
                 old.fail_in_progress(ErrorCode.PLAN_CHANGED, "the plan changed mid-version")

@@ -71,6 +71,7 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_message_bytes: int = 64 << 20
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     ready_file: str = ""  # where to write the real endpoints (JSON) once serving
+    metrics_bind: str = ""  # HOST:PORT of the Prometheus endpoint (the [metrics] extra); "": off
 
     def resolved(self) -> DaemonConfig:
         node = self.node or socket.gethostname()

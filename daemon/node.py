@@ -49,6 +49,7 @@ from .config import DaemonConfig
 from .coordinator import Coordinator
 from .dataplane import DataPlane
 from .local import LocalServer
+from .metrics import Prometheus, Recorders
 from .names import Refusal
 from .notify import Notifier
 from .peers import COORDINATOR, PeerMesh
@@ -59,6 +60,7 @@ from .regions import RegionRegistry
 from .security import load as load_security
 from .security import start_authenticator
 from .transports import make_transports
+from .versionlog import VersionLog
 
 log = structlog.get_logger("weightwire.daemon")
 
@@ -84,11 +86,19 @@ class Daemon(RankService, PlanKeeping, DataPlane):
         self.authenticator: Any = None
         self.transports: list[Transport] = make_transports(self.cfg)
         self.registry = RegionRegistry(self.node, self.transports, self.cfg.region_dir)
+        self.version_log = VersionLog(self._local_ranks, stale_s=self.cfg.version_timeout_s)
+        self.prometheus: Prometheus | None = None
+        if self.cfg.metrics_bind:
+            self.prometheus = Prometheus(self.node, self._live_peers, self._region_count)
+        self.metrics = Recorders(
+            self.version_log, *([self.prometheus] if self.prometheus is not None else [])
+        )
         self.completions = Completions(
             notify=self._notify_engine,
             apply=self._apply_engine,
             verdict=self._verdict,
             fence=self.fence,
+            metrics=self.metrics,
         )
         self.local = LocalServer(
             self,
@@ -137,6 +147,10 @@ class Daemon(RankService, PlanKeeping, DataPlane):
         )
         self.local.bind(self.ctx)
         self._sweep()
+        metrics_at = None
+        if self.prometheus is not None:
+            host, port = self.prometheus.serve(self.cfg.metrics_bind)
+            metrics_at = f"http://{host}:{port}/metrics"
         ready = {
             "node": self.node,
             "peer_endpoint": endpoint,
@@ -145,6 +159,7 @@ class Daemon(RankService, PlanKeeping, DataPlane):
             "transports": msgspec.to_builtins(self.endpoints()),
             "pid": os.getpid(),
             "incarnation": self.incarnation,
+            "metrics": metrics_at,
         }
         log.info("daemon ready", **ready)
         self.notifier.ready(f"serving {self.cfg.local_socket}; peers at {endpoint}")
@@ -183,6 +198,8 @@ class Daemon(RankService, PlanKeeping, DataPlane):
         if self.authenticator is not None:
             self.authenticator.stop()
         self.registry.close()
+        if self.prometheus is not None:
+            self.prometheus.close()
         self.ctx.term()
         log.info("daemon stopped")
 
@@ -244,6 +261,7 @@ class Daemon(RankService, PlanKeeping, DataPlane):
                 rc.expire(self.cfg.version_timeout_s)
             self.local.expire(self.cfg.session_timeout_s)
             self.registry.reap()
+            self.version_log.flush()
             self.notifier.watchdog()
             if now - last_sweep >= 60.0:
                 last_sweep = now
@@ -261,6 +279,17 @@ class Daemon(RankService, PlanKeeping, DataPlane):
             return
         if removed:
             log.info("removed region files of exited ranks", files=len(removed))
+
+    def _local_ranks(self, job: str) -> set[tuple[str, int]]:
+        trainers = {("trainer", r) for j, r in self.publishers if j == job}
+        return trainers | {("engine", r) for j, r in self.completions.ranks if j == job}
+
+    def _live_peers(self) -> int:
+        timeout = self.cfg.heartbeat_timeout_s
+        return sum(1 for m in list(self.members) if m != self.node and self.mesh.alive(m, timeout))
+
+    def _region_count(self) -> int:
+        return len(self.registry.regions)
 
     def _one_line_status(self) -> str:
         timeout = self.cfg.heartbeat_timeout_s

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -48,6 +48,9 @@ from weightwire.transport.base import (
     WriteRequest,
 )
 
+from .metrics import Recorder
+from .versionlog import gbyte_s
+
 log = structlog.get_logger("weightwire.daemon.publisher")
 
 PickTransport = Callable[[str, LocalRegion, RegionDescriptor], Awaitable[Transport]]
@@ -69,6 +72,7 @@ class _Part:
     slots: tuple[int, ...]  # each write's destination counter, in order
     nbytes: int
     replica: int = -1  # elastic jobs: the engine replica all its writes go to
+    by_node: tuple[tuple[str, int], ...] = ()  # its bytes to each destination node
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,7 @@ class Run:
     routes: dict[RouteKey, Route] = field(default_factory=dict)
     bytes_done: int = 0
     writes_done: int = 0
+    peer_bytes: dict[str, int] = field(default_factory=dict)  # landed, by destination node
     error: WeightwireError | None = None
     finished: bool = False
     trailers_posted: bool = False
@@ -133,6 +138,8 @@ class Publisher:
     """announce(version, "start"|"abort", message, destination nodes)."""
     source_region: Callable[[int], LocalRegion]
     """The rank's own registered region `id` (zero-copy sources); raises if it is not its."""
+    metrics: Recorder | None = None
+    """Told of each landed bucket and each finished version (never per write)."""
     plan: RankPlan | None = None
     staging: LocalRegion | None = None
     delta_out: LocalRegion | None = None  # where the rank encodes payloads and trailers
@@ -514,6 +521,7 @@ class Publisher:
                 tuple(w.slot for w, _ in items),
                 sum(w.nbytes for w, _ in items),
                 replica,
+                _by_node(w for w, _ in items),
             )
             for transport, items in groups.items()
         ]
@@ -578,9 +586,13 @@ class Publisher:
             assert not isinstance(results, BaseException)
             run.bytes_done += part.nbytes
             run.writes_done += len(part.slots)
+            for node, n in part.by_node:
+                run.peer_bytes[node] = run.peer_bytes.get(node, 0) + n
         if first is not None:
             raise first
-        run.bucket_landed[bucket] = time.time()
+        landed = run.bucket_landed[bucket] = time.time()
+        if self.metrics is not None:
+            self.metrics.bucket_landed(self.job, landed - run.bucket_posted[bucket])
         if run.ring.slots and not run.finished:
             self.reply(BucketsLanded(version=run.version, buckets=(bucket,)))
 
@@ -667,7 +679,9 @@ class Publisher:
             if i not in replaced
         ]
         await self._post_writes(run, writes)
-        run.bucket_landed[bucket] = time.time()
+        landed = run.bucket_landed[bucket] = time.time()
+        if self.metrics is not None:
+            self.metrics.bucket_landed(self.job, landed - run.bucket_posted[bucket])
         if run.ring.slots and not run.finished:
             self.reply(BucketsLanded(version=run.version, buckets=(bucket,)))
 
@@ -696,6 +710,8 @@ class Publisher:
                 raise next(e for e in results if e is not None)
             run.bytes_done += sum(w.nbytes for w, _ in items)
             run.writes_done += len(items)
+            for w, _ in items:
+                run.peer_bytes[w.dst_node] = run.peer_bytes.get(w.dst_node, 0) + w.nbytes
 
     def _written(self, run: Run, task: asyncio.Task[None]) -> None:
         run.tasks.discard(task)
@@ -717,16 +733,27 @@ class Publisher:
         now = time.monotonic()
         seconds = now - run.started
         transfer = now - run.first_post if run.first_post else 0.0
-        log.info(
+        log.debug(
             "publish complete",
             rank=self.rank,
             version=run.version,
             bytes=run.bytes_done,
             writes=run.writes_done,
             seconds=round(seconds, 6),
-            gbps=round(run.bytes_done / seconds / 1e9, 3) if seconds > 0 else None,
+            gbyte_s=gbyte_s(run.bytes_done, seconds),
             staging_buckets=run.ring.slots,
         )
+        if self.metrics is not None:
+            self.metrics.rank_version(
+                self.job,
+                "trainer",
+                self.rank,
+                run.version,
+                run.bytes_done,
+                seconds,
+                run.peer_bytes,
+                None,
+            )
         self.reply(
             PublishResult(
                 version=run.version,
@@ -767,13 +794,25 @@ class Publisher:
         if announce:
             message = f"[{err.code.value}] {err.message}"
             self.announce(run.version, "abort", message, self.destinations)
+        seconds = time.monotonic() - run.started
+        if self.metrics is not None:
+            self.metrics.rank_version(
+                self.job,
+                "trainer",
+                self.rank,
+                run.version,
+                run.bytes_done,
+                seconds,
+                run.peer_bytes,
+                err.code.value,
+            )
         self.reply(
             PublishResult(
                 version=run.version,
                 ok=False,
                 nbytes=run.bytes_done,
                 writes=run.writes_done,
-                seconds=time.monotonic() - run.started,
+                seconds=seconds,
                 code=err.code.value,
                 message=err.message,
                 verdicts=tuple(run.verdicts.values()),
@@ -846,3 +885,11 @@ def _code(code: str) -> ErrorCode:
         return ErrorCode(code)
     except ValueError:
         return ErrorCode.TRANSFER
+
+
+def _by_node(writes: Iterable[WriteOp]) -> tuple[tuple[str, int], ...]:
+    """Bytes to each destination node (a part's, once when it is prepared)."""
+    out: dict[str, int] = {}
+    for w in writes:
+        out[w.dst_node] = out.get(w.dst_node, 0) + w.nbytes
+    return tuple(out.items())

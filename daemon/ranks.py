@@ -56,6 +56,7 @@ class RankService:
                 reply=lambda result, s=session: self.local.send(s.identity, result),
                 announce=lambda v, kind, m, nodes, s=session: self._announce(s, v, kind, m, nodes),
                 source_region=lambda rid, s=session: self._own_region(s, rid),
+                metrics=self.metrics,
             )
             pub.previous = self.detached.pop(key, None)
             self.publishers[key] = pub

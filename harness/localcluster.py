@@ -58,6 +58,7 @@ class LocalCluster:
     use_netns: bool = False
     insecure: bool = False  # plaintext peer sockets; by default every daemon gets CURVE keys
     extra: dict[str, str] = field(default_factory=dict)  # more daemon flags, for every daemon
+    metrics: bool = False  # every daemon serves Prometheus metrics on its address, any port
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="weightwire-")))
     daemons: list[DaemonProc] = field(default_factory=list)
     net: netns.Hosts | None = None
@@ -124,6 +125,7 @@ class LocalCluster:
             "advertise-host": addr,
             "tcp-bind": addr,
             "ready-file": str(ready),
+            **({"metrics-bind": f"{addr}:0"} if self.metrics else {}),
             **self.keys(node),
             **self.extra,
             **(flags or {}),

@@ -1,0 +1,194 @@
+"""What the daemon records about finished work: a narrow seam, and its Prometheus side.
+
+The publisher and the completions call a `Recorder` once per finished thing (a bucket
+landed, a rank's version finished), never per tensor or per write. `Recorders` fans one
+call out to several (the Prometheus endpoint, the canonical version log line).
+
+prometheus-client is the `[metrics]` extra: imported only when `metrics_bind` is set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+from weightwire.protocol.errors import ErrorCode, WeightwireError
+
+PREFIX = "weightwire_"
+
+# Seconds: a bucket's writes land in ~1 ms (same host) to seconds (a slow link).
+_SECONDS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_BYTES = tuple(float(1 << s) for s in range(20, 42, 2))  # 1 MiB .. 2 TiB
+_RATE = tuple(x * 1e9 for x in (0.01, 0.1, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 400))
+
+
+class Recorder(Protocol):
+    def bucket_landed(self, job: str, seconds: float) -> None:
+        """A bucket's writes all landed, `seconds` after it was posted."""
+
+    def rank_version(
+        self,
+        job: str,
+        role: str,
+        rank: int,
+        version: int,
+        nbytes: int,
+        seconds: float,
+        peers: Mapping[str, int],
+        code: str | None,
+    ) -> None:
+        """A rank of this node finished a version: `role` trainer (published) or engine
+        (received); `peers` the other nodes with the bytes sent to each (trainer) or the
+        sources (engine, bytes 0 where unknown); `code` None when it succeeded."""
+
+
+class Recorders:
+    """Fans each call out to every recorder in it."""
+
+    def __init__(self, *recorders: Recorder) -> None:
+        self.recorders = list(recorders)
+
+    def bucket_landed(self, job: str, seconds: float) -> None:
+        for r in self.recorders:
+            r.bucket_landed(job, seconds)
+
+    def rank_version(
+        self,
+        job: str,
+        role: str,
+        rank: int,
+        version: int,
+        nbytes: int,
+        seconds: float,
+        peers: Mapping[str, int],
+        code: str | None,
+    ) -> None:
+        for r in self.recorders:
+            r.rank_version(job, role, rank, version, nbytes, seconds, peers, code)
+
+
+class MetricsUnavailable(WeightwireError):
+    code = ErrorCode.INVALID
+
+
+class Prometheus:
+    """The daemon's metrics on a registry of its own, served over HTTP at `bind`."""
+
+    def __init__(
+        self, node: str, live_peers: Callable[[], int], regions: Callable[[], int]
+    ) -> None:
+        try:
+            import prometheus_client as pc
+        except ImportError:
+            raise MetricsUnavailable(
+                "metrics_bind is set, but prometheus-client is not installed: "
+                "pip install 'weightwire[metrics]' (or unset metrics_bind)"
+            ) from None
+        self._pc = pc
+        self.registry = pc.CollectorRegistry(auto_describe=True)
+        r = self.registry
+        p = PREFIX
+        self.version_seconds = pc.Histogram(
+            p + "version_seconds",
+            "Time a rank of this node took for one version (trainer: begin to every write "
+            "landed; engine: first write to complete)",
+            ["job", "role"],
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.version_bytes = pc.Histogram(
+            p + "version_bytes",
+            "Bytes one rank of this node sent (trainer) or received (engine) in one version",
+            ["job", "role"],
+            buckets=_BYTES,
+            registry=r,
+        )
+        self.peer_throughput = pc.Histogram(
+            p + "peer_throughput_bytes_per_second",
+            "Bytes a trainer rank wrote to one peer node in a version, over the version's time",
+            ["job", "peer"],
+            buckets=_RATE,
+            registry=r,
+        )
+        self.peer_bytes = pc.Counter(
+            p + "peer_sent_bytes",
+            "Bytes written by this node's trainer ranks to each peer node",
+            ["job", "peer"],
+            registry=r,
+        )
+        self.bucket_seconds = pc.Histogram(
+            p + "bucket_post_seconds",
+            "Time from a bucket being posted to all its writes having landed",
+            ["job"],
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.versions = pc.Counter(
+            p + "versions",
+            "Versions finished by this node's ranks, by outcome",
+            ["job", "role", "outcome"],
+            registry=r,
+        )
+        self.failures = pc.Counter(
+            p + "failures",
+            "Failed versions of this node's ranks, by error code",
+            ["job", "role", "code"],
+            registry=r,
+        )
+        live = pc.Gauge(p + "live_peers", "Peer daemons this node hears from", registry=r)
+        live.set_function(lambda: float(live_peers()))
+        regs = pc.Gauge(p + "regions", "Memory regions registered on this node", registry=r)
+        regs.set_function(lambda: float(regions()))
+        info = pc.Info(p + "daemon", "This daemon", registry=r)
+        import weightwire
+
+        info.info({"node": node, "version": weightwire.__version__})
+        self._server: Any = None
+
+    def serve(self, bind: str) -> tuple[str, int]:
+        """Start the HTTP endpoint (a thread of prometheus-client's); the bound address."""
+        host, _, port = bind.rpartition(":")
+        if not host or not port.isdigit():
+            raise MetricsUnavailable(f"metrics_bind {bind!r} is not HOST:PORT")
+        try:
+            server, _thread = self._pc.start_http_server(
+                int(port), addr=host.strip("[]"), registry=self.registry
+            )
+        except OSError as exc:
+            raise MetricsUnavailable(f"metrics_bind {bind}: {exc}") from None
+        self._server = server
+        return str(server.server_address[0]), int(server.server_address[1])
+
+    def close(self) -> None:
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                self._server.shutdown()
+                self._server.server_close()
+            self._server = None
+
+    def bucket_landed(self, job: str, seconds: float) -> None:
+        self.bucket_seconds.labels(job).observe(seconds)
+
+    def rank_version(
+        self,
+        job: str,
+        role: str,
+        rank: int,
+        version: int,
+        nbytes: int,
+        seconds: float,
+        peers: Mapping[str, int],
+        code: str | None,
+    ) -> None:
+        self.versions.labels(job, role, "ok" if code is None else "failed").inc()
+        if code is not None:
+            self.failures.labels(job, role, code).inc()
+            return
+        self.version_seconds.labels(job, role).observe(seconds)
+        self.version_bytes.labels(job, role).observe(nbytes)
+        if role == "trainer":
+            for peer, n in peers.items():
+                self.peer_bytes.labels(job, peer).inc(n)
+                if seconds > 0 and n:
+                    self.peer_throughput.labels(job, peer).observe(n / seconds)
