@@ -32,6 +32,7 @@ from weightwire.protocol.peer import (
     AssignPlan,
     Member,
     Membership,
+    PeerError,
     PeerHello,
     PeerMsg,
     PeerWelcome,
@@ -51,6 +52,7 @@ from .elastic import (
     replicas_of,
     trainers_digest,
 )
+from .lograte import Throttled
 
 log = structlog.get_logger("weightwire.daemon.coordinator")
 
@@ -80,6 +82,7 @@ class Coordinator:
     jobs: dict[str, Job] = field(default_factory=dict)
     _planning: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     _plans: dict[str, Mapping[str, NodePlan]] = field(default_factory=dict)  # made when sent
+    _refused: Throttled = field(default_factory=lambda: Throttled(10.0))
 
     # --- membership ----------------------------------------------------------
 
@@ -104,7 +107,16 @@ class Coordinator:
     def on_hello(self, sender: str, hello: PeerHello) -> None:
         m = hello.member
         if hello.protocol != PROTOCOL_VERSION or m.node != sender:
-            log.warning("peer refused", peer=sender, protocol=hello.protocol, claimed=m.node)
+            if hello.protocol != PROTOCOL_VERSION:
+                code = "protocol"
+                why = (
+                    f"{sender} speaks protocol {hello.protocol}, the coordinator "
+                    f"{PROTOCOL_VERSION}: run the same weightwire version on every node"
+                )
+            else:
+                code, why = "invalid", f"{sender} says it is node {m.node!r}"
+            self._refused.emit(log.warning, "peer refused", peer=sender, reason=why)
+            self.send(sender, PeerError(code=code, message=why, req=hello.req))
             return
         old = self.members.get(m.node)
         self.members[m.node] = m

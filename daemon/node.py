@@ -48,6 +48,7 @@ from .completion import Completions
 from .config import DaemonConfig
 from .coordinator import Coordinator
 from .dataplane import DataPlane
+from .joining import JoinWatch
 from .local import LocalServer
 from .metrics import Prometheus, Recorders
 from .names import Refusal
@@ -124,6 +125,14 @@ class Daemon(RankService, PlanKeeping, DataPlane):
         self.advert_seq = 0
         self.stop = asyncio.Event()
         self.notifier = Notifier()
+        public = self.mesh.security.public_key
+        self.join = JoinWatch(
+            self.cfg.coordinator or "(this node)",
+            self.node,
+            public.decode() if public else "(none: insecure)",
+            interval_s=10.0,
+        )
+        self.ready_sent = False
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # --- lifecycle -----------------------------------------------------------
@@ -162,7 +171,8 @@ class Daemon(RankService, PlanKeeping, DataPlane):
             "metrics": metrics_at,
         }
         log.info("daemon ready", **ready)
-        self.notifier.ready(f"serving {self.cfg.local_socket}; peers at {endpoint}")
+        # systemd hears READY once the node has joined (see PeerWelcome); until then, why not
+        self.notifier.status(self.join.waiting_for)
         if self.cfg.ready_file:
             tmp = self.cfg.ready_file + ".tmp"
             with open(tmp, "w") as f:
@@ -173,6 +183,8 @@ class Daemon(RankService, PlanKeeping, DataPlane):
                 tg.create_task(self.mesh.serve(self.on_peer))
                 tg.create_task(self.local.serve())
                 tg.create_task(self._tick())
+                if self.coordinator is None:
+                    tg.create_task(self.join.watch(self.mesh.socket_to(COORDINATOR)))
                 await self.stop.wait()
                 raise _Stop
         except* _Stop:
@@ -241,7 +253,10 @@ class Daemon(RankService, PlanKeeping, DataPlane):
                 self.coordinator_name is None
                 or not self.mesh.alive(self.coordinator_name, self.cfg.heartbeat_timeout_s)
             ) and now - last_hello >= 1.0:
+                if self.coordinator_name is not None:
+                    self.join.on_left()
                 self.coordinator_name = None
+                self.join.check(now)
                 self.mesh.send_soon(
                     COORDINATOR, PeerHello(protocol=PROTOCOL_VERSION, member=self.member())
                 )
@@ -268,7 +283,8 @@ class Daemon(RankService, PlanKeeping, DataPlane):
                 self._sweep()
             if now - last_status >= 5.0:
                 last_status = now
-                self.notifier.status(self._one_line_status())
+                joined = self.coordinator_name is not None
+                self.notifier.status(self._one_line_status() if joined else self.join.waiting_for)
             await asyncio.sleep(interval)
 
     def _sweep(self) -> None:
@@ -377,6 +393,13 @@ class Daemon(RankService, PlanKeeping, DataPlane):
                 if self.coordinator_name != name:
                     log.info("joined", coordinator=name)
                 self.coordinator_name = name
+                self.join.on_joined()
+                if not self.ready_sent:
+                    self.ready_sent = True
+                    self.notifier.ready(
+                        f"joined {name}; serving {self.cfg.local_socket}; "
+                        f"peers at {self.mesh.endpoint}"
+                    )
                 self.mesh.know(
                     name, self._coordinator_endpoint(), self.mesh.security.coordinator_key
                 )
@@ -407,6 +430,8 @@ class Daemon(RankService, PlanKeeping, DataPlane):
                 self.mesh.resolve(sender, msg.req, msg)
             case TransportSignal(transport=name, payload=payload):
                 self._spawn(self._answer_signal(sender, msg.req, name, payload))
+            case PeerError(code=code, message=message) if self.coordinator_name is None:
+                self.join.refused(code, message)  # said by JoinWatch, once per interval
             case PeerError(code=code, message=message):
                 log.warning("peer reported an error", peer=sender, code=code, error=message)
 

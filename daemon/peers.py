@@ -148,6 +148,10 @@ class PeerMesh:
         self._dealers[target] = sock
         return sock
 
+    def socket_to(self, node: str) -> zmq.asyncio.Socket:
+        """The (lazily connected) socket that carries messages to `node`."""
+        return self._dealer(node)
+
     async def send(self, node: str, msg: PeerMsg) -> None:
         sock = self._dealer(node)
         try:

@@ -1,0 +1,125 @@
+"""A node that cannot join says why, once per interval, and tells systemd READY only once
+it has joined (STATUS says what it waits for)."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+import zmq.auth
+
+from weightwire.cli import netns
+from weightwire.cli.localcluster import LocalCluster
+from weightwire.daemon.security import keygen
+from weightwire.protocol import PROTOCOL_VERSION
+from weightwire.protocol.frames import Codec
+from weightwire.protocol.peer import Member, PeerError, PeerHello, PeerMessage
+
+from .conftest import FAST, NETNS
+
+
+class Sink:
+    """A NOTIFY_SOCKET: the datagrams a daemon sends to systemd."""
+
+    def __init__(self, path: Path) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.sock.settimeout(0.2)
+        self.seen: list[str] = []
+
+    def drain(self, seconds: float) -> list[str]:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            with contextlib.suppress(TimeoutError):
+                self.seen.append(self.sock.recv(4096).decode())
+        return self.seen
+
+
+@pytest.fixture
+def untrusted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple]:
+    """host0 coordinates; host1's key is not in its allow-list; host1 reports to a sink."""
+    c = LocalCluster(hosts=2, use_netns=NETNS, extra=FAST)
+    keygen(str(c.workdir / "keys" / "host1"), "host1")  # made, never copied to the trusted dir
+    c.keys("host0")
+    if c.use_netns:
+        c.net = netns.Hosts(2)
+    sink = Sink(tmp_path / "notify.sock")
+    try:
+        c.start_daemon(0, coordinator=True)
+        monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "notify.sock"))
+        c.start_daemon(1)
+        monkeypatch.delenv("NOTIFY_SOCKET")
+        yield c, sink
+    finally:
+        assert c.stop() == [0, 0], f"logs in {c.workdir}"
+        sink.sock.close()
+
+
+def wait_log(c: LocalCluster, node: str, event: str, timeout: float) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = [e for e in c.daemon(node).logs() if e.get("event") == event]
+        if got:
+            return got
+        time.sleep(0.2)
+    raise AssertionError(f"no {event!r} from {node} in {timeout} s: {c.daemon(node).logs()}")
+
+
+def test_untrusted_node_says_why_once_per_interval_and_is_not_ready(untrusted: tuple) -> None:
+    c, sink = untrusted
+    first = wait_log(c, "host1", "cannot join", timeout=15)[0]
+    assert "refused this node's CURVE key" in first["reason"], first
+    assert "curve_allowed_keys_dir" in first["reason"]
+    seen = sink.drain(4)
+    assert not any("READY=1" in m for m in seen), seen
+    assert any("STATUS=waiting to join the coordinator" in m for m in seen), seen
+    lines = [e for e in c.daemon("host1").logs() if e.get("event") == "cannot join"]
+    assert len(lines) == 1, lines  # once per 10 s, not once per attempt
+
+
+def test_protocol_skew_is_answered_with_the_reason() -> None:
+    c = LocalCluster(hosts=1, extra=FAST)  # loopback: this process talks to it directly
+    c.keys("skewed")  # a trusted peer that speaks another protocol version
+    c.start()
+    public, secret = zmq.auth.load_certificate(
+        str(c.workdir / "keys" / "skewed" / "skewed.key_secret")
+    )
+    ctx = zmq.Context.instance()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.IDENTITY, b"skewed")
+    dealer.curve_publickey, dealer.curve_secretkey = public, secret
+    dealer.curve_serverkey = c.coordinator_key().encode()
+    # daemons answer on the sender's own listening socket
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.curve_server = True
+    router.curve_publickey, router.curve_secretkey = public, secret
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        hello = PeerHello(
+            protocol=PROTOCOL_VERSION + 1,
+            member=Member(
+                node="skewed",
+                endpoint=f"tcp://127.0.0.1:{port}",
+                incarnation="x",
+                public_key=public.decode(),
+            ),
+        )
+        codec = Codec(PeerMessage)
+        dealer.connect(c.daemons[0].endpoint)
+        dealer.send_multipart(codec.encode(hello))
+        assert router.poll(10_000), "no answer to a hello of another protocol version"
+        reply, _ = codec.decode(router.recv_multipart()[1:])
+        assert isinstance(reply, PeerError) and reply.code == "protocol", reply
+        assert f"protocol {PROTOCOL_VERSION + 1}" in reply.message
+        assert "same weightwire version" in reply.message
+    finally:
+        dealer.close()
+        router.close()
+        assert c.stop() == [0]
