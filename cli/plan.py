@@ -23,6 +23,7 @@ from typing import Any
 
 from weightwire.protocol.errors import PlanError
 
+from .flags import Deprecated
 from .plan_plot import plot
 from .plan_ranks import Topology
 from .plan_report import Progress, run_plan
@@ -46,7 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--engines", type=parse_engines, required=True, help="RxT: R engine replicas of T GPUs"
     )
-    p.add_argument("--nic-gbps", type=float, required=True, help="NIC rate per GPU, Gbit/s")
+    nic = p.add_mutually_exclusive_group(required=True)
+    nic.add_argument("--nic-gbit", dest="nic_gbps", type=float, help="NIC rate per GPU, Gbit/s")
+    nic.add_argument("--nic-gbps", dest="nic_gbps", type=float, action=Deprecated, use="--nic-gbit")
     p.add_argument("--dtype", choices=["fp8", "bf16"], required=True, help="engine weights")
     p.add_argument("--ep", type=int, default=0, help="expert-parallel size (default: T for MoE)")
     p.add_argument("--bucket-mb", type=float, default=256.0, help="plan bucket size (MiB)")
@@ -54,7 +57,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bucket-overhead-us", type=float, default=100.0, help="fixed cost per bucket")
     p.add_argument("--write-overhead-us", type=float, default=0.0, help="fixed cost per write")
     p.add_argument(
-        "--pack-gbps", type=float, default=0.0, help="packing rate, GB/s (0: instantaneous)"
+        "--pack-gbyte-s",
+        dest="pack_gbps",
+        type=float,
+        default=0.0,
+        help="packing rate, GB/s (0: instantaneous)",
+    )
+    p.add_argument(
+        "--pack-gbps", dest="pack_gbps", type=float, action=Deprecated, use="--pack-gbyte-s"
     )
     p.add_argument("--sim-tol", type=float, default=1e-4, help="simulator event window")
     p.add_argument("--top", type=int, default=5, help="busiest NICs listed")
@@ -103,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     replicas, tp = args.engines
     ep = args.ep or (tp if is_moe(config) else 1)
     if args.trainers < 1 or args.nic_gbps <= 0 or tp % ep:
-        print("weightwire plan: need trainers >= 1, nic-gbps > 0, ep dividing T", file=sys.stderr)
+        print("weightwire plan: need trainers >= 1, nic-gbit > 0, ep dividing T", file=sys.stderr)
         return 2
     topo = Topology(args.trainers, replicas, tp, ep, args.nic_gbps)
     try:

@@ -70,7 +70,7 @@ def test_qwen3_8b_json_and_bound(
         str(trainers),
         "--engines",
         engines,
-        "--nic-gbps",
+        "--nic-gbit",
         "400",
         "--dtype",
         dtype,
@@ -94,7 +94,7 @@ def test_human_output_and_plot(capsys: pytest.CaptureFixture[str], tmp_path: Pat
     pytest.importorskip("matplotlib")
     png = tmp_path / "load.png"
     args = ["--model", str(MODELS / "qwen3-8b.json"), "--trainers", "4", "--engines", "2x2"]
-    assert main(["plan", *args, "--nic-gbps", "200", "--dtype", "fp8", "--plot", str(png)]) == 0
+    assert main(["plan", *args, "--nic-gbit", "200", "--dtype", "fp8", "--plot", str(png)]) == 0
     out = capsys.readouterr().out
     for word in ("bound", "simulated", "efficiency", "engine NICs", "trainer NICs", "busiest"):
         assert word in out
@@ -104,10 +104,10 @@ def test_human_output_and_plot(capsys: pytest.CaptureFixture[str], tmp_path: Pat
 def test_bad_arguments(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
         main(["plan", "--model", "x.json", "--trainers", "2", "--engines", "2by2"])
-    missing = ["--trainers", "2", "--engines", "1x2", "--nic-gbps", "100", "--dtype", "bf16"]
+    missing = ["--trainers", "2", "--engines", "1x2", "--nic-gbit", "100", "--dtype", "bf16"]
     assert main(["plan", "--model", str(tmp_path / "none.json"), *missing]) == 2
     # 32 heads over TP 3 cannot be laid out: a plan error, not a traceback
-    three = ["--trainers", "2", "--engines", "1x3", "--nic-gbps", "100", "--dtype", "bf16"]
+    three = ["--trainers", "2", "--engines", "1x3", "--nic-gbit", "100", "--dtype", "bf16"]
     assert main(["plan", "--model", str(MODELS / "qwen3-8b.json"), *three]) == 1
     assert "divisible" in capsys.readouterr().err
 
@@ -117,7 +117,7 @@ def test_llama_block_fp8_gets_a_warning(capsys: pytest.CaptureFixture[str], tmp_
 
     model = tmp_path / "llama-fp8.json"
     model.write_text(json.dumps(CONFIGS["llama-fp8"]))
-    args = ["--model", str(model), "--trainers", "2", "--engines", "1x2", "--nic-gbps", "100"]
+    args = ["--model", str(model), "--trainers", "2", "--engines", "1x2", "--nic-gbit", "100"]
     assert main(["plan", *args, "--dtype", "fp8"]) == 0
     out = capsys.readouterr().out
     assert "warning" in out and "weight_scale_inv" in out, out
@@ -131,7 +131,7 @@ def test_progress_on_stderr_only_once_slow(capsys: pytest.CaptureFixture[str]) -
     so every phase shows); with the default 2 s a small plan prints none. The text shows
     each trainer rank's staging (its whole send) and the plan hash."""
     args = ["--model", str(MODELS / "qwen3-8b.json"), "--trainers", "3", "--engines", "2x2"]
-    args += ["--nic-gbps", "400", "--dtype", "fp8"]
+    args += ["--nic-gbit", "400", "--dtype", "fp8"]
     assert main(["plan", *args, "--progress-after", "0"]) == 0
     fast = capsys.readouterr()
     phases = [line for line in fast.err.splitlines() if line.startswith("...")]
@@ -170,3 +170,21 @@ def test_staging_ring_figure_is_what_each_trainer_allocates(slots: int) -> None:
     assert flows.ring == [rings[r] for r in range(3)]
     if 0 < slots < 4:
         assert all(r < s for r, s in zip(flows.ring, flows.staging, strict=True))
+
+
+def test_old_unit_flags_still_work_and_warn(capsys) -> None:  # type: ignore[no-untyped-def]
+    """--nic-gbps and --pack-gbps became --nic-gbit and --pack-gbyte-s (units in the names)."""
+    import argparse
+
+    from weightwire.cli.plan import add_arguments
+
+    p = argparse.ArgumentParser(prog="weightwire plan")
+    add_arguments(p)
+    base = ["--model", "m.json", "--trainers", "2", "--engines", "1x2", "--dtype", "bf16"]
+    new = p.parse_args([*base, "--nic-gbit", "400", "--pack-gbyte-s", "110"])
+    assert capsys.readouterr().err == ""
+    old = p.parse_args([*base, "--nic-gbps", "400", "--pack-gbps", "110"])
+    err = capsys.readouterr().err
+    assert "--nic-gbps is deprecated, use --nic-gbit" in err
+    assert "--pack-gbps is deprecated, use --pack-gbyte-s" in err
+    assert (old.nic_gbps, old.pack_gbps) == (new.nic_gbps, new.pack_gbps) == (400.0, 110.0)
