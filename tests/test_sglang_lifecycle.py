@@ -303,6 +303,10 @@ def test_errors_name_the_call_the_url_the_status_and_sglangs_message() -> None:
         s.fail["/model_info"] = (200, b"SPDY/9 what\r\n\r\n")
         with pytest.raises(SGLangError, match=r"model_info failed.*broken HTTP answer"):
             await c.model_info()
+        # an answer larger than the client holds is refused before it is read
+        s.fail["/model_info"] = (200, b"HTTP/1.1 200 OK\r\ncontent-length: 99999999999\r\n\r\n{")
+        with pytest.raises(SGLangError, match=r"broken HTTP answer: content-length 99999999999"):
+            await c.model_info()
         s.fail["/model_info"] = (200, "<html>not json</html>")
         with pytest.raises(SGLangError, match="not JSON: <html>not json</html>"):
             await c.model_info()

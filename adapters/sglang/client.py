@@ -21,7 +21,8 @@ Admin keys: ``Authorization: Bearer <key>`` (SGLang's ``--admin-api-key``, or ``
 when only that is set). Every call has a timeout; every failure raises `SGLangError` (a
 `WeightwireError`) naming the call, the method and URL, the HTTP status and SGLang's own
 message (or why no answer came: connection refused, timeout, a broken response).
-Standard library only: asyncio streams, HTTP/1.1, one connection per call (`wire`).
+HTTP is httpx's (`AsyncClient`, the `[sglang]` extra), one connection per call: a client
+holds no connection between calls, so it is usable from any event loop.
 """
 
 from __future__ import annotations
@@ -33,8 +34,11 @@ from collections.abc import Mapping
 from typing import Any, Literal
 from urllib.parse import urlencode, urlsplit
 
+import httpx
+
 from .errors import SGLangError, SGLangTimeout, excerpt, sglang_message
-from .wire import BadResponse, encode_request, exchange
+
+MAX_BODY = 16 << 20  # the most an answer may hold
 
 PauseMode = Literal["abort", "retract", "in_place"]
 Selector = Literal["all", "target", "draft"]
@@ -59,13 +63,7 @@ class SGLangClient:
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"not an http(s) URL: {url!r}")
         self.url = f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}"
-        self._host = parts.hostname
-        self._port = parts.port or (443 if parts.scheme == "https" else 80)
-        self._prefix = parts.path.rstrip("/")
-        self._netloc = parts.netloc.rpartition("@")[2]
-        self._ssl: ssl.SSLContext | None = None
-        if parts.scheme == "https":
-            self._ssl = ssl_context or ssl.create_default_context()
+        self._verify: ssl.SSLContext | bool = ssl_context or True
         self.api_key, self.timeout_s = api_key, timeout_s
 
     def __repr__(self) -> str:
@@ -180,26 +178,66 @@ class SGLangClient:
         """One request on a fresh connection; (status, body) of a 2xx answer."""
         limit = self.timeout_s if timeout_s is None else timeout_s
         url = self._url(path, query)
-        target = f"{self._prefix}{path}" + (f"?{urlencode(query)}" if query else "")
-        request = encode_request(method, target, self._netloc, payload, self.api_key)
+        headers = {"Accept": "application/json", "User-Agent": "weightwire"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        body = None
+        if payload is not None or method == "POST":
+            headers["Content-Type"] = "application/json"
+            body = b"" if payload is None else json.dumps(payload).encode()
         try:
-            status, resp = await exchange(self._host, self._port, self._ssl, request, limit)
-        except TimeoutError:
+            async with (
+                asyncio.timeout(limit),
+                httpx.AsyncClient(timeout=limit, verify=self._verify, trust_env=False) as http,
+                http.stream(method, url, content=body, headers=headers) as resp,
+            ):
+                status, data = resp.status_code, await _read(resp)
+        except (TimeoutError, httpx.TimeoutException):
             raise SGLangTimeout(
                 call, method, url, None, f"no complete answer within {limit:g} s"
             ) from None
-        except BadResponse as exc:
-            raise SGLangError(call, method, url, None, f"broken HTTP answer: {exc}") from None
-        except (OSError, asyncio.IncompleteReadError) as exc:
+        except (httpx.RemoteProtocolError, httpx.DecodingError, _TooLarge) as exc:
             why = (
                 "connection closed mid-answer"
-                if isinstance(exc, asyncio.IncompleteReadError)
-                else f"connection failed: {exc.strerror or exc}"
+                if "disconnected" in str(exc) or "incomplete" in str(exc).lower()
+                else f"broken HTTP answer: {exc}"
             )
             raise SGLangError(call, method, url, None, why) from None
+        except httpx.TransportError as exc:
+            raise SGLangError(call, method, url, None, f"connection failed: {_root(exc)}") from None
         if not 200 <= status < 300:
-            raise SGLangError(call, method, url, status, sglang_message(resp))
-        return status, resp
+            raise SGLangError(call, method, url, status, sglang_message(data))
+        return status, data
+
+
+def _root(exc: BaseException) -> str:
+    """The innermost OS error's words ("Connect call failed ('10.0.0.1', 30000)"): httpx
+    and anyio wrap it in "All connection attempts failed"."""
+    why, seen = str(exc), 0
+    cur: BaseException | None = exc
+    while cur is not None and seen < 8:
+        if isinstance(cur, OSError) and cur.errno is not None:
+            why = cur.strerror or str(cur)
+        cur, seen = cur.__cause__ or cur.__context__, seen + 1
+    return why
+
+
+class _TooLarge(Exception):
+    pass
+
+
+async def _read(resp: httpx.Response) -> bytes:
+    """The whole body, refusing one over MAX_BODY before holding it."""
+    declared = resp.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY:
+        raise _TooLarge(f"content-length {declared}, over {MAX_BODY} bytes")
+    chunks, total = [], 0
+    async for chunk in resp.aiter_bytes():
+        total += len(chunk)
+        if total > MAX_BODY:
+            raise _TooLarge(f"body over {MAX_BODY} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _num(x: float) -> str:
