@@ -26,6 +26,7 @@ Environment of the SGLang server (its workers inherit it):
 | ``WEIGHTWIRE_ENGINE_REPLICAS`` | engine replicas in the job (default 1) |
 | ``WEIGHTWIRE_DEST_DTYPE`` | rules mode: EngineLayout.dest_dtype (default: as the config says) |
 | ``WEIGHTWIRE_TIMEOUT_S`` | client timeout (default 300) |
+| ``WEIGHTWIRE_DAEMON_WAIT_S`` | how long a worker waits for the daemon's socket (default 300) |
 
 Engine rank = replica * tp_size + tp_rank, world = replicas * tp_size; with ``--dp-size D``
 (DP attention off) the server holds replicas ``WEIGHTWIRE_ENGINE_REPLICA + dp_rank``, so
@@ -41,6 +42,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -64,6 +66,7 @@ class Settings:
     replicas: int = 1
     dest_dtype: str = ""
     timeout_s: float = 300.0
+    daemon_wait_s: float = 300.0  # the engine may start before its host's weightwired
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -90,6 +93,7 @@ class Settings:
             replicas=integer("WEIGHTWIRE_ENGINE_REPLICAS", 1, 1),
             dest_dtype=env.get("WEIGHTWIRE_DEST_DTYPE", ""),
             timeout_s=float(env.get("WEIGHTWIRE_TIMEOUT_S") or 300.0),
+            daemon_wait_s=float(env.get("WEIGHTWIRE_DAEMON_WAIT_S") or 300.0),
         )
         return s
 
@@ -199,7 +203,6 @@ def model_config_dict(runner: Any) -> dict[str, Any]:
 
 def attach(runner: Any, settings: Settings) -> Binding:
     """Create this worker's Engine and register the runner's model parameters."""
-    from weightwire.client import Engine
     from weightwire.protocol.local import EngineLayout
 
     from .layout import engine_rank, layout_key, registered_parameters, replica_recipes
@@ -229,16 +232,7 @@ def attach(runner: Any, settings: Settings) -> Binding:
     model = runner.model
     params = registered_parameters(model)
     key = layout_key(tp, tp_rank, ep)
-    engine = Engine(
-        rank,
-        world,
-        socket=settings.socket,
-        job=settings.job,
-        timeout_s=settings.timeout_s,
-        device=device,
-        replica=replica,  # elastic: this server (its TP ranks) comes and goes as one
-        replica_size=tp,
-    )
+    engine = open_engine(settings, rank, world, device, replica=replica, replica_size=tp)
     try:
         if settings.mode == "rules":
             layout = EngineLayout(
@@ -281,6 +275,66 @@ def attach(runner: Any, settings: Settings) -> Binding:
         len(params),
     )
     return binding
+
+
+def wait_for_daemon(path: str, wait_s: float, *, every_s: float = 10.0) -> None:
+    """Until weightwired's socket exists at `path`: an engine started before its host's
+    daemon (a pod whose containers start in any order, a unit ordered after SGLang) waits,
+    logging when it starts waiting and every `every_s`, instead of failing its start-up.
+    After `wait_s`, a WeightwireError says where it looked and what to set."""
+    from weightwire.protocol.errors import ErrorCode, WeightwireError
+
+    if os.path.exists(path):
+        return
+    start = time.monotonic()
+    next_log, waited = start, 0.0
+    while not os.path.exists(path):
+        now = time.monotonic()
+        waited = now - start
+        if waited >= wait_s:
+            raise WeightwireError(
+                f"no weightwired socket at {path} after waiting {wait_s:g} s: start weightwired "
+                f"on this host, or point WEIGHTWIRE_SOCKET at its local_socket "
+                f"(WEIGHTWIRE_DAEMON_WAIT_S sets the wait)",
+                code=ErrorCode.PEER_LOST,
+            )
+        if now >= next_log:
+            log.warning(
+                "weightwire: waiting for weightwired's socket at %s (%.0f s so far, up to %g s)",
+                path,
+                waited,
+                wait_s,
+            )
+            next_log = now + every_s
+        time.sleep(min(0.1, wait_s - waited))
+    log.info("weightwire: weightwired's socket %s appeared after %.1f s", path, waited)
+
+
+def open_engine(
+    settings: Settings,
+    rank: int,
+    world: int,
+    device: int | None,
+    *,
+    replica: int = -1,
+    replica_size: int = 0,
+) -> Any:
+    """This worker's Engine client, once its daemon is there (`wait_for_daemon`). `replica`,
+    `replica_size`: elastic jobs, this server (its TP ranks) comes and goes as one."""
+    from weightwire.client import Engine
+    from weightwire.client.connection import DEFAULT_SOCKET
+
+    wait_for_daemon(settings.socket or DEFAULT_SOCKET, settings.daemon_wait_s)
+    return Engine(
+        rank,
+        world,
+        socket=settings.socket,
+        job=settings.job,
+        timeout_s=settings.timeout_s,
+        device=device,
+        replica=replica,
+        replica_size=replica_size,
+    )
 
 
 def detach(model: Any) -> None:
