@@ -45,6 +45,12 @@ def main(argv: list[str] | None = None) -> int:
     st = sub.add_parser("status", help="a running daemon's regions, peers and progress")
     st.add_argument("--socket", default=DEFAULT_SOCKET)
     st.add_argument("--json", action="store_true")
+    st.add_argument(
+        "--cluster",
+        action="store_true",
+        help="every daemon of the cluster, its jobs and the current version's progress "
+        "(asked through this node's daemon)",
+    )
 
     bench = sub.add_parser("bench", help="benchmarks against a baseline from the same run")
     bsub = bench.add_subparsers(dest="bench", required=True)
@@ -87,10 +93,11 @@ def main(argv: list[str] | None = None) -> int:
             case "status":
                 from weightwire.client.status import fetch
 
-                from .status import render
+                from .status import render, render_cluster
 
-                s = fetch(args.socket)
-                print(json.dumps(s, indent=2) if args.json else render(s))
+                s = fetch(args.socket, cluster=args.cluster)
+                text = render_cluster(s) if args.cluster else render(s)
+                print(json.dumps(s, indent=2) if args.json else text)
                 return 0
             case "keygen":
                 import zmq.auth

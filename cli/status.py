@@ -52,3 +52,53 @@ def render(s: dict[str, Any]) -> str:
         )
     lines.append("  transports: " + json.dumps(s["transports"]))
     return "\n".join(lines)
+
+
+def render_cluster(c: dict[str, Any]) -> str:
+    """`status --cluster`: one line per daemon, then each job with its plan and the progress
+    of the version in flight at every rank, cluster-wide."""
+    nodes: dict[str, dict[str, Any]] = c["nodes"]
+    lines = [f"cluster as seen from {c['asked']} (coordinator {c['coordinator']}):"]
+    jobs: dict[str, list[str]] = {}
+    for name, s in nodes.items():
+        if "error" in s:
+            lines.append(f"  {name:<16} NO ANSWER: {s['error']}")
+            continue
+        alive = sum(1 for p in s["peers"] if p["alive"] and p["node"] != name)
+        ranks = ", ".join(f"{x['role']} {x['rank']} ({x['job']})" for x in s["sessions"]) or "-"
+        lines.append(
+            f"  {name:<16} weightwired {s['version']}, up {s['uptime_s']} s, {alive} live peers, "
+            f"{len(s['regions'])} regions; ranks: {ranks}"
+            + ("  [coordinator]" if s["is_coordinator"] else "")
+        )
+        for job, h in s["plans"].items():
+            jobs.setdefault(job, []).append(f"    {name}: plan {h}")
+        for job, problem in s["plan_problems"].items():
+            jobs.setdefault(job, []).append(f"    {name}: plan IMPOSSIBLE: {problem}")
+        for p in s["publishing"]:
+            frac = p["bytes_done"] / p["bytes_total"] if p["bytes_total"] else 0.0
+            jobs.setdefault(p["job"], []).append(
+                f"    {name} trainer rank {p['rank']}: version {p['version']} {p['state']} "
+                f"{frac:6.1%} of {_gb(p['bytes_total'])}"
+            )
+        for r in s["receiving"]:
+            cur = ", ".join(f"v{i['version']} {i['fraction']:.1%}" for i in r["in_progress"])
+            jobs.setdefault(r["job"], []).append(
+                f"    {name} engine rank {r['rank']}: last complete v{r['last_complete']}"
+                + (f", now {cur}" if cur else "")
+            )
+        coord = s.get("coordination") or {}
+        for job, j in (coord.get("jobs") or {}).items():
+            missing = j.get("missing") or []
+            jobs.setdefault(job, []).insert(
+                0,
+                f"    coordinator: plan {j.get('plan')}"
+                + (f", problem: {j['problem']}" if j.get("problem") else "")
+                + (f", missing: {missing}" if missing else ""),
+            )
+    for job, rows in sorted(jobs.items()):
+        lines.append(f"  job {job!r}:")
+        lines.extend(rows)
+    if not jobs:
+        lines.append("  no jobs")
+    return "\n".join(lines)

@@ -10,8 +10,9 @@ from weightwire.protocol.local import Hello, StatusReply, StatusRequest
 from .connection import DaemonConnection, expect
 
 
-def fetch(socket: str, timeout_s: float = 10.0) -> dict[str, Any]:
+def fetch(socket: str, timeout_s: float = 10.0, *, cluster: bool = False) -> dict[str, Any]:
+    """The daemon's status document; `cluster`: every member's, gathered by that daemon."""
     with DaemonConnection(socket, ping_interval_s=3600) as conn:
         conn.request(Hello(protocol=PROTOCOL_VERSION, role="admin", client="weightwire status"))
-        reply = expect(conn.request(StatusRequest(), timeout_s), StatusReply)
+        reply = expect(conn.request(StatusRequest(cluster=cluster), timeout_s), StatusReply)
         return dict(reply.body)

@@ -179,9 +179,20 @@ class Coordinator:
         if prev is not None and prev.incarnation == adv.incarnation and prev.seq > adv.seq:
             return
         job.adverts[sender] = adv
+        if not any(a.ranks for a in job.adverts.values()):
+            self._end_job(job)  # every rank of it has left: nothing to plan, nothing to show
+            return
         if adv.plan_hash != job.sent.get(sender, job.plan_hash):
             job.assigned.pop(sender, None)  # it lost or never had the current plan
         self._replan(job)
+
+    def _end_job(self, job: Job) -> None:
+        running = self._planning.pop(job.name, None)
+        if running is not None:
+            running.cancel()
+        self.jobs.pop(job.name, None)
+        self._plans.pop(job.name, None)
+        log.info("job ended: every rank left", job=job.name, plan=job.plan_hash or None)
 
     def _replan(self, job: Job) -> None:
         running = self._planning.pop(job.name, None)

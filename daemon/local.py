@@ -215,6 +215,8 @@ class LocalServer:
                 self.close_session(identity)
             case Ping():
                 self.send(identity, Pong(req=msg.req, session=session.id))
+            case StatusRequest(cluster=True):
+                self._spawn(identity, msg.req, d.cluster_status(msg.req))
             case StatusRequest():
                 self.send(identity, StatusReply(req=msg.req, body=d.status()))
             case _:
@@ -262,7 +264,9 @@ class LocalServer:
                 )
         session = Session(identity=identity, hello=hello)
         self.sessions[identity] = session
-        log.info("rank connected", role=hello.role, rank=hello.rank, job=hello.job, pid=hello.pid)
+        (log.debug if hello.role == "admin" else log.info)(  # `weightwire status`: no chatter
+            "rank connected", role=hello.role, rank=hello.rank, job=hello.job, pid=hello.pid
+        )
         self.send(
             identity,
             Welcome(
@@ -295,7 +299,9 @@ class LocalServer:
     def close_session(self, identity: bytes) -> None:
         session = self.sessions.pop(identity, None)
         if session is not None:
-            log.info("rank left", role=session.role, rank=session.rank, job=session.job)
+            (log.debug if session.role == "admin" else log.info)(
+                "rank left", role=session.role, rank=session.rank, job=session.job
+            )
             self.daemon.session_gone(session)
 
     def close(self) -> None:

@@ -35,6 +35,8 @@ from weightwire.protocol.peer import (
     PeerMessage,
     PeerWelcome,
     PlanProblem,
+    StatusAnswer,
+    StatusQuery,
     TransportSignal,
     VersionAbort,
     VersionStart,
@@ -430,6 +432,10 @@ class Daemon(RankService, PlanKeeping, DataPlane):
                 self.mesh.resolve(sender, msg.req, msg)
             case TransportSignal(transport=name, payload=payload):
                 self._spawn(self._answer_signal(sender, msg.req, name, payload))
+            case StatusQuery():
+                self.mesh.send_soon(sender, StatusAnswer(req=msg.req, body=self.status()))
+            case StatusAnswer():
+                self.mesh.resolve(msg.req, msg)
             case PeerError(code=code, message=message) if self.coordinator_name is None:
                 self.join.refused(code, message)  # said by JoinWatch, once per interval
             case PeerError(code=code, message=message):

@@ -17,6 +17,7 @@ from weightwire.protocol.local import (
     ApplyVersion,
     Ok,
     PlanReply,
+    StatusReply,
     Verdict,
     VersionComplete,
     VersionFailed,
@@ -224,8 +225,26 @@ class RankService:
             self.registry.remove(region.local.id)
         if session.sources or session.destinations:
             self.advertise(session.job)
+        if session.role != "admin" and not any(
+            s.job == session.job and s.role != "admin" for s in self.local.sessions.values()
+        ):
+            self._forget_job(session.job)
+
+    def _forget_job(self, job: str) -> None:
+        """The last rank of `job` here left: its plan and any plan problem go with it (status
+        showed them long after). A rank that comes back advertises and gets a plan again."""
+        plan = self.plans.pop(job, None)
+        problem = self.plan_problems.pop(job, None)
+        self.completions.drop_job(job, "every rank of the job here left")
+        if plan is not None or problem is not None:
+            log.info("job left this node", job=job, plan=plan.plan_hash if plan else None)
 
     def status(self) -> dict[str, Any]:
         from .status import status
 
         return status(self)
+
+    async def cluster_status(self, req: int) -> StatusReply:
+        from .status import cluster_status
+
+        return StatusReply(req=req, body=await cluster_status(self))

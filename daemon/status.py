@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from typing import TYPE_CHECKING, Any
+
+from weightwire.protocol.errors import WeightwireError
+from weightwire.protocol.peer import StatusAnswer, StatusQuery
 
 if TYPE_CHECKING:
     from .node import Daemon
@@ -53,6 +57,7 @@ def status(d: Daemon) -> dict[str, Any]:
         "sessions": [
             {"role": s.role, "rank": s.rank, "job": s.job, "pid": s.hello.pid}
             for s in d.local.sessions.values()
+            if s.role != "admin"  # `weightwire status` itself
         ],
         "regions": [
             {
@@ -74,4 +79,32 @@ def status(d: Daemon) -> dict[str, Any]:
         ],
         "transports": {t.name: t.stats() for t in d.transports},
         "coordination": d.coordinator.status() if d.coordinator is not None else None,
+    }
+
+
+ASK_S = 3.0  # how long `status --cluster` waits for each daemon
+
+
+async def cluster_status(d: Daemon) -> dict[str, Any]:
+    """Every member's status, asked over the mesh at once (this node's, as it is); a daemon
+    that does not answer within ASK_S is listed with why."""
+
+    async def ask(node: str) -> dict[str, Any]:
+        if node == d.node:
+            return status(d)
+        try:
+            reply = await d.mesh.request(node, StatusQuery(), ASK_S)
+        except WeightwireError as exc:
+            return {"node": node, "error": exc.message}
+        if not isinstance(reply, StatusAnswer):
+            return {"node": node, "error": f"answered {type(reply).__name__}"}
+        return dict(reply.body)
+
+    names = sorted(set(d.members) | {d.node})
+    answers = await asyncio.gather(*(ask(n) for n in names))
+    return {
+        "cluster": True,
+        "asked": d.node,
+        "coordinator": d.coordinator_name,
+        "nodes": dict(zip(names, answers, strict=True)),
     }

@@ -288,7 +288,7 @@ class Goodbye(LocalMsg, frozen=True, tag="goodbye"):
 
 
 class StatusRequest(LocalMsg, frozen=True, tag="status"):
-    pass
+    cluster: bool = False  # every member's status, gathered by this daemon over the mesh
 
 
 class StatusReply(LocalMsg, frozen=True, tag="status_reply"):

@@ -128,6 +128,14 @@ class PeerError(PeerMsg, frozen=True, tag="peer_error"):
     message: str
 
 
+class StatusQuery(PeerMsg, frozen=True, tag="status_query"):
+    """`weightwire status --cluster` on some node: the receiver answers with its status."""
+
+
+class StatusAnswer(PeerMsg, frozen=True, tag="status_answer"):
+    body: dict[str, object]
+
+
 PeerMessage = (
     PeerHello
     | PeerWelcome
@@ -141,4 +149,6 @@ PeerMessage = (
     | VersionVerdict
     | TransportSignal
     | PeerError
+    | StatusQuery
+    | StatusAnswer
 )

@@ -13,9 +13,9 @@ import pytest
 import zmq
 import zmq.auth
 
-from weightwire.cli import netns
-from weightwire.cli.localcluster import LocalCluster
 from weightwire.daemon.security import keygen
+from weightwire.harness import netns
+from weightwire.harness.localcluster import LocalCluster
 from weightwire.protocol import PROTOCOL_VERSION
 from weightwire.protocol.frames import Codec
 from weightwire.protocol.peer import Member, PeerError, PeerHello, PeerMessage

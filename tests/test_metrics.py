@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from weightwire.cli.localcluster import LocalCluster
+from weightwire.harness.localcluster import LocalCluster
 
 from .conftest import FAST, NETNS
 from .test_e2e import Proc, bitwise, engine_for, expected_rows

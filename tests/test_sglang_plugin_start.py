@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from weightwire.adapters.sglang.plugin import Settings, open_engine, wait_for_daemon
-from weightwire.cli.localcluster import LocalCluster
-from weightwire.cli.status import fetch
+from weightwire.client.status import fetch
+from weightwire.harness.localcluster import LocalCluster
 from weightwire.protocol.errors import ErrorCode, WeightwireError
 
 from .conftest import FAST
