@@ -121,6 +121,7 @@ LOCAL_SAMPLES = [
     L.VersionComplete(rank=0, version=3, nbytes=10, seconds=0.5),
     L.VersionFailed(rank=0, version=3, code="timeout", message="late"),
     L.StatusRequest(req=11),
+    L.StatusRequest(req=12, cluster=True),
     L.StatusReply(body={"node": "n", "list": [1, 2]}, req=11),
     L.Ping(req=12),
     L.Pong(session="s", req=12),
@@ -170,6 +171,8 @@ PEER_SAMPLES = [
     ),
     P.TransportSignal(transport="verbs", node="n", payload=b"\x00\x01", reply=True, req=4),
     P.PeerError(code="invalid", message="m"),
+    P.StatusQuery(req=5),
+    P.StatusAnswer(body={"node": "n", "peers": [1]}, req=5),
 ]
 
 
