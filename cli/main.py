@@ -13,16 +13,21 @@ from weightwire.protocol.local import SOCKET_ENV, SOCKET_PATH
 DEFAULT_SOCKET = os.environ.get(SOCKET_ENV, SOCKET_PATH)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="weightwire", description=__doc__)
+def build_parser() -> argparse.ArgumentParser:
+    import weightwire
+
+    p = argparse.ArgumentParser(prog="weightwire", description=__doc__, allow_abbrev=False)
+    p.add_argument("--version", action="version", version=f"weightwire {weightwire.__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    demo = sub.add_parser("demo", help="a verified weight sync on a local cluster")
-    demo.add_argument("--daemons", type=int, default=2)
-    demo.add_argument("--trainers", type=int, default=2)
-    demo.add_argument("--engines", type=int, default=2)
-    demo.add_argument("--model-gb", type=float, default=1.2)
-    demo.add_argument("--versions", type=int, default=3)
+    demo = sub.add_parser(
+        "demo", allow_abbrev=False, help="a verified weight sync on a local cluster"
+    )
+    demo.add_argument("--daemons", type=int, default=2, help="daemons (hosts) to start")
+    demo.add_argument("--trainers", type=int, default=2, help="trainer ranks (FSDP shards)")
+    demo.add_argument("--engines", type=int, default=2, help="engine ranks (TP shards)")
+    demo.add_argument("--model-gb", type=float, default=1.2, help="size of the synthetic model")
+    demo.add_argument("--versions", type=int, default=3, help="versions to publish")
     demo.add_argument(
         "--delta",
         choices=["auto", "on", "off"],
@@ -42,9 +47,11 @@ def main(argv: list[str] | None = None) -> int:
         help="daemons in network namespaces over veth (needs root)",
     )
 
-    st = sub.add_parser("status", help="a running daemon's regions, peers and progress")
-    st.add_argument("--socket", default=DEFAULT_SOCKET)
-    st.add_argument("--json", action="store_true")
+    st = sub.add_parser(
+        "status", allow_abbrev=False, help="a running daemon's regions, peers and progress"
+    )
+    st.add_argument("--socket", default=DEFAULT_SOCKET, help="the daemon's local_socket")
+    st.add_argument("--json", action="store_true", help="the status document as JSON")
     st.add_argument(
         "--cluster",
         action="store_true",
@@ -52,38 +59,58 @@ def main(argv: list[str] | None = None) -> int:
         "(asked through this node's daemon)",
     )
 
-    bench = sub.add_parser("bench", help="benchmarks against a baseline from the same run")
+    bench = sub.add_parser(
+        "bench", allow_abbrev=False, help="benchmarks against a baseline from the same run"
+    )
     bsub = bench.add_subparsers(dest="bench", required=True)
-    btcp = bsub.add_parser("tcp", help="daemon-to-daemon tcp vs iperf3 over veth")
-    btcp.add_argument("--json", action="store_true")
-    btcp.add_argument("--streams", type=int, default=4)
+    btcp = bsub.add_parser(
+        "tcp", allow_abbrev=False, help="daemon-to-daemon tcp vs iperf3 over veth"
+    )
+    btcp.add_argument("--json", action="store_true", help="the report as JSON")
+    btcp.add_argument("--streams", type=int, default=4, help="tcp streams, both tools")
     btcp.add_argument(
         "--gb", type=float, default=1.0, help="bytes per measured round (each setting holds 3x)"
     )
     btcp.add_argument("--seconds", type=float, default=3.0, help="iperf3 duration per round")
-    btcp.add_argument("--rounds", type=int, default=3)
+    btcp.add_argument("--rounds", type=int, default=3, help="measured rounds of each tool")
     btcp.add_argument(
         "--modes", default="off,auth,encrypt", help="tcp_security settings to measure, in order"
     )
-    bdelta = bsub.add_parser("delta", help="sparse delta sync vs dense, AdamW-trained (CPU)")
+    bdelta = bsub.add_parser(
+        "delta", allow_abbrev=False, help="sparse delta sync vs dense, AdamW-trained (CPU)"
+    )
     from weightwire.bench.delta import add_arguments as delta_arguments
 
     delta_arguments(bdelta)
-    bgpu = bsub.add_parser("gpu", help="GPU sync vs the NCCL broadcast baseline (GPU machine)")
+    bgpu = bsub.add_parser(
+        "gpu", allow_abbrev=False, help="GPU sync vs the NCCL broadcast baseline (GPU machine)"
+    )
     from weightwire.bench.gpu.cli import add_arguments as gpu_arguments
 
     gpu_arguments(bgpu)
 
-    kg = sub.add_parser("keygen", help="a CURVE key pair for a daemon (NAME.key, NAME.key_secret)")
-    kg.add_argument("--dir", default="/etc/weightwire")
-    kg.add_argument("--name", default=os.uname().nodename)
+    kg = sub.add_parser(
+        "keygen",
+        allow_abbrev=False,
+        help="a CURVE key pair for a daemon (NAME.key, NAME.key_secret)",
+    )
+    kg.add_argument("--dir", default="/etc/weightwire", help="where to write the pair")
+    kg.add_argument("--name", default=os.uname().nodename, help="file names (default: host name)")
+    kg.add_argument(
+        "--force", action="store_true", help="replace an existing pair (peers must be told)"
+    )
 
-    pl = sub.add_parser("plan", help="a sync's bytes per NIC, busiest-NIC bound, simulated time")
+    pl = sub.add_parser(
+        "plan", allow_abbrev=False, help="a sync's bytes per NIC, busiest-NIC bound, simulated time"
+    )
     from .plan import add_arguments as plan_arguments
 
     plan_arguments(pl)
+    return p
 
-    args = p.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         match args.cmd:
             case "demo":
@@ -104,6 +131,15 @@ def main(argv: list[str] | None = None) -> int:
 
                 from weightwire.daemon.security import keygen
 
+                for suffix in (".key", ".key_secret"):
+                    existing = os.path.join(args.dir, args.name + suffix)
+                    if os.path.exists(existing) and not args.force:
+                        print(
+                            f"weightwire keygen: {existing} exists; not replacing this node's "
+                            f"key pair (peers trust its public key). --force replaces it",
+                            file=sys.stderr,
+                        )
+                        return 1
                 public, secret = keygen(args.dir, args.name)
                 key, _ = zmq.auth.load_certificate(str(public))
                 print(f"public key  {public}  (give it to every peer's curve_allowed_keys_dir)")

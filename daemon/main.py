@@ -18,13 +18,23 @@ from . import logs
 GIL_SWITCH_S = 0.0005
 
 
-def parse(argv: list[str] | None) -> config_mod.DaemonConfig:
-    parser = argparse.ArgumentParser(
-        prog="weightwired", description="weightwire node daemon (one per GPU host)"
+def parser() -> argparse.ArgumentParser:
+    import weightwire
+
+    p = argparse.ArgumentParser(
+        prog="weightwired",
+        description="weightwire node daemon (one per GPU host). Every setting of the TOML "
+        "file is also a flag; flags override the file.",
+        allow_abbrev=False,  # `--version` must never be read as `--version-timeout-s`
     )
-    parser.add_argument("--config", "-c", help=f"TOML file (default {config_mod.DEFAULT_CONFIG})")
-    config_mod.add_flags(parser)
-    args = vars(parser.parse_args(argv))
+    p.add_argument("--version", action="version", version=f"weightwired {weightwire.__version__}")
+    p.add_argument("--config", "-c", help=f"TOML file (default {config_mod.DEFAULT_CONFIG})")
+    config_mod.add_flags(p)
+    return p
+
+
+def parse(argv: list[str] | None) -> config_mod.DaemonConfig:
+    args = vars(parser().parse_args(argv))
     path = args.pop("config")
     return config_mod.load(path, args)
 
