@@ -1,4 +1,4 @@
-"""`weightwire`: the command line (demo, status, bench, plan, keygen)."""
+"""`weightwire`: the command line (demo, status, bench, plan, keygen, pubkey)."""
 
 from __future__ import annotations
 
@@ -100,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--force", action="store_true", help="replace an existing pair (peers must be told)"
     )
 
+    pk = sub.add_parser(
+        "pubkey",
+        allow_abbrev=False,
+        help="the z85 public key of a key file (for coordinator_public_key)",
+    )
+    pk.add_argument("file", help="NAME.key or NAME.key_secret (weightwire keygen)")
+
     pl = sub.add_parser(
         "plan", allow_abbrev=False, help="a sync's bytes per NIC, busiest-NIC bound, simulated time"
     )
@@ -145,6 +152,16 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"public key  {public}  (give it to every peer's curve_allowed_keys_dir)")
                 print(f"secret key  {secret}  (curve_secret_key_file; keep it, mode 0600)")
                 print(f"z85 public  {key.decode()}")
+                return 0
+            case "pubkey":
+                import zmq.auth
+
+                try:
+                    key, _ = zmq.auth.load_certificate(args.file)
+                except (OSError, ValueError) as exc:
+                    print(f"weightwire pubkey: {args.file}: {exc}", file=sys.stderr)
+                    return 1
+                print(key.decode())
                 return 0
             case "plan":
                 from .plan import run as run_plan
