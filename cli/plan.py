@@ -82,25 +82,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=4,
         help="trainer staging ring slots, as Trainer(staging_buckets=N); 0: the whole send",
     )
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="the report as one JSON object")
     p.add_argument(
         "--delta-density",
         type=float,
         help="also simulate a sparse delta version with this fraction of elements changed",
     )
     p.add_argument(
-        "--delta-encode-gbps",
+        "--delta-encode-gbyte-s",
+        dest="delta_encode_gbps",
         type=float,
         default=400.0,
         help="senders' compare+encode rate, GB/s of dense input (H100, torch: 388-466)",
     )
     p.add_argument(
-        "--delta-verify-gbps",
+        "--delta-verify-gbyte-s",
+        dest="delta_verify_gbps",
         type=float,
         default=1000.0,
         help="engines' checksum rate over the bytes they receive, GB/s (assumed; measure it "
         "with tests/test_delta_gpu.py)",
     )
+    for old, new in (("encode", "--delta-encode-gbyte-s"), ("verify", "--delta-verify-gbyte-s")):
+        p.add_argument(
+            f"--delta-{old}-gbps", dest=f"delta_{old}_gbps", type=float, action=Deprecated, use=new
+        )
 
 
 def run(args: argparse.Namespace) -> int:

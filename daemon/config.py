@@ -24,54 +24,105 @@ class ConfigError(WeightwireError):
 class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Every setting of weightwired. See systemd/weightwired.toml for a commented example."""
 
-    node: str = ""  # this daemon's name in the cluster; default: the host name
-    local_socket: str = DEFAULT_SOCKET  # ipc path where the ranks of this host connect
-    socket_mode: int = 0o660
-    region_dir: str = "/dev/shm"  # where ranks make the shared files of their host memory
-    peer_bind: str = "tcp://0.0.0.0:7470"  # daemon-to-daemon socket
-    advertise_host: str = ""  # the address peers use to reach this host; default: the host name's
-    coordinator: str = ""  # peer endpoint of the coordinator, e.g. tcp://10.0.0.1:7470
+    node: str = ""  # this daemon's name in the cluster (default: the host name)
+    # the ipc socket where the ranks of this host connect (WEIGHTWIRE_SOCKET in ranks)
+    local_socket: str = DEFAULT_SOCKET
+    socket_mode: int = 0o660  # the local socket's permissions (group weightwire under systemd)
+    # where ranks make the shared files of their host memory: a tmpfs, every page reserved
+    # when a file is made (a full one is a no_space error, not SIGBUS); ranks learn it from
+    # the daemon. In containers: the same path in every pod (see "Containers")
+    region_dir: str = "/dev/shm"
+    # daemon-to-daemon socket (ZeroMQ, CURVE-authenticated); port 0: any, the real one is
+    # logged and written to ready_file
+    peer_bind: str = "tcp://0.0.0.0:7470"
+    advertise_host: str = ""  # the address peers use to reach this host (default: peer_bind's)
+    # the coordinator's peer endpoint, e.g. tcp://10.0.0.1:7470 (not on the coordinator)
+    coordinator: str = ""
+    # this daemon is the coordinator (exactly one per cluster: it computes the plans)
     is_coordinator: bool = False
-    curve_secret_key_file: str = ""  # this node's key pair (weightwire keygen): NAME.key_secret
-    curve_allowed_keys_dir: str = ""  # public keys (*.key) of the peers this node trusts
+    # this node's key pair, NAME.key_secret from `weightwire keygen`
+    curve_secret_key_file: str = ""
+    # a directory of the public keys (*.key) of the peers this node trusts; SIGHUP rereads it
+    curve_allowed_keys_dir: str = ""
     curve_allowed_keys: list[str] = []  # more trusted public keys, z85
-    coordinator_public_key: str = ""  # z85; required on non-coordinators when CURVE is on
-    insecure: bool = False  # plaintext peer sockets (logs a warning); never in production
-    transport: Literal["tcp", "verbs", "auto"] = "auto"  # auto: verbs if an RDMA port is active
-    verbs_devices: list[str] = []  # RDMA devices (`mlx5_0`, `mlx5_1:2` for port 2); []: all active
-    verbs_gid_index: int = -1  # -1: a RoCE v2 GID, IPv4-mapped preferred
-    verbs_chunk_bytes: int = 8 << 20  # bytes per work request (capped by the port's max_msg_sz)
-    verbs_wr_per_post: int = 4  # WRs chained per post (TransferEngine: more than ~4 gains nothing)
-    verbs_qps_per_peer: int = 1  # RC queue pairs per (local NIC, remote NIC)
-    verbs_send_depth: int = 512  # send queue depth per queue pair (capped by the device)
-    verbs_recv_depth: int = 128  # receives kept posted per incoming queue pair (immediates)
-    verbs_nics_per_gpu: int = 0  # NICs a GPU's memory uses, nearest by PCIe/NUMA first; 0: all
-    verbs_host_nics: int = 1  # NICs host (CPU) memory uses; 0: all
-    verbs_relaxed_ordering: bool = True  # register memory with relaxed ordering where supported
-    verbs_completions: Literal["auto", "channel", "thread"] = "auto"  # how completions are waited
-    cuda: Literal["auto", "on", "off"] = "auto"  # same-host GPU writes (auto: if a GPU is visible)
-    tcp_bind: str = "0.0.0.0"
-    tcp_port: int = 0
-    tcp_streams: int = 4
-    tcp_handshake_timeout_s: float = 10.0  # a data connection not authenticated in time is closed
-    tcp_max_unauthenticated: int = 64  # connections not yet authenticated; more are refused
-    tcp_max_streams_per_peer: int = 64  # data connections one node may hold open here
-    # tcp data connections: "auth" (peer authenticated, every frame MACed), "encrypt" (and
-    # encrypted: untrusted networks), "off" (plain: anyone who reaches the port and knows an
-    # rkey can write); the stronger of two nodes' settings wins
+    # the coordinator's public key, z85 (`weightwire pubkey A.key`); required on the other
+    # nodes when CURVE is on. Only this key may hand out plans and membership; the
+    # coordinator binds every other node's name to the key of its first hello
+    coordinator_public_key: str = ""
+    # plaintext peer sockets (logs a warning): only on a trusted test network, never in
+    # production
+    insecure: bool = False
+    # data plane: "verbs" (RDMA), "tcp", or "auto" (verbs when an active RDMA port exists,
+    # else tcp, and the log says why); "verbs" with no active port refuses to start. tcp
+    # always runs too: it reaches nodes without RDMA and memory verbs could not register
+    transport: Literal["tcp", "verbs", "auto"] = "auto"
+    # RDMA devices to use, `mlx5_0` or `mlx5_1:2` (port 2); []: every device with an
+    # ACTIVE port
+    verbs_devices: list[str] = []
+    # GID index; -1 picks a RoCE v2 GID, IPv4-mapped preferred (InfiniBand: 0)
+    verbs_gid_index: int = -1
+    # bytes per work request, capped by the port's max_msg_sz (one WR is one message; the
+    # NIC segments it by MTU, so larger WRs only cost less CPU per byte)
+    verbs_chunk_bytes: int = 8 << 20
+    # WRs chained per post_send (Perplexity's TransferEngine: no gain beyond ~4)
+    verbs_wr_per_post: int = 4
+    # RC queue pairs per (local NIC, remote NIC); TransferEngine uses one per peer and NIC
+    verbs_qps_per_peer: int = 1
+    verbs_send_depth: int = 512  # send queue depth per queue pair (capped by max_qp_wr)
+    # receives posted per incoming queue pair (TransferEngine keeps 128); also caps the
+    # WRITE_WITH_IMMs in flight per queue pair
+    verbs_recv_depth: int = 128
+    # NICs a GPU's memory is registered on and striped over, nearest first by PCIe switch,
+    # then NUMA node; 0: all of the nearest (as TransferEngine)
+    verbs_nics_per_gpu: int = 0
+    verbs_host_nics: int = 1  # NICs for host memory (CPU staging, CPU replicas); 0: all
+    # register memory with IBV_ACCESS_RELAXED_ORDERING where the NIC supports it
+    # (TransferEngine: needed for full rate)
+    verbs_relaxed_ordering: bool = True
+    # how completions are waited for: "channel" (the event fd on the loop), "thread" (a
+    # polling thread), or "auto"
+    verbs_completions: Literal["auto", "channel", "thread"] = "auto"
+    # same-host GPU-to-GPU writes over CUDA IPC: "auto" (when a GPU is visible), "on", "off"
+    cuda: Literal["auto", "on", "off"] = "auto"
+    tcp_bind: str = "0.0.0.0"  # tcp data plane: listen address
+    tcp_port: int = 0  # tcp data plane: port (0: any; advertised to peers)
+    tcp_streams: int = 4  # tcp data plane: parallel connections per peer
+    # a data connection not authenticated (hello and ticket proof) this long after it was
+    # accepted is closed
+    tcp_handshake_timeout_s: float = 10.0
+    # data connections accepted but not yet authenticated; more are closed at once (a flood
+    # costs at most this many threads)
+    tcp_max_unauthenticated: int = 64
+    # data connections one node (by its authenticated name) may hold open here; more are
+    # refused once it is authenticated
+    tcp_max_streams_per_peer: int = 64
+    # tcp data connections: "auth" (peer authenticated by its CURVE identity, every header,
+    # immediate and payload byte MACed), "encrypt" (the same, and encrypted: for untrusted
+    # networks), "off" (plain: anyone who reaches the port and knows an rkey can write;
+    # warns at start). Between two nodes the stronger setting wins. See "Trust model"
     tcp_security: Literal["auth", "encrypt", "off"] = "auth"
-    stall_timeout_s: float = 30.0
+    stall_timeout_s: float = 30.0  # a data connection making no progress this long is failed
+    # liveness between daemons: a heartbeat this often; also the ZeroMQ (ZMTP) heartbeat of
+    # every peer connection
     heartbeat_interval_s: float = 0.5
+    # a peer silent this long is lost (its versions fail with peer_lost); more than twice
+    # heartbeat_interval_s. A peer connection silent this long is closed and reconnected
+    # (every 0.1 s, backing off to 0.5 s), so a node is back within about a second of its
+    # link returning
     heartbeat_timeout_s: float = 2.5
-    session_timeout_s: float = 5.0  # a rank silent this long (clients ping every second) is gone
-    version_timeout_s: float = 600.0
-    shutdown_timeout_s: float = 10.0
-    bucket_bytes: int = 256 << 20
-    max_write_bytes: int = 32 << 20
+    # a rank silent this long (clients ping every second) is released, with what it holds
+    session_timeout_s: float = 5.0
+    version_timeout_s: float = 600.0  # a version still incomplete after this long fails
+    shutdown_timeout_s: float = 10.0  # SIGTERM: the longest the transports get to close
+    bucket_bytes: int = 256 << 20  # plan granularity (the coordinator's): bytes per bucket
+    max_write_bytes: int = 32 << 20  # plan granularity: the largest single write
+    # control messages larger than this are refused (too_large); beyond 16 times it, dropped
     max_message_bytes: int = 64 << 20
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
-    ready_file: str = ""  # where to write the real endpoints (JSON) once serving
-    metrics_bind: str = ""  # HOST:PORT of the Prometheus endpoint (the [metrics] extra); "": off
+    log_level: Literal["debug", "info", "warning", "error"] = "info"  # JSON lines on stdout
+    # where to write the real endpoints (JSON) once serving (for scripts and tests)
+    ready_file: str = ""
+    # HOST:PORT of the Prometheus endpoint (needs the [metrics] extra; port 0: any); "": off
+    metrics_bind: str = ""
 
     def resolved(self) -> DaemonConfig:
         node = self.node or socket.gethostname()
@@ -118,16 +169,23 @@ def load(path: str | None, overrides: dict[str, object]) -> DaemonConfig:
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per setting, named like the setting (`--tcp-streams` for tcp_streams)."""
+    """One flag per setting, named like the setting (`--tcp-streams` for tcp_streams), its
+    help the setting's documentation (configdoc)."""
+    from .configdoc import flag_help, settings
+
+    docs = {st.name: flag_help(st) for st in settings()}
     for name, ftype in DaemonConfig.__annotations__.items():
         flag = "--" + name.replace("_", "-")
+        helptext = docs[name]
         if ftype.startswith("list"):
-            parser.add_argument(flag, dest=name, action="append")
+            parser.add_argument(flag, dest=name, action="append", help=helptext + " (repeatable)")
         elif ftype == "bool":
-            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction)
+            parser.add_argument(
+                flag, dest=name, action=argparse.BooleanOptionalAction, help=helptext
+            )
         elif ftype == "int":
-            parser.add_argument(flag, dest=name, type=lambda v: int(v, 0))
+            parser.add_argument(flag, dest=name, type=lambda v: int(v, 0), help=helptext)
         elif ftype == "float":
-            parser.add_argument(flag, dest=name, type=float)
+            parser.add_argument(flag, dest=name, type=float, help=helptext)
         else:
-            parser.add_argument(flag, dest=name)
+            parser.add_argument(flag, dest=name, help=helptext)

@@ -83,7 +83,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bucket-mb", type=int, default=1024, help="baseline broadcast bucket")
     p.add_argument("--no-baseline", action="store_true", help="weightwire only")
     p.add_argument("--link-mb", type=int, default=1024, help="bytes per link-rate copy")
-    p.add_argument("--link-reps", type=int, default=5)
+    p.add_argument("--link-reps", type=int, default=5, help="timed copies per link rate")
     p.add_argument("--workdir", help="daemon and rank logs here (default: a temporary dir)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per step of a rank")
     p.add_argument(
