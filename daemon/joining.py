@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 
 import structlog
 import zmq
@@ -33,6 +34,7 @@ class JoinWatch:
         self.joined = False
         self.connected = False
         self.reason = ""
+        self.refused_key = False
         self._throttle = Throttled(interval_s)
 
     @property
@@ -44,8 +46,14 @@ class JoinWatch:
         )
         return f"waiting to join the coordinator at {self.coordinator}: {why}"
 
-    async def watch(self, sock: zmq.asyncio.Socket) -> None:
-        """Reads the socket's events until cancelled; closes its monitor."""
+    async def watch(self, socket: Callable[[], zmq.asyncio.Socket]) -> None:
+        """Reads the events of the coordinator socket, `socket()`, until cancelled; follows
+        it when it is replaced (see `refused_key`)."""
+        while True:
+            await self._watch(socket())
+
+    async def _watch(self, sock: zmq.asyncio.Socket) -> None:
+        """Until the socket closes (its monitor stops); closes the monitor."""
         mon = sock.get_monitor_socket(
             zmq.EVENT_CONNECTED
             | zmq.EVENT_DISCONNECTED
@@ -53,12 +61,16 @@ class JoinWatch:
             | zmq.EVENT_HANDSHAKE_FAILED_AUTH
             | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
             | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            | zmq.EVENT_MONITOR_STOPPED
         )
         try:
             while True:
-                self._event(parse_monitor_message(await mon.recv_multipart()))
+                ev = parse_monitor_message(await mon.recv_multipart())
+                if ev["event"] == zmq.EVENT_MONITOR_STOPPED:
+                    return
+                self._event(ev)
         finally:
-            with contextlib.suppress(zmq.ZMQError):
+            with contextlib.suppress(Exception):
                 sock.disable_monitor()
             mon.close(linger=0)
 
@@ -71,6 +83,7 @@ class JoinWatch:
         elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self.reason = ""
         elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            self.refused_key = True  # ZeroMQ will not retry this socket: make a new one
             self.reason = (
                 f"the coordinator refused this node's CURVE key {self.public_key} "
                 f"(status {ev['value']}): put {self.node}'s public key file in the "

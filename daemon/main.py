@@ -46,6 +46,7 @@ async def serve(cfg: config_mod.DaemonConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, daemon.stop.set)
+    loop.add_signal_handler(signal.SIGHUP, daemon.reload_keys)
     await daemon.run()
 
 

@@ -186,7 +186,7 @@ class Daemon(RankService, PlanKeeping, DataPlane):
                 tg.create_task(self.local.serve())
                 tg.create_task(self._tick())
                 if self.coordinator is None:
-                    tg.create_task(self.join.watch(self.mesh.socket_to(COORDINATOR)))
+                    tg.create_task(self.join.watch(lambda: self.mesh.socket_to(COORDINATOR)))
                 await self.stop.wait()
                 raise _Stop
         except* _Stop:
@@ -216,6 +216,12 @@ class Daemon(RankService, PlanKeeping, DataPlane):
             self.prometheus.close()
         self.ctx.term()
         log.info("daemon stopped")
+
+    def reload_keys(self) -> None:
+        """SIGHUP: the trusted keys read again (rekey.py)."""
+        from .rekey import reload_keys
+
+        reload_keys(self)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -259,6 +265,9 @@ class Daemon(RankService, PlanKeeping, DataPlane):
                     self.join.on_left()
                 self.coordinator_name = None
                 self.join.check(now)
+                if self.join.refused_key:  # a fresh socket, so a fresh handshake (after SIGHUP)
+                    self.join.refused_key = False
+                    self.mesh.reconnect(COORDINATOR)
                 self.mesh.send_soon(
                     COORDINATOR, PeerHello(protocol=PROTOCOL_VERSION, member=self.member())
                 )

@@ -152,6 +152,15 @@ class PeerMesh:
         """The (lazily connected) socket that carries messages to `node`."""
         return self._dealer(node)
 
+    def reconnect(self, node: str) -> None:
+        """Close the socket to `node`; the next message makes a new one. ZeroMQ does not
+        retry a connection whose CURVE handshake the peer refused: after the peer starts
+        trusting this node's key (SIGHUP), only a new socket gets in."""
+        target = self._endpoints.get(node)
+        sock = self._dealers.pop(target, None) if target is not None else None
+        if sock is not None:
+            sock.close(linger=0)
+
     async def send(self, node: str, msg: PeerMsg) -> None:
         sock = self._dealer(node)
         try:
@@ -162,9 +171,12 @@ class PeerMesh:
     def send_soon(self, node: str, msg: PeerMsg) -> None:
         """Fire and forget (heartbeats, notices): a lost peer is noticed by liveness, not here."""
         try:
-            self._dealer(node).send_multipart(self.codec.encode(msg), flags=zmq.NOBLOCK)
+            sent = self._dealer(node).send_multipart(self.codec.encode(msg), flags=zmq.NOBLOCK)
         except (zmq.Again, PeerLostError) as exc:
             log.debug("peer message dropped", peer=node, message=type(msg).__name__, error=str(exc))
+            return
+        if isinstance(sent, asyncio.Future):  # zmq.asyncio reports a full queue (Again) here
+            sent.add_done_callback(_dropped)
 
     async def request(self, node: str, msg: PeerMsg, timeout_s: float) -> PeerMessage:
         """Send a message with a fresh `req` and wait for the message that answers it."""
@@ -250,3 +262,8 @@ def _authenticated_key(frame: zmq.Frame) -> bytes | None:
     except zmq.ZMQError:
         return None
     return user.encode() if isinstance(user, str) and user else None
+
+
+def _dropped(fut: asyncio.Future[object]) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.debug("peer message dropped", error=str(fut.exception()))

@@ -13,6 +13,7 @@ import pytest
 import zmq
 import zmq.auth
 
+from weightwire.client.status import fetch
 from weightwire.daemon.security import keygen
 from weightwire.harness import netns
 from weightwire.harness.localcluster import LocalCluster
@@ -123,3 +124,27 @@ def test_protocol_skew_is_answered_with_the_reason() -> None:
         dealer.close()
         router.close()
         assert c.stop() == [0]
+
+
+def test_sighup_reloads_the_allow_list_and_the_node_joins(untrusted: tuple) -> None:
+    """The untrusted node's key is added to the coordinator's allow-list directory; after a
+    SIGHUP (no restart) it joins, and only then tells systemd READY."""
+    import shutil
+    import signal
+
+    c, sink = untrusted
+    wait_log(c, "host1", "cannot join", timeout=15)
+    assert "host1" not in (fetch(c.daemons[0].socket)["coordination"] or {})["members"]
+    public = c.workdir / "keys" / "host1" / "host1.key"
+    shutil.copy(public, c.workdir / "keys" / "public" / "host1.key")
+    coordinator = c.daemons[0].proc
+    pid = coordinator.pid
+    coordinator.send_signal(signal.SIGHUP)
+    reloaded = wait_log(c, "host0", "keys reloaded", timeout=10)[0]
+    assert reloaded["added"] == 1 and reloaded["removed"] == 0
+    c.wait_joined(timeout_s=15)
+    assert coordinator.poll() is None and coordinator.pid == pid  # the same process
+    seen = sink.drain(2)
+    ready = [m for m in seen if "READY=1" in m]
+    assert ready, seen
+    assert f"MAINPID={c.daemons[1].proc.pid}" in ready[0] and "joined host0" in ready[0]
