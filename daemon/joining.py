@@ -9,9 +9,9 @@ node waits.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
-from collections.abc import Callable
 
 import structlog
 import zmq
@@ -23,6 +23,21 @@ from .lograte import Throttled
 log = structlog.get_logger("weightwire.daemon")
 
 GRACE_S = 3.0  # joining normally takes one round trip; say nothing before this
+_EVENTS = (
+    zmq.EVENT_CONNECTED
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_MONITOR_STOPPED
+)
+
+
+def _close(sock: zmq.asyncio.Socket, mon: zmq.asyncio.Socket) -> None:
+    with contextlib.suppress(Exception):
+        sock.disable_monitor()
+    mon.close(linger=0)
 
 
 class JoinWatch:
@@ -36,6 +51,9 @@ class JoinWatch:
         self.reason = ""
         self.refused_key = False
         self._throttle = Throttled(interval_s)
+        self._monitors: asyncio.Queue[tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]] = (
+            asyncio.Queue()
+        )
 
     @property
     def waiting_for(self) -> str:
@@ -46,33 +64,28 @@ class JoinWatch:
         )
         return f"waiting to join the coordinator at {self.coordinator}: {why}"
 
-    async def watch(self, socket: Callable[[], zmq.asyncio.Socket]) -> None:
-        """Reads the events of the coordinator socket, `socket()`, until cancelled; follows
-        it when it is replaced (see `refused_key`)."""
-        while True:
-            await self._watch(socket())
+    def attach(self, sock: zmq.asyncio.Socket) -> None:
+        """Watch this (new) coordinator socket: called before anything is sent on it, so
+        that no event of its first handshake is missed."""
+        self._monitors.put_nowait((sock, sock.get_monitor_socket(_EVENTS)))
 
-    async def _watch(self, sock: zmq.asyncio.Socket) -> None:
-        """Until the socket closes (its monitor stops); closes the monitor."""
-        mon = sock.get_monitor_socket(
-            zmq.EVENT_CONNECTED
-            | zmq.EVENT_DISCONNECTED
-            | zmq.EVENT_HANDSHAKE_SUCCEEDED
-            | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-            | zmq.EVENT_MONITOR_STOPPED
-        )
+    async def watch(self) -> None:
+        """Reads the events of the attached sockets, one after the other (a socket's monitor
+        stops when it is closed), until cancelled."""
         try:
             while True:
-                ev = parse_monitor_message(await mon.recv_multipart())
-                if ev["event"] == zmq.EVENT_MONITOR_STOPPED:
-                    return
-                self._event(ev)
+                sock, mon = await self._monitors.get()
+                try:
+                    while True:
+                        ev = parse_monitor_message(await mon.recv_multipart())
+                        if ev["event"] == zmq.EVENT_MONITOR_STOPPED:
+                            break
+                        self._event(ev)
+                finally:
+                    _close(sock, mon)
         finally:
-            with contextlib.suppress(Exception):
-                sock.disable_monitor()
-            mon.close(linger=0)
+            while not self._monitors.empty():
+                _close(*self._monitors.get_nowait())
 
     def _event(self, ev: dict[str, object]) -> None:
         kind = ev["event"]
@@ -83,7 +96,9 @@ class JoinWatch:
         elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self.reason = ""
         elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-            self.refused_key = True  # ZeroMQ will not retry this socket: make a new one
+            # ZeroMQ will not retry this socket: a new one each hello until joined (sticky: the
+            # new socket's own events may come before its monitor is attached)
+            self.refused_key = True
             self.reason = (
                 f"the coordinator refused this node's CURVE key {self.public_key} "
                 f"(status {ev['value']}): put {self.node}'s public key file in the "
@@ -116,6 +131,7 @@ class JoinWatch:
 
     def on_joined(self) -> None:
         self.joined = True
+        self.refused_key = False
         self.reason = ""
 
     def on_left(self) -> None:

@@ -156,6 +156,8 @@ class Daemon(RankService, PlanKeeping, DataPlane):
         self.mesh.know(
             COORDINATOR, self.cfg.coordinator or endpoint, self.mesh.security.coordinator_key
         )
+        if self.coordinator is None:
+            self.join.attach(self.mesh.socket_to(COORDINATOR))
         self.local.bind(self.ctx)
         self._sweep()
         metrics_at = None
@@ -186,7 +188,7 @@ class Daemon(RankService, PlanKeeping, DataPlane):
                 tg.create_task(self.local.serve())
                 tg.create_task(self._tick())
                 if self.coordinator is None:
-                    tg.create_task(self.join.watch(lambda: self.mesh.socket_to(COORDINATOR)))
+                    tg.create_task(self.join.watch())
                 await self.stop.wait()
                 raise _Stop
         except* _Stop:
@@ -266,8 +268,8 @@ class Daemon(RankService, PlanKeeping, DataPlane):
                 self.coordinator_name = None
                 self.join.check(now)
                 if self.join.refused_key:  # a fresh socket, so a fresh handshake (after SIGHUP)
-                    self.join.refused_key = False
                     self.mesh.reconnect(COORDINATOR)
+                    self.join.attach(self.mesh.socket_to(COORDINATOR))
                 self.mesh.send_soon(
                     COORDINATOR, PeerHello(protocol=PROTOCOL_VERSION, member=self.member())
                 )

@@ -142,7 +142,10 @@ def test_sighup_reloads_the_allow_list_and_the_node_joins(untrusted: tuple) -> N
     coordinator.send_signal(signal.SIGHUP)
     reloaded = wait_log(c, "host0", "keys reloaded", timeout=10)[0]
     assert reloaded["added"] == 1 and reloaded["removed"] == 0
-    c.wait_joined(timeout_s=15)
+    try:
+        c.wait_joined(timeout_s=15)
+    except RuntimeError as exc:
+        raise AssertionError(f"{exc}; logs in {c.workdir}") from None
     assert coordinator.poll() is None and coordinator.pid == pid  # the same process
     seen = sink.drain(2)
     ready = [m for m in seen if "READY=1" in m]
