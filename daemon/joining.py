@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Mapping
+from typing import Any
 
 import structlog
 import zmq
@@ -87,7 +89,7 @@ class JoinWatch:
             while not self._monitors.empty():
                 _close(*self._monitors.get_nowait())
 
-    def _event(self, ev: dict[str, object]) -> None:
+    def _event(self, ev: Mapping[str, Any]) -> None:
         kind = ev["event"]
         if kind == zmq.EVENT_CONNECTED:
             self.connected = True

@@ -446,7 +446,7 @@ class Daemon(RankService, PlanKeeping, DataPlane):
             case StatusQuery():
                 self.mesh.send_soon(sender, StatusAnswer(req=msg.req, body=self.status()))
             case StatusAnswer():
-                self.mesh.resolve(msg.req, msg)
+                self.mesh.resolve(sender, msg.req, msg)
             case PeerError(code=code, message=message) if self.coordinator_name is None:
                 self.join.refused(code, message)  # said by JoinWatch, once per interval
             case PeerError(code=code, message=message):

@@ -43,6 +43,7 @@ def test_cluster_status_from_any_node_during_a_version(cluster: LocalCluster, ca
         c = json.loads(capsys.readouterr().out)
         assert c["asked"] == "host1" and set(c["nodes"]) == {"host0", "host1"}
         h0, h1 = c["nodes"]["host0"], c["nodes"]["host1"]
+        assert "error" not in h0 and "error" not in h1, c
         assert {(s["role"], s["rank"]) for s in h0["sessions"]} == {("trainer", 0), ("trainer", 1)}
         assert [(s["role"], s["rank"]) for s in h1["sessions"]] == [("engine", 0)]
         assert h0["plans"][job] == h1["plans"][job]
