@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from weightwire.cli import netns
+from weightwire.harness import netns
 
 from .conftest import NETNS, NETNS_WHY
 
