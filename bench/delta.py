@@ -199,9 +199,11 @@ def run(args: Any) -> int:
 
 
 def add_arguments(p: Any) -> None:
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--json", action="store_true", help="the report as one JSON object")
+    p.add_argument("--layers", type=int, default=8, help="square linear layers of the model")
     p.add_argument("--width", type=int, default=8192, help="8 x 8192^2 = 0.54 B parameters")
-    p.add_argument("--lr", type=float, nargs="+", default=[1e-6, 1e-5])
+    p.add_argument(
+        "--lr", type=float, nargs="+", default=[1e-6, 1e-5], help="AdamW learning rates, each a run"
+    )
     p.add_argument("--steps", type=int, default=3, help="AdamW steps (versions) per learning rate")
-    p.add_argument("--streams", type=int, default=4)
+    p.add_argument("--streams", type=int, default=4, help="tcp streams per peer")
