@@ -13,84 +13,28 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from weightwire.client import Engine
-from weightwire.client.dtypes import TORCH
 from weightwire.harness.localcluster import LocalCluster
-from weightwire.plan.rules import engine_tensors
 
-from .jsonproc import JsonLinesProc
-from .rulesref import CONFIGS, reference
-from .test_rules import layout
+from .multirank import Rank, check_engines, engine_group, out_dir, rank_procs
+from .rulesref import CONFIGS
 
 pytestmark = pytest.mark.fsdp2
-HERE = Path(__file__).parent
 WORLD = 4
 CFG: dict[str, Any] = dict(
     CONFIGS["qwen3"], vocab_size=1001, intermediate_size=250, num_hidden_layers=1
 )
 
 
-class Rank(JsonLinesProc):
-    def wait_for(self, event: str, timeout: float = 120) -> dict[str, Any]:
-        import time
-
-        deadline = time.monotonic() + timeout
-        with self._cv:
-            while True:
-                for e in self.events:
-                    if e["event"] == "error":
-                        raise AssertionError(f"rank failed: {e}\n{''.join(self.err)[-3000:]}")
-                    if e["event"] == event and not e.get("seen"):
-                        e["seen"] = True
-                        return e
-                left = deadline - time.monotonic()
-                if left <= 0 or self.p.poll() is not None:
-                    raise AssertionError(
-                        f"no {event} in {timeout} s: {self.events}\n{''.join(self.err)[-3000:]}"
-                    )
-                self._cv.wait(min(left, 0.2))
-
-    def cmd(self, **kw: object) -> None:
-        self.send(json.dumps(kw))
-
-
 @pytest.fixture(scope="module")
 def ranks(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Rank]]:
     out = tmp_path_factory.mktemp("fsdp2")
-    store = out / "store"
-    procs = [
-        Rank(
-            HERE / "ranks" / "fsdp2_trainer.py",
-            *("--socket", cluster.daemons[0].socket, "--store", str(store)),
-            *("--rank", str(r), "--world", str(WORLD), "--out", str(out)),
-            *("--config", json.dumps(CFG)),
-            pythonpath=HERE.parent,
-        )
-        for r in range(WORLD)
-    ]
-    try:
-        for p in procs:
-            p.wait_for("started")
+    with rank_procs("fsdp2_trainer.py", cluster, out, WORLD, "--config", json.dumps(CFG)) as procs:
         yield procs
-        for p in procs:
-            p.cmd(cmd="close")
-        for p in procs:
-            assert p.finish() == 0, "".join(p.err)[-3000:]
-    finally:
-        for p in procs:
-            if p.p.poll() is None:
-                p.p.kill()
-
-
-def out_dir(ranks: list[Rank]) -> Path:
-    argv = ranks[0].p.args
-    return Path(argv[argv.index("--out") + 1])
 
 
 @pytest.mark.parametrize(
@@ -101,16 +45,7 @@ def test_fsdp2_module_publishes_bitwise(
     cluster: LocalCluster, ranks: list[Rank], mesh: str, dtype: str
 ) -> None:
     job = f"fsdp2-{mesh}"
-    engines, received = [], []
-    for r in range(2):
-        lay = layout(CFG, 2, r, 1, "")
-        tensors = {
-            t.name: torch.zeros(t.shape, dtype=TORCH[t.dtype]) for t in engine_tensors(CFG, lay)
-        }
-        eng = Engine(r, 2, socket=cluster.daemons[1].socket, job=job, timeout_s=60)
-        eng.register(tensors, layout=lay)
-        engines.append(eng)
-        received.append(tensors)
+    engines, received = engine_group(cluster, CFG, 2, 1, job, 0, 2)
     for p in ranks:
         p.cmd(cmd="setup", mesh=mesh, job=job, dtype=dtype)
     ready = [p.wait_for("ready") for p in ranks]
@@ -132,15 +67,7 @@ def test_fsdp2_module_publishes_bitwise(
         assert set(full) == {t.name for t in _hf_names()}
         assert all(t.dtype == getattr(torch, dtype) for t in full.values())
         full = {n: t.to(torch.bfloat16) for n, t in full.items()}  # the engines' dtype
-        for r, eng in enumerate(engines):
-            eng.wait(version, timeout_s=60)
-            want = reference(CFG, full, 2, r, 1, None)
-            assert set(want) == set(received[r])
-            for n, expected in want.items():
-                got = received[r][n]
-                assert torch.equal(
-                    got.view(torch.uint8), expected.contiguous().view(torch.uint8)
-                ), f"{mesh} v{version} engine rank {r}: {n} differs from the unsharded model"
+        check_engines(CFG, full, 1, engines, received, version, mesh)
     for eng in engines:
         eng.close()
 

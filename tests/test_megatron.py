@@ -37,14 +37,12 @@ import torch
 
 from weightwire.client import Engine
 from weightwire.client.buckets import row_parts, slice_box
-from weightwire.client.dtypes import TORCH
 from weightwire.harness.localcluster import LocalCluster
-from weightwire.plan.rules import engine_tensors, hf_tensors
+from weightwire.plan.rules import hf_tensors
 from weightwire.protocol.tensors import Box, Cast, Copy, Fp8BlockQuant, Fp8BlockScale
 
-from .rulesref import CONFIGS, reference
-from .test_fsdp2 import Rank, out_dir
-from .test_rules import layout
+from .multirank import Rank, check_engines, engine_group, out_dir, rank_procs
+from .rulesref import CONFIGS
 
 pytestmark = pytest.mark.megatron
 HERE = Path(__file__).parent
@@ -69,28 +67,8 @@ JOBS: dict[str, dict[str, Any]] = {
 @pytest.fixture(scope="module")
 def ranks(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Rank]]:
     out = tmp_path_factory.mktemp("megatron")
-    store = out / "store"
-    procs = [
-        Rank(
-            HERE / "ranks" / "megatron_trainer.py",
-            *("--socket", cluster.daemons[0].socket, "--store", str(store)),
-            *("--rank", str(r), "--world", str(WORLD), "--out", str(out)),
-            pythonpath=HERE.parent,
-        )
-        for r in range(WORLD)
-    ]
-    try:
-        for p in procs:
-            p.wait_for("started", timeout=180)
+    with rank_procs("megatron_trainer.py", cluster, out, WORLD, started_s=180) as procs:
         yield procs
-        for p in procs:
-            p.cmd(cmd="close")
-        for p in procs:
-            assert p.finish() == 0, "".join(p.err)[-3000:]
-    finally:
-        for p in procs:
-            if p.p.poll() is None:
-                p.p.kill()
 
 
 # --- the test's own Megatron -> HF conversion -------------------------------------------
@@ -226,22 +204,9 @@ def test_megatron_model_publishes_bitwise(
     world = sum(n for n, _ in spec["engines"])
     first = 0
     for etp_size, eep in spec["engines"]:
-        engines, received = [], []
-        for r in range(etp_size):
-            lay = layout(hf, etp_size, r, eep, "")
-            tensors = {
-                t.name: torch.zeros(t.shape, dtype=TORCH[t.dtype]) for t in engine_tensors(hf, lay)
-            }
-            eng = Engine(
-                first + r,
-                world,
-                socket=cluster.daemons[1].socket,
-                job=f"megatron-{job}",
-                timeout_s=60,
-            )
-            eng.register(tensors, layout=lay)
-            engines.append(eng)
-            received.append(tensors)
+        engines, received = engine_group(
+            cluster, hf, etp_size, eep, f"megatron-{job}", first, world
+        )
         groups.append((etp_size, eep, engines, received))
         first += etp_size
     for p in ranks:
@@ -275,16 +240,8 @@ def test_megatron_model_publishes_bitwise(
         assert len(files) == WORLD
         full = to_hf(hf, tp, pp, ep, spec["etp"], files)
         assert set(full) == {t.name for t in hf_tensors(hf)}
-        for etp_size, eep, engines, received in groups:
-            for r, eng in enumerate(engines):
-                eng.wait(version, timeout_s=60)
-                want = reference(hf, full, etp_size, r, eep, None)
-                assert set(want) == set(received[r])
-                for n, expected in want.items():
-                    got = received[r][n]
-                    assert torch.equal(
-                        got.view(torch.uint8), expected.contiguous().view(torch.uint8)
-                    ), f"{job} v{version} engine TP{etp_size} rank {r}: {n} differs"
+        for _, eep, engines, received in groups:
+            check_engines(hf, full, eep, engines, received, version, job)
     for _, _, engines, _ in groups:
         for eng in engines:
             eng.close()

@@ -20,21 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
-import time
-import traceback
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from tests.ranks.rankloop import say, serve, start
 from weightwire.client import Trainer
-from weightwire.protocol.errors import WeightwireError
-
-
-def say(**kw: object) -> None:
-    print(json.dumps({**kw, "t": time.time()}), flush=True)
 
 
 class Attention(nn.Module):
@@ -150,55 +143,38 @@ def step(model: nn.Module, version: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--socket", required=True)
-    ap.add_argument("--store", required=True)
-    ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--world", type=int, required=True)
-    ap.add_argument("--out", required=True)
     ap.add_argument("--config", required=True, help="the model's config, JSON")
     ap.add_argument("--staging-buckets", type=int, default=4)
-    a = ap.parse_args()
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(
-        "gloo", init_method=f"file://{a.store}", rank=a.rank, world_size=a.world
-    )
+    a = start(ap)
     cfg = json.loads(a.config)
     model: Wrapped | None = None
     tr: Trainer | None = None
     job = ""
-    say(event="started", rank=a.rank)
-    for line in sys.stdin:
-        msg = json.loads(line)
-        try:
-            if msg["cmd"] == "setup":
-                if tr is not None:
-                    tr.close()
-                job = msg["job"]
-                dtype = getattr(torch, msg.get("dtype", "bfloat16"))
-                model = build(cfg, msg["mesh"], a.world, dtype)
-                tr = Trainer(a.rank, a.world, socket=a.socket, job=job, timeout_s=60)
-                boxes = tr.register_module(model, rename=lambda n: n.removeprefix("inner."))
-                tr.prepare()
-                say(event="ready", rank=a.rank, job=job, boxes=boxes)
-            elif msg["cmd"] == "publish":
-                assert model is not None and tr is not None
-                v = msg["version"]
-                step(model, v)
-                full = {
-                    n.removeprefix("inner."): p.full_tensor() for n, p in model.named_parameters()
-                }
-                if a.rank == 0:
-                    torch.save(full, os.path.join(a.out, f"{job}-v{v}.pt"))
-                dist.barrier()
-                s = tr.publish(v)
-                say(event="published", rank=a.rank, version=v, bytes=s.nbytes)
-            elif msg["cmd"] == "close":
-                break
-        except WeightwireError as exc:
-            say(event="error", rank=a.rank, code=exc.code.value, message=exc.message)
-        except Exception as exc:
-            say(event="error", rank=a.rank, code="exception", message=traceback.format_exc())
-            raise SystemExit(1) from exc
+
+    def setup(msg: dict[str, Any]) -> None:
+        nonlocal model, tr, job
+        if tr is not None:
+            tr.close()
+        job = msg["job"]
+        dtype = getattr(torch, msg.get("dtype", "bfloat16"))
+        model = build(cfg, msg["mesh"], a.world, dtype)
+        tr = Trainer(a.rank, a.world, socket=a.socket, job=job, timeout_s=60)
+        boxes = tr.register_module(model, rename=lambda n: n.removeprefix("inner."))
+        tr.prepare()
+        say(event="ready", rank=a.rank, job=job, boxes=boxes)
+
+    def publish(msg: dict[str, Any]) -> None:
+        assert model is not None and tr is not None
+        v = msg["version"]
+        step(model, v)
+        full = {n.removeprefix("inner."): p.full_tensor() for n, p in model.named_parameters()}
+        if a.rank == 0:
+            torch.save(full, os.path.join(a.out, f"{job}-v{v}.pt"))
+        dist.barrier()
+        s = tr.publish(v)
+        say(event="published", rank=a.rank, version=v, bytes=s.nbytes)
+
+    serve(a.rank, {"setup": setup, "publish": publish})
     if tr is not None:
         tr.close()
     dist.destroy_process_group()

@@ -19,11 +19,7 @@ Events on stdout, one JSON object a line.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
-import time
-import traceback
 import warnings
 import zlib
 from typing import Any
@@ -31,12 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tests.ranks.rankloop import say, serve, start
 from weightwire.client import Trainer
-from weightwire.protocol.errors import WeightwireError
-
-
-def say(**kw: object) -> None:
-    print(json.dumps({**kw, "t": time.time()}), flush=True)
 
 
 def padded_vocab(vocab: int, divisible_by: int, tp: int) -> int:
@@ -207,18 +199,8 @@ def step(model: Any, version: int, move: bool) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--socket", required=True)
-    ap.add_argument("--store", required=True)
-    ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--world", type=int, required=True)
-    ap.add_argument("--out", required=True)
-    a = ap.parse_args()
     warnings.filterwarnings("ignore")
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(
-        "gloo", init_method=f"file://{a.store}", rank=a.rank, world_size=a.world
-    )
+    a = start(argparse.ArgumentParser())
     import megatron.core  # noqa: F401  (imported once, before the first setup)
 
     no_transformer_engine()
@@ -226,40 +208,34 @@ def main() -> None:
     model: Any = None
     tr: Trainer | None = None
     job = ""
-    say(event="started", rank=a.rank)
-    for line in sys.stdin:
-        msg = json.loads(line)
-        try:
-            if msg["cmd"] == "setup":
-                if tr is not None:
-                    tr.close()
-                    tr = None
-                job = msg["job"]
-                hf = msg["hf"]
-                model = build(hf, msg["tp"], msg["pp"], msg["ep"], msg["etp"], msg["divisible_by"])
-                fill(model)
-                tr = Trainer(a.rank, a.world, socket=a.socket, job=job, timeout_s=60)
-                boxes = tr.register_megatron(model, hf)
-                tr.prepare()
-                say(event="ready", rank=a.rank, job=job, boxes=boxes, **coordinates())
-            elif msg["cmd"] == "publish":
-                assert model is not None and tr is not None
-                v = msg["version"]
-                step(model, v, bool(msg.get("move")))
-                own = {n: p.detach().clone() for n, p in tensors(model).items()}
-                torch.save(
-                    {"params": own, **coordinates()},
-                    os.path.join(a.out, f"{job}-v{v}-r{a.rank}.pt"),
-                )
-                s = tr.publish(v)
-                say(event="published", rank=a.rank, version=v, bytes=s.nbytes)
-            elif msg["cmd"] == "close":
-                break
-        except WeightwireError as exc:
-            say(event="error", rank=a.rank, code=exc.code.value, message=exc.message)
-        except Exception as exc:
-            say(event="error", rank=a.rank, code="exception", message=traceback.format_exc())
-            raise SystemExit(1) from exc
+
+    def setup(msg: dict[str, Any]) -> None:
+        nonlocal model, tr, job
+        if tr is not None:
+            tr.close()
+            tr = None
+        job = msg["job"]
+        hf = msg["hf"]
+        model = build(hf, msg["tp"], msg["pp"], msg["ep"], msg["etp"], msg["divisible_by"])
+        fill(model)
+        tr = Trainer(a.rank, a.world, socket=a.socket, job=job, timeout_s=60)
+        boxes = tr.register_megatron(model, hf)
+        tr.prepare()
+        say(event="ready", rank=a.rank, job=job, boxes=boxes, **coordinates())
+
+    def publish(msg: dict[str, Any]) -> None:
+        assert model is not None and tr is not None
+        v = msg["version"]
+        step(model, v, bool(msg.get("move")))
+        own = {n: p.detach().clone() for n, p in tensors(model).items()}
+        torch.save(
+            {"params": own, **coordinates()},
+            os.path.join(a.out, f"{job}-v{v}-r{a.rank}.pt"),
+        )
+        s = tr.publish(v)
+        say(event="published", rank=a.rank, version=v, bytes=s.nbytes)
+
+    serve(a.rank, {"setup": setup, "publish": publish})
     if tr is not None:
         tr.close()
     dist.destroy_process_group()
