@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import msgspec
 
@@ -79,6 +80,26 @@ class DeltaPlans(Mapping[str, NodePlan]):
 
     def __len__(self) -> int:
         return len(self._plans)
+
+
+def _spot(
+    dst: Dst,
+    spot: tuple[int, int],
+    at: int,
+    rank_of: Mapping[Dst, int],
+    area_of: Mapping[Dst, RegionDescriptor],
+) -> dict[str, Any]:
+    """A DeltaSpot's fields (a DeltaSlot's or a Trailer's): `spot` (offset, capacity) in the
+    delta area of `dst`, encoded at `at` of the rank's delta-out region."""
+    return dict(
+        dst_node=dst[0],
+        dst_rank=rank_of[dst],
+        slot=dst[1],
+        dst_region=area_of[dst].id,
+        dst_offset=spot[0],
+        capacity=spot[1],
+        src_offset=at,
+    )
 
 
 def add_delta(
@@ -210,13 +231,7 @@ def _rank_plan(
                 continue
             deltas.append(
                 DeltaSlot(
-                    dst_node=dst[0],
-                    dst_rank=rank_of[dst],
-                    slot=dst[1],
-                    dst_region=area_of[dst].id,
-                    dst_offset=spot[0],
-                    capacity=spot[1],
-                    src_offset=at,
+                    **_spot(dst, spot, at, rank_of, area_of),
                     writes=tuple(idx),
                     width=_width([b.writes[i] for i in idx]),
                 )
@@ -227,17 +242,7 @@ def _rank_plan(
     for (dst, k), spot in sorted(trailer_at.items()):
         if k != key:
             continue
-        trailers.append(
-            Trailer(
-                dst_node=dst[0],
-                dst_rank=rank_of[dst],
-                slot=dst[1],
-                dst_region=area_of[dst].id,
-                dst_offset=spot[0],
-                capacity=spot[1],
-                src_offset=at,
-            )
-        )
+        trailers.append(Trailer(**_spot(dst, spot, at, rank_of, area_of)))
         at = _align(at + spot[1])
     if not trailers:
         return rp

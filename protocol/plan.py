@@ -110,34 +110,33 @@ def trailer_capacity(n_ranges: int, n_deltas: int) -> int:
     return DELTA_HEAD + DELTA_RANGE * n_ranges + DELTA_REF * n_deltas
 
 
-class DeltaSlot(msgspec.Struct, frozen=True, kw_only=True):
+class DeltaSpot(msgspec.Struct, frozen=True, kw_only=True):
+    """Bytes a rank encodes at `src_offset` of its delta-out region and writes at `dst_offset`
+    of one engine rank's delta area (at most `capacity` bytes): the fields a DeltaSlot and a
+    Trailer share, in their wire order."""
+
+    dst_node: str
+    dst_rank: NonNeg
+    slot: Annotated[int, msgspec.Meta(ge=0, lt=MAX_SLOTS)]
+    dst_region: NonNeg
+    dst_offset: NonNeg
+    capacity: NonNeg
+    src_offset: NonNeg
+
+
+class DeltaSlot(DeltaSpot, frozen=True, kw_only=True):
     """A bucket's bytes for one engine rank, which the rank may send as a delta payload:
     encoded at `src_offset` of its delta-out region, written at `dst_offset` of that engine's delta
     area (at most `capacity` bytes), in as many writes as the dense `writes` it replaces
     (indices into the bucket's writes), so the engine's immediate count stays the same."""
 
-    dst_node: str
-    dst_rank: NonNeg
-    slot: Annotated[int, msgspec.Meta(ge=0, lt=MAX_SLOTS)]
-    dst_region: NonNeg
-    dst_offset: NonNeg
-    capacity: NonNeg
-    src_offset: NonNeg
     writes: tuple[NonNeg, ...]
     width: Annotated[int, msgspec.Meta(ge=1, le=8)] = 2
 
 
-class Trailer(msgspec.Struct, frozen=True, kw_only=True):
+class Trailer(DeltaSpot, frozen=True, kw_only=True):
     """The last write of a version from a rank to one engine rank (delta-capable plans):
     the checksum of everything the rank wrote there and where its payloads are."""
-
-    dst_node: str
-    dst_rank: NonNeg
-    slot: Annotated[int, msgspec.Meta(ge=0, lt=MAX_SLOTS)]
-    dst_region: NonNeg
-    dst_offset: NonNeg
-    capacity: NonNeg
-    src_offset: NonNeg
 
 
 class Bucket(msgspec.Struct, frozen=True, kw_only=True):
