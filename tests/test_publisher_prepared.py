@@ -15,10 +15,17 @@ from tests.test_publisher_posts import publisher
 from tests.test_transport_tcp import TcpKit
 from weightwire.daemon.publisher import Publisher
 from weightwire.protocol.local import BucketsIssued, BucketsLanded, PublishResult
-from weightwire.protocol.plan import Bucket, PackOp, RankPlan, WriteOp, decode_imm
+from weightwire.protocol.plan import (
+    Bucket,
+    PackOp,
+    RankPlan,
+    StagingRing,
+    WriteOp,
+    decode_imm,
+)
 from weightwire.protocol.regions import RegionDescriptor
 from weightwire.protocol.tensors import Box, Copy
-from weightwire.transport.base import Transport
+from weightwire.transport.base import LocalRegion, Transport
 
 N = 3 * 65536
 
@@ -152,6 +159,64 @@ def test_a_failed_bucket_is_reported_after_the_rest_of_its_post_landed() -> None
     uvloop.run(asyncio.wait_for(with_pair(kit, body), 60))
 
 
+def _ring_plan(dst: RegionDescriptor, part: int) -> RankPlan:
+    """Four buckets, each one pack and one write of `part` bytes into region 2 of `dst`."""
+    return RankPlan(
+        plan_hash="ring",
+        rank=0,
+        staging_bytes=4 * part,
+        buckets=tuple(
+            Bucket(
+                index=b,
+                packs=(
+                    PackOp(
+                        source="w",
+                        box=Box.full((part,)),
+                        transform=Copy(),
+                        staging_offset=b * part,
+                        nbytes=part,
+                    ),
+                ),
+                writes=(
+                    WriteOp(
+                        src_offset=b * part,
+                        length=part,
+                        dst_node=dst.node,
+                        dst_region=2,
+                        dst_offset=b * part,
+                        slot=7,
+                    ),
+                ),
+            )
+            for b in range(4)
+        ),
+        regions=(dst,),
+    )
+
+
+async def _fill_ring(
+    kit: TcpKit,
+    pub: Publisher,
+    ring: StagingRing,
+    staging: LocalRegion,
+    data: bytes,
+    part: int,
+    version: int,
+    seen: Sequence[object],
+) -> None:
+    """Packs (fills) each of the four buckets into its slot and says it ready, once the
+    bucket before it in that slot has landed (tcp reads staging until then)."""
+    for b in range(4):
+        if ring.reuse[b] >= 0:
+            while not any(
+                isinstance(m, BucketsLanded) and m.version == version and ring.reuse[b] in m.buckets
+                for m in seen
+            ):
+                await asyncio.sleep(0.005)
+        kit.fill(staging, ring.slot[b] * part, data[b * part : (b + 1) * part])
+        pub.bucket_ready(version, (b,))
+
+
 def test_a_staging_ring_writes_each_bucket_from_its_slot_prepared_once() -> None:
     """Four buckets through a ring of two slots: each bucket's writes read from its slot
     (its planned offsets shifted), are prepared once per (bucket, slot) and reused the next
@@ -161,39 +226,6 @@ def test_a_staging_ring_writes_each_bucket_from_its_slot_prepared_once() -> None
     part = 4096  # each bucket: one pack and one write of `part` bytes
     n = 4 * part
 
-    def plan(dst: RegionDescriptor) -> RankPlan:
-        return RankPlan(
-            plan_hash="ring",
-            rank=0,
-            staging_bytes=n,
-            buckets=tuple(
-                Bucket(
-                    index=b,
-                    packs=(
-                        PackOp(
-                            source="w",
-                            box=Box.full((part,)),
-                            transform=Copy(),
-                            staging_offset=b * part,
-                            nbytes=part,
-                        ),
-                    ),
-                    writes=(
-                        WriteOp(
-                            src_offset=b * part,
-                            length=part,
-                            dst_node=dst.node,
-                            dst_region=2,
-                            dst_offset=b * part,
-                            slot=7,
-                        ),
-                    ),
-                )
-                for b in range(4)
-            ),
-            regions=(dst,),
-        )
-
     async def body(p: Pair) -> None:
         dst, desc = p.region(p.b, 2, n)
         seen: list[PublishResult | BucketsLanded] = []
@@ -202,7 +234,7 @@ def test_a_staging_ring_writes_each_bucket_from_its_slot_prepared_once() -> None
             return p.a.transport
 
         pub = publisher(seen, pick)  # type: ignore[arg-type]
-        pub.set_plan(plan(desc))
+        pub.set_plan(_ring_plan(desc, part))
         ring = pub.ring(2)
         assert ring.slots == 2 and ring.nbytes == 2 * part
         staging, _ = p.region(p.a, 1, ring.nbytes)
@@ -211,18 +243,7 @@ def test_a_staging_ring_writes_each_bucket_from_its_slot_prepared_once() -> None
         for version in (1, 2):
             data = rand(n, version)
             pub.begin(version, "ring", 2)
-            for b in range(4):  # pack into the slot once the bucket before in it landed
-                if ring.reuse[b] >= 0:
-                    while not any(
-                        isinstance(m, BucketsLanded)
-                        and m.version == version
-                        and ring.reuse[b] in m.buckets
-                        for m in seen
-                    ):
-                        await asyncio.sleep(0.005)
-                slot = ring.slot[b]
-                kit.fill(staging, slot * part, data[b * part : (b + 1) * part])
-                pub.bucket_ready(version, (b,))
+            await _fill_ring(kit, pub, ring, staging, data, part, version, seen)
             await pub.drain(30)
             assert isinstance(seen[-1], PublishResult) and seen[-1].ok, seen[-1]
             landed = [m for m in seen if isinstance(m, BucketsLanded) and m.version == version]
@@ -280,39 +301,6 @@ def test_buckets_whose_writes_all_fence_are_reported_issued_with_their_slots_eve
     part = 4096
     n = 4 * part
 
-    def plan(dst: RegionDescriptor) -> RankPlan:
-        return RankPlan(
-            plan_hash="ring",
-            rank=0,
-            staging_bytes=n,
-            buckets=tuple(
-                Bucket(
-                    index=b,
-                    packs=(
-                        PackOp(
-                            source="w",
-                            box=Box.full((part,)),
-                            transform=Copy(),
-                            staging_offset=b * part,
-                            nbytes=part,
-                        ),
-                    ),
-                    writes=(
-                        WriteOp(
-                            src_offset=b * part,
-                            length=part,
-                            dst_node=dst.node,
-                            dst_region=2,
-                            dst_offset=b * part,
-                            slot=7,
-                        ),
-                    ),
-                )
-                for b in range(4)
-            ),
-            regions=(dst,),
-        )
-
     async def body(p: Pair) -> None:
         dst, desc = p.region(p.b, 2, n)
         seen: list[PublishResult | BucketsLanded | BucketsIssued] = []
@@ -323,7 +311,7 @@ def test_buckets_whose_writes_all_fence_are_reported_issued_with_their_slots_eve
             return use[0]
 
         pub = publisher(seen, pick)  # type: ignore[arg-type]
-        pub.set_plan(plan(desc))
+        pub.set_plan(_ring_plan(desc, part))
         ring = pub.ring(2)
         staging, _ = p.region(p.a, 1, ring.nbytes)
         pub.staging = staging
@@ -333,18 +321,7 @@ def test_buckets_whose_writes_all_fence_are_reported_issued_with_their_slots_eve
             pub._cache.clear()  # routes through the transport of this case
             data = rand(n, version)
             pub.begin(version, "ring", 2, slot_events=ask)
-            for b in range(4):  # tcp reads staging until it lands: wait for landings here
-                if ring.reuse[b] >= 0:
-                    while not any(
-                        isinstance(m, BucketsLanded)
-                        and m.version == version
-                        and ring.reuse[b] in m.buckets
-                        for m in seen
-                    ):
-                        await asyncio.sleep(0.005)
-                slot = ring.slot[b]
-                kit.fill(staging, slot * part, data[b * part : (b + 1) * part])
-                pub.bucket_ready(version, (b,))
+            await _fill_ring(kit, pub, ring, staging, data, part, version, seen)
             await pub.drain(30)
             mine = [m for m in seen if not isinstance(m, PublishResult) and m.version == version]
             assert isinstance(seen[-1], PublishResult) and seen[-1].ok, seen[-1]
