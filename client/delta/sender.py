@@ -260,20 +260,29 @@ class DeltaSender:
             job.dense = True
             job.changes = scan.Changes(0, acc.width, 0)  # let the buffers go
 
-    def _payload(self, b: Bucket, job: _Job, out: torch.Tensor) -> int:
-        """Encode a job's changes into `out`; its bytes (0: it goes dense)."""
-        ds, w, n = job.slot, job.slot.width, job.elements
-        pos = job.changes.positions
-        k = int(pos.size)
+    def _head(self, b: Bucket, ds: DeltaSlot, n: int, k: int) -> frames.PayloadHead | None:
+        """The head of the payload of `k` changed of `n` elements for `ds`; None when it goes
+        dense (dense is as small, or it does not fit in the slot or in the writes it has)."""
+        w = ds.width
         kind = codec.best_kind(n, k, w, allow_dense=self.mode != "on")
-        writes = [b.writes[i] for i in ds.writes]
         blocks = tuple(
-            (wr.dst_region, wr.dst_offset, wr.length, wr.count, wr.dst_stride) for wr in writes
+            (wr.dst_region, wr.dst_offset, wr.length, wr.count, wr.dst_stride)
+            for wr in (b.writes[i] for i in ds.writes)
         )
         body_len = codec.body_size(kind, n, k, w)
         head = frames.PayloadHead(int(kind), w, self._version, self._base, n, k, body_len, blocks)
         if kind is codec.Kind.DENSE or head.size > ds.capacity or head.size < len(ds.writes):
+            return None
+        return head
+
+    def _payload(self, b: Bucket, job: _Job, out: torch.Tensor) -> int:
+        """Encode a job's changes into `out`; its bytes (0: it goes dense)."""
+        ds, n = job.slot, job.elements
+        pos = job.changes.positions
+        head = self._head(b, ds, n, int(pos.size))
+        if head is None:
             return 0
+        kind = codec.Kind(head.kind)
         values = job.changes.values
         at = ds.src_offset
         dst = out.numpy()
@@ -337,16 +346,10 @@ class DeltaSender:
                 return 0
         n = start // w
         pos = _cat(positions, torch.int64)
-        k = int(pos.numel())
-        kind = codec.best_kind(n, k, w, allow_dense=self.mode != "on")
-        blocks = tuple(
-            (wr.dst_region, wr.dst_offset, wr.length, wr.count, wr.dst_stride) for wr in writes
-        )
-        body_len = codec.body_size(kind, n, k, w)
-        head = frames.PayloadHead(int(kind), w, self._version, self._base, n, k, body_len, blocks)
-        if kind is codec.Kind.DENSE or head.size > ds.capacity or head.size < len(ds.writes):
+        head = self._head(b, ds, n, int(pos.numel()))
+        if head is None:
             return 0
-        body = codec.encode_body(pos, _cat(values, torch.uint8), n, w, kind)
+        body = codec.encode_body(pos, _cat(values, torch.uint8), n, w, codec.Kind(head.kind))
         at = ds.src_offset
         raw = torch.frombuffer(bytearray(frames.payload_head(head)), dtype=torch.uint8)
         out[at : at + raw.numel()].copy_(raw)
