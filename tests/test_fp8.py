@@ -245,6 +245,29 @@ def test_module_level_pack_shares_too(monkeypatch: pytest.MonkeyPatch) -> None:
     assert calls == [1]
 
 
+def pack_runs_op_by_op(
+    p: packmod.Packer,
+    ops: tuple[PackOp, ...],
+    tensors: dict[str, torch.Tensor],
+    got: torch.Tensor,
+    runs: int,
+) -> torch.Tensor:
+    """Packs the bucket `runs` times into `got` through `p` (the tensors scaled in place
+    half-way), each run bitwise against packing op by op; the last run's bytes."""
+    for run in range(runs):
+        if run == runs // 2:
+            for t in tensors.values():
+                t.mul_(-3)
+        want = torch.zeros_like(got)
+        one = packmod.Packer()
+        for op in ops:
+            one.pack(op, tensors[op.source], want)
+        got.zero_()
+        p.pack_bucket(ops, tensors, got)
+        assert torch.equal(got.cpu(), want.cpu()), f"run {run}"
+    return want
+
+
 def _bucket(device: str) -> tuple[tuple[PackOp, ...], dict[str, torch.Tensor], int]:
     """FP8 boxes of two shapes over six tensors (codes and scales in either order), strided
     and contiguous copies, and a cast: the ops of one bucket, laid out one after another."""
@@ -297,17 +320,7 @@ def test_pack_bucket_matches_op_by_op(device: str) -> None:
     ops, tensors, nbytes = _bucket(device)
     p = packmod.Packer()
     got = torch.zeros(nbytes, dtype=torch.uint8, device=device)  # one staging, as a rank has
-    for run in range(4):
-        if run == 2:
-            for t in tensors.values():
-                t.mul_(-3)
-        want = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-        one = packmod.Packer()
-        for op in ops:
-            one.pack(op, tensors[op.source], want)
-        got.zero_()
-        p.pack_bucket(ops, tensors, got)
-        assert torch.equal(got.cpu(), want.cpu()), f"run {run}"
+    want = pack_runs_op_by_op(p, ops, tensors, got, runs=4)
     (entry,) = p._buckets.values()
     assert (entry.graph is not None) == (device == "cuda")
     assert len(p) == 0

@@ -24,7 +24,7 @@ from weightwire.client import pack as packmod
 from weightwire.client.fp8 import quantize_blocks
 from weightwire.client.fp8_kernel import Fp8Box, quantize_into
 
-from .test_fp8 import _bucket, sample
+from .test_fp8 import _bucket, pack_runs_op_by_op, sample
 
 pytestmark = pytest.mark.skipif(fp8_kernel.triton is None, reason="needs Triton")
 CUDA = pytest.mark.skipif(
@@ -155,18 +155,7 @@ def test_bucket_pack_runs_the_kernel_bitwise() -> None:
     bf16 sources), the bytes equal packing op by op through torch, run after run."""
     ops, tensors, nbytes = _bucket("cpu")
     p = packmod.Packer()
-    got = torch.zeros(nbytes, dtype=torch.uint8)
-    for run in range(2):
-        if run == 1:
-            for t in tensors.values():
-                t.mul_(-3)
-        want = torch.zeros(nbytes, dtype=torch.uint8)
-        one = packmod.Packer()
-        for op in ops:
-            one.pack(op, tensors[op.source], want)
-        got.zero_()
-        p.pack_bucket(ops, tensors, got)
-        assert torch.equal(got, want), f"run {run}"
+    pack_runs_op_by_op(p, ops, tensors, torch.zeros(nbytes, dtype=torch.uint8), runs=2)
     (entry,) = p._buckets.values()
     assert len(entry.kernel) == 1 and not entry.fp8
     assert entry.kernel[0].ntiles == 6 * (2 * 3 + 1 * 3)
@@ -237,17 +226,8 @@ def test_cuda_bucket_in_its_graph() -> None:
     read the tensors as they are (in-place updates), bitwise against op by op."""
     ops, tensors, nbytes = _bucket("cuda")
     p = packmod.Packer()
-    got = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
-    for run in range(4):
-        if run == 2:
-            for t in tensors.values():
-                t.mul_(-3)
-        want = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
-        one = packmod.Packer()
-        for op in ops:
-            one.pack(op, tensors[op.source], want)
-        got.zero_()
-        p.pack_bucket(ops, tensors, got)
-        assert torch.equal(got.cpu(), want.cpu()), f"run {run}"
+    pack_runs_op_by_op(
+        p, ops, tensors, torch.zeros(nbytes, dtype=torch.uint8, device="cuda"), runs=4
+    )
     (entry,) = p._buckets.values()
     assert entry.kernel and not entry.fp8 and entry.graph is not None
