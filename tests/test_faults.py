@@ -35,7 +35,12 @@ MB = {"max-write-bytes": str(4 << 20), "bucket-bytes": str(8 << 20)}
 @pytest.fixture(scope="module")
 def faults() -> Iterator[LocalCluster]:
     """host0 coordinates; host1 runs trainer ranks (its link throttled); host2 engine ranks."""
-    c = LocalCluster(hosts=3, use_netns=True, extra={**FAST, **MB})
+    yield from throttled_hosts({**FAST, **MB})
+
+
+def throttled_hosts(extra: dict[str, str]) -> Iterator[LocalCluster]:
+    """Three hosts in namespaces, host1's link throttled to 200 Mbit/s; stopped after."""
+    c = LocalCluster(hosts=3, use_netns=True, extra=extra)
     c.start()
     assert c.net is not None
     c.net.throttle(1, 200)

@@ -24,33 +24,17 @@ from weightwire.harness.localcluster import DaemonProc, LocalCluster
 from weightwire.protocol.errors import WeightwireError
 
 from .conftest import FAST, NETNS, NETNS_WHY
-from .ranks.big_trainer import COLS, ROWS, weights
+from .ranks.big_trainer import ROWS, weights
+from .test_faults import MB, pair, throttled_hosts
 
 pytestmark = pytest.mark.skipif(not NETNS, reason=f"needs namespaces: {NETNS_WHY}")
 LIMITS = {"tcp-handshake-timeout-s": "2", "tcp-max-unauthenticated": "32"}
-MB = {"max-write-bytes": str(4 << 20), "bucket-bytes": str(8 << 20)}
 
 
 @pytest.fixture(scope="module")
 def hosts() -> Iterator[LocalCluster]:
     """host0 coordinates; host1 runs the trainer rank (its link throttled); host2 the engine."""
-    c = LocalCluster(hosts=3, use_netns=True, extra={**FAST, **MB, **LIMITS})
-    c.start()
-    assert c.net is not None
-    c.net.throttle(1, 200)
-    c.wait_joined()
-    yield c
-    c.stop()
-
-
-def pair(c: LocalCluster, job: str) -> tuple[Trainer, Engine, torch.Tensor]:
-    dst = torch.zeros(ROWS, COLS)
-    eng = Engine(0, 1, socket=c.daemons[2].socket, job=job, timeout_s=30)
-    eng.register({"w": dst})
-    tr = Trainer(0, 1, socket=c.daemons[1].socket, job=job, timeout_s=30)
-    tr.register({"w": weights(0)})
-    tr.prepare()
-    return tr, eng, dst
+    yield from throttled_hosts({**FAST, **MB, **LIMITS})
 
 
 def test_no_byte_of_a_failed_version_lands_after_the_report(hosts: LocalCluster) -> None:
