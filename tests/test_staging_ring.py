@@ -90,18 +90,27 @@ def publishing(c: LocalCluster, job: str) -> dict[str, object]:
     return next(p for p in fetch(c.daemons[0].socket)["publishing"] if p["job"] == job)
 
 
+def _engine(c: LocalCluster, job: str, rows: int) -> tuple[Engine, torch.Tensor]:
+    """An engine rank on daemon 1 receiving `w` (`rows` x COLS float32, zeroed)."""
+    dst = torch.zeros(rows, COLS)
+    eng = Engine(0, 1, socket=c.daemons[1].socket, job=job, timeout_s=60)
+    eng.register({"w": dst})
+    return eng, dst
+
+
+def _trainer(c: LocalCluster, job: str, slots: int) -> Trainer:
+    """A trainer rank on daemon 0 with a staging ring of `slots` slots (0: none)."""
+    return Trainer(0, 1, socket=c.daemons[0].socket, job=job, timeout_s=60, staging_buckets=slots)
+
+
 def test_a_send_larger_than_the_ring_lands_bitwise_version_after_version(
     ring_cluster: LocalCluster,
 ) -> None:
     job = "ring-bitwise"
     rows = 384  # 6 MiB of float32: 6 buckets through 2 slots
-    dst = torch.zeros(rows, COLS)
-    eng = Engine(0, 1, socket=ring_cluster.daemons[1].socket, job=job, timeout_s=60)
-    eng.register({"w": dst})
+    eng, dst = _engine(ring_cluster, job, rows)
     w = weights(0)[:rows].clone()
-    with Trainer(
-        0, 1, socket=ring_cluster.daemons[0].socket, job=job, timeout_s=60, staging_buckets=2
-    ) as tr:
+    with _trainer(ring_cluster, job, 2) as tr:
         tr.register({"w": w})
         plan = tr.prepare()
         ring = tr.ring()
@@ -128,13 +137,9 @@ def test_the_whole_send_when_asked_or_when_the_ring_would_not_be_smaller(
     ring_cluster: LocalCluster,
 ) -> None:
     job = "ring-whole"
-    dst = torch.zeros(384, COLS)
-    eng = Engine(0, 1, socket=ring_cluster.daemons[1].socket, job=job, timeout_s=60)
-    eng.register({"w": dst})
+    eng, dst = _engine(ring_cluster, job, 384)
     w = weights(5)[:384].clone()
-    with Trainer(
-        0, 1, socket=ring_cluster.daemons[0].socket, job=job, timeout_s=60, staging_buckets=0
-    ) as tr:
+    with _trainer(ring_cluster, job, 0) as tr:
         tr.register({"w": w})
         plan = tr.prepare()
         assert tr.ring().slots == 0 and tr.staging_bytes == plan.staging_bytes
@@ -153,9 +158,7 @@ def test_a_rank_killed_mid_ring_never_completes_and_the_next_one_lands(
     ring_cluster: LocalCluster,
 ) -> None:
     job = "ring-killed"
-    dst = torch.zeros(ROWS, COLS)
-    eng = Engine(0, 1, socket=ring_cluster.daemons[1].socket, job=job, timeout_s=60)
-    eng.register({"w": dst})
+    eng, dst = _engine(ring_cluster, job, ROWS)
     done: list[object] = []
     eng.on_version(done.append)
     sock = ring_cluster.daemons[0].socket
@@ -186,7 +189,7 @@ def test_a_rank_killed_mid_ring_never_completes_and_the_next_one_lands(
         eng.wait(1, timeout_s=15)
     assert not any(getattr(e, "version", None) == 1 for e in done), "version 1 completed"
     w = weights(2)
-    with Trainer(0, 1, socket=sock, job=job, timeout_s=60, staging_buckets=2) as tr:
+    with _trainer(ring_cluster, job, 2) as tr:
         tr.register({"w": w})
         tr.publish(2)
     eng.wait(2, timeout_s=30)
@@ -199,12 +202,8 @@ def test_a_version_failing_mid_ring_ends_the_wait_for_a_slot(ring_cluster: Local
     """The engine leaves while the trainer waits for a slot: the version fails, and the
     publish raises at once with the cause instead of waiting out its timeout."""
     job = "ring-fails"
-    dst = torch.zeros(ROWS, COLS)
-    eng = Engine(0, 1, socket=ring_cluster.daemons[1].socket, job=job, timeout_s=60)
-    eng.register({"w": dst})
-    with Trainer(
-        0, 1, socket=ring_cluster.daemons[0].socket, job=job, timeout_s=60, staging_buckets=2
-    ) as tr:
+    eng, _ = _engine(ring_cluster, job, ROWS)
+    with _trainer(ring_cluster, job, 2) as tr:
         tr.register({"w": weights(1)})
         tr.prepare()
         out: dict[str, object] = {}
@@ -330,13 +329,9 @@ def test_a_rank_asking_for_slot_events_over_tcp_waits_for_landings_bitwise(
     # each slot only once its bucket landed, even though it asked for events.
     job = "ring-events-tcp"
     rows = 384
-    dst = torch.zeros(rows, COLS)
-    eng = Engine(0, 1, socket=ring_cluster.daemons[1].socket, job=job, timeout_s=60)
-    eng.register({"w": dst})
+    eng, dst = _engine(ring_cluster, job, rows)
     w = weights(7)[:rows].clone()
-    with Trainer(
-        0, 1, socket=ring_cluster.daemons[0].socket, job=job, timeout_s=60, staging_buckets=2
-    ) as tr:
+    with _trainer(ring_cluster, job, 2) as tr:
         tr.register({"w": w})
         tr.prepare()
         tr._events_on = lambda device, ring: ring.slots > 0  # type: ignore[method-assign]
