@@ -26,8 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.ranks.rankloop import say, serve, start
-from weightwire.client import Trainer
+from tests.ranks.rankloop import Ranked, say, serve, start
 
 
 class Attention(nn.Module):
@@ -148,36 +147,31 @@ def main() -> None:
     a = start(ap)
     cfg = json.loads(a.config)
     model: Wrapped | None = None
-    tr: Trainer | None = None
+    ranked = Ranked(a)
     job = ""
 
     def setup(msg: dict[str, Any]) -> None:
-        nonlocal model, tr, job
-        if tr is not None:
-            tr.close()
+        nonlocal model, job
+        ranked.close()
         job = msg["job"]
         dtype = getattr(torch, msg.get("dtype", "bfloat16"))
         model = build(cfg, msg["mesh"], a.world, dtype)
-        tr = Trainer(a.rank, a.world, socket=a.socket, job=job, timeout_s=60)
+        tr = ranked.trainer(job)
         boxes = tr.register_module(model, rename=lambda n: n.removeprefix("inner."))
         tr.prepare()
         say(event="ready", rank=a.rank, job=job, boxes=boxes)
 
     def publish(msg: dict[str, Any]) -> None:
-        assert model is not None and tr is not None
+        assert model is not None
         v = msg["version"]
         step(model, v)
         full = {n.removeprefix("inner."): p.full_tensor() for n, p in model.named_parameters()}
         if a.rank == 0:
             torch.save(full, os.path.join(a.out, f"{job}-v{v}.pt"))
         dist.barrier()
-        s = tr.publish(v)
-        say(event="published", rank=a.rank, version=v, bytes=s.nbytes)
+        ranked.publish(v)
 
-    serve(a.rank, {"setup": setup, "publish": publish})
-    if tr is not None:
-        tr.close()
-    dist.destroy_process_group()
+    serve(ranked, {"setup": setup, "publish": publish})
 
 
 if __name__ == "__main__":

@@ -25,10 +25,8 @@ import zlib
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from tests.ranks.rankloop import say, serve, start
-from weightwire.client import Trainer
+from tests.ranks.rankloop import Ranked, say, serve, start
 
 
 def padded_vocab(vocab: int, divisible_by: int, tp: int) -> int:
@@ -206,25 +204,23 @@ def main() -> None:
     no_transformer_engine()
 
     model: Any = None
-    tr: Trainer | None = None
+    ranked = Ranked(a)
     job = ""
 
     def setup(msg: dict[str, Any]) -> None:
-        nonlocal model, tr, job
-        if tr is not None:
-            tr.close()
-            tr = None
+        nonlocal model, job
+        ranked.close()
         job = msg["job"]
         hf = msg["hf"]
         model = build(hf, msg["tp"], msg["pp"], msg["ep"], msg["etp"], msg["divisible_by"])
         fill(model)
-        tr = Trainer(a.rank, a.world, socket=a.socket, job=job, timeout_s=60)
+        tr = ranked.trainer(job)
         boxes = tr.register_megatron(model, hf)
         tr.prepare()
         say(event="ready", rank=a.rank, job=job, boxes=boxes, **coordinates())
 
     def publish(msg: dict[str, Any]) -> None:
-        assert model is not None and tr is not None
+        assert model is not None
         v = msg["version"]
         step(model, v, bool(msg.get("move")))
         own = {n: p.detach().clone() for n, p in tensors(model).items()}
@@ -232,13 +228,9 @@ def main() -> None:
             {"params": own, **coordinates()},
             os.path.join(a.out, f"{job}-v{v}-r{a.rank}.pt"),
         )
-        s = tr.publish(v)
-        say(event="published", rank=a.rank, version=v, bytes=s.nbytes)
+        ranked.publish(v)
 
-    serve(a.rank, {"setup": setup, "publish": publish})
-    if tr is not None:
-        tr.close()
-    dist.destroy_process_group()
+    serve(ranked, {"setup": setup, "publish": publish})
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from weightwire.client import Trainer
 from weightwire.protocol.errors import WeightwireError
 
 
@@ -38,8 +39,33 @@ def start(ap: argparse.ArgumentParser) -> argparse.Namespace:
     return a
 
 
-def serve(rank: int, handlers: dict[str, Callable[[dict[str, Any]], None]]) -> None:
-    """Says `started`, runs each command's handler until `close` (or the end of stdin)."""
+class Ranked:
+    """The rank's current Trainer: a new one (the old one closed) at each setup."""
+
+    def __init__(self, a: argparse.Namespace) -> None:
+        self.a = a
+        self.tr: Trainer | None = None
+
+    def trainer(self, job: str) -> Trainer:
+        self.close()
+        self.tr = Trainer(self.a.rank, self.a.world, socket=self.a.socket, job=job, timeout_s=60)
+        return self.tr
+
+    def publish(self, version: int) -> None:
+        assert self.tr is not None
+        s = self.tr.publish(version)
+        say(event="published", rank=self.a.rank, version=version, bytes=s.nbytes)
+
+    def close(self) -> None:
+        if self.tr is not None:
+            self.tr.close()
+            self.tr = None
+
+
+def serve(ranked: Ranked, handlers: dict[str, Callable[[dict[str, Any]], None]]) -> None:
+    """Says `started`, runs each command's handler until `close` (or the end of stdin), then
+    closes the trainer and leaves the process group."""
+    rank = ranked.a.rank
     say(event="started", rank=rank)
     for line in sys.stdin:
         msg = json.loads(line)
@@ -52,3 +78,5 @@ def serve(rank: int, handlers: dict[str, Callable[[dict[str, Any]], None]]) -> N
         except Exception as exc:
             say(event="error", rank=rank, code="exception", message=traceback.format_exc())
             raise SystemExit(1) from exc
+    ranked.close()
+    dist.destroy_process_group()
