@@ -24,11 +24,6 @@ from typing import Any
 import numpy as np
 import torch
 
-try:  # optional: compiled decode (see scan.py)
-    import numba
-except ImportError:  # pragma: no cover - exercised where numba is absent
-    numba = None
-
 BLOCK = 1 << 16
 _CHUNK = 1 << 18  # elements compared at a time on the CPU
 
@@ -244,48 +239,11 @@ def encode_body_into(
     dst[head:] = values
 
 
-def _block16_py(counts: Any, low: Any, n: int, pos: Any) -> bool:
-    """BLOCK16 positions into `pos` (k of them) in one pass, checked: each count's block,
-    strictly increasing, below n, exactly k."""
-    k = pos.size
-    i = 0
-    prev = -1
-    for b in range(counts.size):
-        c = np.int64(counts[b])
-        if i + c > k:
-            return False
-        for _ in range(c):
-            p = (np.int64(b) << 16) | np.int64(low[i])
-            if p <= prev or p >= n:
-                return False
-            pos[i] = p
-            prev = p
-            i += 1
-    return i == k
-
-
-_block16 = numba.njit(cache=True, nogil=True)(_block16_py) if numba is not None else None
-
-
-def warm() -> None:
-    """Compile (or load from numba's cache) the decode loop before it is timed."""
-    if _block16 is not None:
-        _block16(np.zeros(1, np.uint32), np.zeros(1, np.uint16), 1, np.zeros(0, np.int64))
-
-
 def _decode_head_np(kind: Kind, body: np.ndarray, n: int, k: int) -> tuple[np.ndarray, int]:
     match kind:
         case Kind.POS32:
             head = 4 * k
             pos = body[:head].view(np.uint32).astype(np.int64)
-        case Kind.BLOCK16 if _block16 is not None:
-            nblocks = -(-n // BLOCK)
-            pos = np.empty(k, dtype=np.int64)
-            counts = body[: 4 * nblocks].view(np.uint32)
-            low16 = body[4 * nblocks : 4 * nblocks + 2 * k].view(np.uint16)
-            if not _block16(counts, low16, n, pos):
-                raise ValueError("BLOCK16 positions are out of range, not increasing, or not k")
-            return pos, 4 * nblocks + 2 * k
         case Kind.BLOCK16:
             nblocks = -(-n // BLOCK)
             counts = body[: 4 * nblocks].view(np.uint32).astype(np.int64)

@@ -43,8 +43,6 @@ class DeltaReceiver:
         self.held = -1  # the version this rank's bytes verifiably hold
         self._targets: dict[int, list[Target]] = {}
         self._starts: dict[int, list[int]] = {}
-        if area.device.type == "cpu":
-            codec.warm()
 
     def add_targets(self, targets: list[Target]) -> None:
         for t in targets:
