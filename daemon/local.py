@@ -14,8 +14,9 @@ import os
 import socket
 import stat
 import time
-from collections.abc import Awaitable
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import structlog
 import zmq
@@ -39,21 +40,20 @@ from weightwire.protocol.local import (
     LocalMsg,
     Ok,
     Ping,
+    PlanReply,
     Pong,
     RegionRegistered,
     RegisterRegion,
     StatusReply,
     StatusRequest,
     TrailersReady,
+    VersionComplete,
     WaitVersion,
     Welcome,
 )
 
 from .lograte import Throttled
 from .sessions import Session
-
-if TYPE_CHECKING:
-    from .node import Daemon
 
 log = structlog.get_logger("weightwire.daemon.local")
 
@@ -77,13 +77,76 @@ def _remove_stale_socket(path: str) -> None:
     raise WeightwireError(f"another daemon is serving {path}", code=ErrorCode.DUPLICATE)
 
 
+class Requests(Protocol):
+    """What a rank's requests are served by (ranks.py)."""
+
+    def declare_sources(self, session: Session, msg: DeclareSources) -> None: ...
+
+    def declare_destinations(self, session: Session, msg: DeclareDestinations) -> None: ...
+
+    async def register(
+        self, session: Session, msg: RegisterRegion, alive: Callable[[], bool]
+    ) -> RegionRegistered: ...
+
+    async def plan_for(self, session: Session, req: int, timeout_s: float) -> PlanReply: ...
+
+    async def begin_version(
+        self,
+        session: Session,
+        req: int,
+        version: int,
+        plan_hash: str,
+        staging_buckets: int = 0,
+        slot_events: bool = False,
+    ) -> Ok: ...
+
+    def bucket_ready(self, session: Session, msg: BucketReady) -> None: ...
+
+    def trailers_ready(self, session: Session, msg: TrailersReady) -> None: ...
+
+    def abort_version(self, session: Session, msg: AbortVersion) -> None: ...
+
+    def applied(self, session: Session, msg: Applied) -> None: ...
+
+    async def wait_version(
+        self, session: Session, req: int, version: int, timeout_s: float
+    ) -> VersionComplete: ...
+
+    def session_gone(self, session: Session) -> None: ...
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What a rank is told in `Welcome`."""
+
+    node: str
+    incarnation: str
+    version: str
+    region_dir: str
+
+
 class LocalServer:
-    def __init__(self, daemon: Daemon, path: str, mode: int, codec: Codec[LocalMessage]) -> None:
-        self.daemon = daemon
+    """The local socket and its sessions (implements `RankLink`). `serve(requests)` answers
+    what the ranks ask; the sessions table is shared read-only with those that list ranks."""
+
+    def __init__(
+        self,
+        path: str,
+        mode: int,
+        codec: Codec[LocalMessage],
+        identity: Identity,
+        sessions: dict[bytes, Session],
+        status: Callable[[], dict[str, Any]],
+        cluster_status: Callable[[], Awaitable[dict[str, Any]]],
+    ) -> None:
         self.path = path
         self.mode = mode
         self.codec = codec
-        self.sessions: dict[bytes, Session] = {}
+        self.identity = identity
+        self.sessions = sessions
+        self._status = status
+        self._cluster = cluster_status
+        self._requests: Requests | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._bad = Throttled()  # a rank can send garbage in a loop: one line per interval
@@ -116,8 +179,9 @@ class LocalServer:
             if s.job == job and s.role == role and s.rank == rank:
                 self.send(s.identity, msg)
 
-    async def serve(self) -> None:
+    async def serve(self, requests: Requests) -> None:
         assert self._sock is not None
+        self._requests = requests
         while True:
             frames = await self._sock.recv_multipart(copy=False)
             identity = bytes(frames[0].buffer)
@@ -178,36 +242,35 @@ class LocalServer:
         return session
 
     def _dispatch(self, identity: bytes, msg: LocalMessage) -> None:
-        d = self.daemon
+        d = self._requests
+        assert d is not None
         if isinstance(msg, Hello):
             self._hello(identity, msg)
             return
         session = self._session(identity, msg)
         match msg:
             case RegisterRegion():
-                # registering pins memory (RDMA: seconds for a large region): off the loop
-                self._spawn(identity, msg.req, self._register(session, msg))
+                alive = functools.partial(self._alive, session)
+                self._spawn(identity, msg.req, d.register(session, msg, alive))
             case DeclareSources(tensors=tensors):
-                session.declare_sources(tensors)
-                d.advertise(session.job)
+                d.declare_sources(session, msg)
                 self.send(identity, Ok(req=msg.req, detail=f"{len(tensors)} tensors"))
-            case DeclareDestinations(tensors=tensors, layout=layout):
-                session.declare_destinations(tensors, layout, d.registry.regions)
-                d.advertise(session.job)
+            case DeclareDestinations(tensors=tensors):
+                d.declare_destinations(session, msg)
                 self.send(identity, Ok(req=msg.req, detail=f"{len(tensors)} tensors"))
             case GetPlan(timeout_s=timeout_s):
                 self._spawn(identity, msg.req, d.plan_for(session, msg.req, timeout_s))
             case BeginVersion(version=version, plan_hash=plan_hash, staging_buckets=slots):
                 work = d.begin_version(session, msg.req, version, plan_hash, slots, msg.slot_events)
                 self._spawn(identity, msg.req, work)
-            case BucketReady(version=version, bucket=bucket, more=more, delta=delta):
-                d.publisher(session).bucket_ready(version, (bucket, *more), delta, msg.in_place)
-            case TrailersReady(version=version, lengths=lengths):
-                d.publisher(session).trailers_ready(version, lengths)
+            case BucketReady():
+                d.bucket_ready(session, msg)
+            case TrailersReady():
+                d.trailers_ready(session, msg)
             case Applied():
                 d.applied(session, msg)
-            case AbortVersion(version=version, reason=reason):
-                d.publisher(session).abort(f"version {version} aborted by the rank: {reason}")
+            case AbortVersion():
+                d.abort_version(session, msg)
                 self.send(identity, Ok(req=msg.req))
             case WaitVersion(version=version, timeout_s=timeout_s):
                 self._spawn(identity, msg.req, d.wait_version(session, msg.req, version, timeout_s))
@@ -216,26 +279,19 @@ class LocalServer:
             case Ping():
                 self.send(identity, Pong(req=msg.req, session=session.id))
             case StatusRequest(cluster=True):
-                self._spawn(identity, msg.req, d.cluster_status(msg.req))
+                self._spawn(identity, msg.req, self._cluster_status(msg.req))
             case StatusRequest():
-                self.send(identity, StatusReply(req=msg.req, body=d.status()))
+                self.send(identity, StatusReply(req=msg.req, body=self._status()))
             case _:
                 raise ProtocolError(
                     f"{type(msg).__name__} is not a request a rank can send", code=ErrorCode.INVALID
                 )
 
-    async def _register(self, session: Session, msg: RegisterRegion) -> RegionRegistered:
-        d = self.daemon
-        if msg.cuda is not None:
-            add = functools.partial(d.registry.add_cuda, msg.cuda)
-        else:
-            add = functools.partial(d.registry.add_shared, msg.path)
-        region = await asyncio.to_thread(add, msg.length, msg.purpose, session.id, session.label)
-        if self.sessions.get(session.identity) is not session:  # it left meanwhile
-            d.registry.remove(region.local.id)
-            raise ProtocolError("the session ended during registration", code=ErrorCode.NO_SESSION)
-        d.region_added(session, region)
-        return RegionRegistered(req=msg.req, region=region.local.id)
+    async def _cluster_status(self, req: int) -> StatusReply:
+        return StatusReply(req=req, body=await self._cluster())
+
+    def _alive(self, session: Session) -> bool:
+        return self.sessions.get(session.identity) is session
 
     def _hello(self, identity: bytes, hello: Hello) -> None:
         check_protocol(hello.protocol, f"rank (pid {hello.pid})")
@@ -272,16 +328,18 @@ class LocalServer:
             Welcome(
                 req=hello.req,
                 protocol=PROTOCOL_VERSION,
-                node=self.daemon.node,
-                session=self.daemon.incarnation + ":" + session.id,
-                daemon_version=self.daemon.version,
-                region_dir=self.daemon.cfg.region_dir,
+                node=self.identity.node,
+                session=self.identity.incarnation + ":" + session.id,
+                daemon_version=self.identity.version,
+                region_dir=self.identity.region_dir,
                 max_message_bytes=self.codec.max_bytes,
             ),
         )
 
     def expire(self, timeout_s: float) -> None:
         """Release sessions whose rank has been silent (no ping) for `timeout_s`."""
+        if self._requests is None:
+            return
         now = time.monotonic()
         for identity, session in list(self.sessions.items()):
             if now - session.last_seen > timeout_s:
@@ -294,7 +352,7 @@ class LocalServer:
                     pid=session.hello.pid,
                     silent_s=round(now - session.last_seen, 2),
                 )
-                self.daemon.session_gone(session)
+                self._requests.session_gone(session)
 
     def close_session(self, identity: bytes) -> None:
         session = self.sessions.pop(identity, None)
@@ -302,7 +360,8 @@ class LocalServer:
             (log.debug if session.role == "admin" else log.info)(
                 "rank left", role=session.role, rank=session.rank, job=session.job
             )
-            self.daemon.session_gone(session)
+            if self._requests is not None:
+                self._requests.session_gone(session)
 
     def close(self) -> None:
         for t in self._tasks:

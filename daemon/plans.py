@@ -3,32 +3,68 @@ plans, and the per-rank facts (slots, lanes) that go into them."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
+from collections.abc import Callable, Mapping
 
 import msgspec
 import structlog
 
-from weightwire.protocol.errors import ErrorCode, PlanError
-from weightwire.protocol.peer import (
-    Advertise,
-    RankAdvert,
-)
+from weightwire.protocol.errors import PlanError
+from weightwire.protocol.peer import Advertise, RankAdvert
 from weightwire.protocol.plan import MAX_SLOTS, NodePlan, RankPlan
 from weightwire.transport.tcp.auth import scoped
 
 from . import heap
+from .completion import Completions
 from .peers import COORDINATOR
+from .regions import RegionRegistry
+from .seams import Authorize, Joining, PeerSend, PlanUser
 from .sessions import Session
 
 log = structlog.get_logger("weightwire.daemon")
 
 
-class PlanKeeping:
-    """Advertisements out, plans in (mixed into Daemon)."""
+class PlanBook:
+    """Advertisements out, plans in; owns the installed plans and the engine slots."""
+
+    def __init__(
+        self,
+        node: str,
+        incarnation: str,
+        mesh: PeerSend,
+        joining: Joining,
+        sessions: Mapping[bytes, Session],
+        registry: RegionRegistry,
+        lanes: Callable[[str], int],
+        completions: Completions,
+        users: PlanUser,
+        connect: Callable[[str], None],
+        authorize: Authorize,
+        plans: dict[str, NodePlan],
+    ) -> None:
+        self.node = node
+        self.incarnation = incarnation
+        self._mesh = mesh
+        self._joining = joining
+        self._sessions = sessions
+        self._registry = registry
+        self._lanes = lanes
+        self._completions = completions
+        self._users = users
+        self._connect = connect
+        self._authorize = authorize
+        self.plans = plans  # installed, by job (Publishing reads them)
+        self.problems: dict[str, PlanError] = {}
+        self.related_since: dict[str, float] = {}  # nodes of this node's plans: since when
+        self._waiters: dict[str, list[asyncio.Future[None]]] = {}
+        self._slots: dict[tuple[str, int], int] = {}  # engine ranks' immediate counters
+        self._advert_seq = 0
 
     def advertise(self, job: str) -> None:
         ranks: list[RankAdvert] = []
-        for s in sorted(self.local.sessions.values(), key=lambda s: (s.role, s.rank)):
+        for s in sorted(self._sessions.values(), key=lambda s: (s.role, s.rank)):
             if s.job != job:
                 continue
             if s.role == "trainer" and s.sources:
@@ -38,10 +74,11 @@ class PlanKeeping:
                         rank=s.rank,
                         world_size=s.hello.world_size,
                         sources=tuple(s.sources.values()),
-                        lanes=self._lanes(s),
+                        lanes=self._lanes(s.hello.device_uuid),
                     )
                 )
             elif s.role == "engine" and s.destinations:
+                regions = self._registry.of_session(s.id)
                 ranks.append(
                     RankAdvert(
                         role="engine",
@@ -49,63 +86,70 @@ class PlanKeeping:
                         world_size=s.hello.world_size,
                         destinations=tuple(s.destinations.values()),
                         layout=s.layout,
-                        regions=tuple(r.descriptor for r in self.registry.of_session(s.id)),
+                        regions=tuple(r.descriptor for r in regions),
                         slot=self._slot(s.job, s.rank),
-                        lanes=self._lanes(s),
+                        lanes=self._lanes(s.hello.device_uuid),
                         delta_region=next(
-                            (
-                                r.local.id
-                                for r in self.registry.of_session(s.id)
-                                if r.purpose == "delta"
-                            ),
-                            -1,
+                            (r.local.id for r in regions if r.purpose == "delta"), -1
                         ),
                         replica=s.hello.replica,
                         replica_size=s.hello.replica_size,
                     )
                 )
-        self.advert_seq += 1
-        self.mesh.send_soon(
-            self.coordinator_name or COORDINATOR,
+        self._advert_seq += 1
+        self._mesh.send_soon(
+            self._joining.coordinator_name or COORDINATOR,
             Advertise(
                 node=self.node,
                 incarnation=self.incarnation,
                 job=job,
                 ranks=tuple(ranks),
-                seq=self.advert_seq,
+                seq=self._advert_seq,
                 plan_hash=self.plans[job].plan_hash if job in self.plans else "",
             ),
         )
 
-    def _lanes(self, session: Session) -> int:
-        """How many paths (NICs) this node's data planes have for the rank's memory."""
-        return max(t.lanes(session.hello.device_uuid) for t in self.transports)
-
     def _slot(self, job: str, rank: int) -> int:
         """The immediate counter of an engine rank here: stable while its session lives."""
         key = (job, rank)
-        if key not in self.slots:
-            used = set(self.slots.values())
-            self.slots[key] = next(i for i in range(MAX_SLOTS) if i not in used)
-        return self.slots[key]
+        if key not in self._slots:
+            used = set(self._slots.values())
+            self._slots[key] = next(i for i in range(MAX_SLOTS) if i not in used)
+        return self._slots[key]
 
-    def install_plan(self, plan: NodePlan) -> None:
+    def release_slot(self, job: str, rank: int) -> None:
+        self._slots.pop((job, rank), None)
+
+    def rank_plan(self, job: str, rank: int) -> RankPlan | None:
+        plan = self.plans.get(job)
+        return next((s for s in plan.sends if s.rank == rank), None) if plan else None
+
+    def check(self, job: str) -> None:
+        """Raise the job's plan problem, if the coordinator reported one."""
+        if job in self.problems:
+            raise self.problems[job]
+
+    async def changed(self, job: str, timeout_s: float) -> None:
+        """Wait (at most `timeout_s`) for the job's plan to be installed or withdrawn."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(job, []).append(fut)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(fut, timeout_s)
+
+    def install(self, plan: NodePlan) -> None:
         plan = _scoped(plan)
         old = self.plans.get(plan.job)
         self.plans[plan.job] = plan
-        self.plan_problems.pop(plan.job, None)
-        for rp in plan.sends:
-            pub = self.publishers.get((plan.job, rp.rank))
-            if pub is not None:
-                pub.set_plan(rp)
-        self.completions.install(plan.job, plan.plan_hash, plan.expects)
+        self.problems.pop(plan.job, None)
+        self._users.use_plan(plan.job, plan)
+        self._completions.install(plan.job, plan.plan_hash, plan.expects)
         self.grant_writers()
-        related = self._nodes_of(plan)
+        related = nodes_of(plan)
         now = time.monotonic()
-        everyone = set[str]().union(*map(self._nodes_of, self.plans.values()))
+        everyone = set[str]().union(*map(nodes_of, self.plans.values()))
         self.related_since = {n: self.related_since.get(n, now) for n in everyone}
         for node in related - {self.node}:
-            self._spawn(self._connect_quietly(node))
+            self._connect(node)
         if old is None or old.plan_hash != plan.plan_hash:
             log.info(
                 "plan installed",
@@ -115,16 +159,16 @@ class PlanKeeping:
                 engine_ranks=[e.rank for e in plan.expects],
                 heap_settle_s=round(heap.settle(), 4),
             )
-        for fut in self.plan_waiters.pop(plan.job, []):
+        for fut in self._waiters.pop(plan.job, []):
             if not fut.done():
                 fut.set_result(None)
 
-    def _plan_problem(self, job: str, err: PlanError) -> None:
+    def problem(self, job: str, err: PlanError) -> None:
         self.plans.pop(job, None)
-        self.plan_problems[job] = err
-        self.completions.drop_job(job, err.message)
+        self.problems[job] = err
+        self._completions.drop_job(job, err.message)
         self.grant_writers()
-        for fut in self.plan_waiters.pop(job, []):
+        for fut in self._waiters.pop(job, []):
             if not fut.done():
                 fut.set_exception(err)
 
@@ -132,8 +176,8 @@ class PlanKeeping:
         """Tell the transports who may write into each region of this node: an engine
         rank's regions the nodes its job's plan names as the rank's sources, with the
         plan's keys; every other region (staging, no plan) nobody."""
-        sessions = {s.id: s for s in self.local.sessions.values()}
-        for region in self.registry.regions.values():
+        sessions = {s.id: s for s in self._sessions.values()}
+        for region in self._registry.regions.values():
             writers: frozenset[str] = frozenset()
             scope = ""
             s = sessions.get(region.session)
@@ -143,21 +187,18 @@ class PlanKeeping:
                     if e.rank == s.rank:
                         # elastic jobs: the replica's plan, which its writers scope by too
                         writers, scope = frozenset(e.sources), e.plan_hash or plan.plan_hash
-            for t in self.transports:
-                t.authorize(region.local.id, writers, scope)
+            self._authorize(region.local.id, writers, scope)
 
-    @staticmethod
-    def _elastic_engine_node(plan: NodePlan, node: str) -> bool:
-        """`node` only hosts engine replicas of this (elastic) plan: losing it drops them."""
-        replica_node = any(node in p.nodes for s in plan.sends for p in s.replicas)
-        return replica_node and not any(node in e.sources for e in plan.expects)
+    def forget(self, job: str) -> None:
+        """The last rank of `job` here left: its plan and any plan problem go with it (status
+        showed them long after). A rank that comes back advertises and gets a plan again."""
+        plan = self.plans.pop(job, None)
+        problem = self.problems.pop(job, None)
+        self._completions.drop_job(job, "every rank of the job here left")
+        if plan is not None or problem is not None:
+            log.info("job left this node", job=job, plan=plan.plan_hash if plan else None)
 
-    @staticmethod
-    def _nodes_of(plan: NodePlan) -> set[str]:
-        nodes = {r.node for s in plan.sends for r in s.regions}
-        return nodes | {n for e in plan.expects for n in e.sources}
-
-    def _withdraw(self, job: str, reason: str) -> None:
+    def withdraw(self, job: str, reason: str) -> None:
         """Stop using a job's plan (it involves a lost node) until the coordinator sends one.
         A version in flight fails with PEER_LOST: the peer is the cause, not the plan."""
         plan = self.plans.pop(job, None)
@@ -165,9 +206,7 @@ class PlanKeeping:
             return
         log.warning("plan withdrawn", job=job, plan=plan.plan_hash, reason=reason)
         self.grant_writers()
-        for (j, _), pub in self.publishers.items():
-            if j == job:
-                pub.set_plan(None, reason, ErrorCode.PEER_LOST)
+        self._users.use_plan(job, None, reason)
         self.advertise(job)
 
 
@@ -187,3 +226,14 @@ def _scoped(plan: NodePlan) -> NodePlan:
         for rp in plan.sends
     )
     return msgspec.structs.replace(plan, sends=sends)
+
+
+def elastic_engine_node(plan: NodePlan, node: str) -> bool:
+    """`node` only hosts engine replicas of this (elastic) plan: losing it drops them."""
+    replica_node = any(node in p.nodes for s in plan.sends for p in s.replicas)
+    return replica_node and not any(node in e.sources for e in plan.expects)
+
+
+def nodes_of(plan: NodePlan) -> set[str]:
+    nodes = {r.node for s in plan.sends for r in s.regions}
+    return nodes | {n for e in plan.expects for n in e.sources}

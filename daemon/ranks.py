@@ -1,108 +1,96 @@
-"""What the ranks of this host ask of the daemon: publishing, plans, waiting for versions,
-and what a rank leaves behind when it goes."""
+"""What the ranks of this host ask of the daemon (the local socket's `Requests`):
+declaring tensors and regions, plans, publishing, waiting for versions, and what a rank
+leaves behind when it goes."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import time
-from typing import Any
+from collections.abc import Callable, Mapping
 
 import msgspec
-import structlog
 
-from weightwire.protocol.errors import ErrorCode, PlanError, WeightwireError
+from weightwire.protocol.errors import ErrorCode, PlanError, ProtocolError, WeightwireError
 from weightwire.protocol.local import (
+    AbortVersion,
     Applied,
-    ApplyVersion,
+    BucketReady,
+    DeclareDestinations,
+    DeclareSources,
     Ok,
     PlanReply,
-    StatusReply,
-    Verdict,
+    RegionRegistered,
+    RegisterRegion,
+    TrailersReady,
     VersionComplete,
-    VersionFailed,
 )
-from weightwire.protocol.peer import (
-    PeerMsg,
-    VersionAbort,
-    VersionStart,
-    VersionVerdict,
-)
-from weightwire.protocol.plan import RankPlan
-from weightwire.transport.base import LocalRegion
 
-from .completion import RankCompletion
-from .publisher import Publisher
-from .regions import Region
+from .completion import Completions
+from .plans import PlanBook
+from .publishing import Publishing
+from .regions import Region, RegionRegistry
+from .seams import Joining
 from .sessions import Session
 
-log = structlog.get_logger("weightwire.daemon")
 
-
-class RankService:
-    """Served to the local socket's sessions (mixed into Daemon)."""
-
-    def publisher(self, session: Session) -> Publisher:
-        if session.role != "trainer":
-            raise WeightwireError(
-                f"a {session.role} session cannot publish", code=ErrorCode.INVALID
-            )
-        key = (session.job, session.rank)
-        pub = self.publishers.get(key)
-        if pub is None:
-            pub = Publisher(
-                job=session.job,
-                rank=session.rank,
-                pick=self.transport_to,
-                reply=lambda result, s=session: self.local.send(s.identity, result),
-                announce=lambda v, kind, m, nodes, s=session: self._announce(s, v, kind, m, nodes),
-                source_region=lambda rid, s=session: self._own_region(s, rid),
-                metrics=self.metrics,
-            )
-            pub.previous = self.detached.pop(key, None)
-            self.publishers[key] = pub
-            rp = self._rank_plan(session.job, session.rank)
-            if rp is not None:
-                pub.set_plan(rp)
-        return pub
-
-    def _announce(
-        self, session: Session, version: int, kind: str, message: str, nodes: set[str]
+class Ranks:
+    def __init__(
+        self,
+        registry: RegionRegistry,
+        plans: PlanBook,
+        publishing: Publishing,
+        completions: Completions,
+        joining: Joining,
+        sessions: Mapping[bytes, Session],
+        stall_timeout_s: float,
     ) -> None:
-        msg: PeerMsg
-        if kind == "start":
-            msg = VersionStart(
-                job=session.job, version=version, source_node=self.node, source_rank=session.rank
-            )
-        else:
-            msg = VersionAbort(
-                job=session.job,
-                version=version,
-                source_node=self.node,
-                source_rank=session.rank,
-                code=ErrorCode.ABORTED.value,
-                message=message,
-            )
-        for node in nodes:
-            self.mesh.send_soon(node, msg)
+        self._registry = registry
+        self._plans = plans
+        self._publishing = publishing
+        self._completions = completions
+        self._joining = joining
+        self._sessions = sessions
+        self._stall_timeout_s = stall_timeout_s
 
-    def _own_region(self, session: Session, region_id: int) -> LocalRegion:
-        region = self.registry.regions.get(region_id)
-        if region is None or region.session != session.id:
-            raise WeightwireError(
-                f"region {region_id} is not registered by trainer rank {session.rank}",
-                code=ErrorCode.UNKNOWN_REGION,
-            )
-        return region.local
+    # --- declarations --------------------------------------------------------
 
-    def region_added(self, session: Session, region: Region) -> None:
+    def declare_sources(self, session: Session, msg: DeclareSources) -> None:
+        session.declare_sources(msg.tensors)
+        self._plans.advertise(session.job)
+
+    def declare_destinations(self, session: Session, msg: DeclareDestinations) -> None:
+        session.declare_destinations(msg.tensors, msg.layout, self._registry.regions)
+        self._plans.advertise(session.job)
+
+    async def register(
+        self, session: Session, msg: RegisterRegion, alive: Callable[[], bool]
+    ) -> RegionRegistered:
+        """Registering pins memory (RDMA: seconds for a large region): off the loop.
+        `alive()` says whether the session is still here once it is done."""
+        reg = self._registry
+        add = (
+            functools.partial(reg.add_cuda, msg.cuda)
+            if msg.cuda is not None
+            else functools.partial(reg.add_shared, msg.path)
+        )
+        region = await asyncio.to_thread(add, msg.length, msg.purpose, session.id, session.label)
+        if not alive():  # it left meanwhile
+            reg.remove(region.local.id)
+            raise ProtocolError("the session ended during registration", code=ErrorCode.NO_SESSION)
+        self._region_added(session, region)
+        return RegionRegistered(req=msg.req, region=region.local.id)
+
+    def _region_added(self, session: Session, region: Region) -> None:
         if session.role == "trainer" and region.purpose == "staging":
-            self.publisher(session).staging = region.local
+            self._publishing.publisher(session).staging = region.local
         elif session.role == "trainer" and region.purpose == "delta":
-            self.publisher(session).delta_out = region.local
+            self._publishing.publisher(session).delta_out = region.local
         elif session.role == "engine" and session.destinations:
-            self.advertise(session.job)
-        self.grant_writers()
+            self._plans.advertise(session.job)
+        self._plans.grant_writers()
+
+    # --- trainer ranks -------------------------------------------------------
 
     async def plan_for(self, session: Session, req: int, timeout_s: float) -> PlanReply:
         if session.role != "trainer":
@@ -113,34 +101,15 @@ class RankService:
             raise PlanError("declare this rank's tensors before asking for its plan")
         deadline = time.monotonic() + timeout_s
         while True:
-            if session.job in self.plan_problems:
-                raise self.plan_problems[session.job]
-            rp = self._rank_plan(session.job, session.rank)
+            self._plans.check(session.job)
+            rp = self._plans.rank_plan(session.job, session.rank)
             if rp is not None:
-                self.publisher(session)
+                self._publishing.publisher(session)
                 return PlanReply(req=req, plan=rp)
             left = deadline - time.monotonic()
             if left <= 0:
-                raise PlanError(self._waiting_for(session.job), code=ErrorCode.NOT_READY)
-            await self._plan_changed(session.job, left)
-
-    def _rank_plan(self, job: str, rank: int) -> RankPlan | None:
-        plan = self.plans.get(job)
-        return next((s for s in plan.sends if s.rank == rank), None) if plan else None
-
-    async def _plan_changed(self, job: str, timeout_s: float) -> None:
-        """Wait (at most `timeout_s`) for the job's plan to be installed or withdrawn."""
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.plan_waiters.setdefault(job, []).append(fut)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(fut, timeout_s)
-
-    def _waiting_for(self, job: str) -> str:
-        if self.coordinator_name is None:
-            return f"no plan for job {job!r}: not joined to the coordinator yet"
-        if self.coordinator is not None:
-            return f"no plan for job {job!r} yet; waiting for {self.coordinator.missing(job)}"
-        return f"no plan for job {job!r} yet: the coordinator is waiting for more ranks"
+                raise PlanError(self._joining.waiting_for(session.job), code=ErrorCode.NOT_READY)
+            await self._plans.changed(session.job, left)
 
     async def begin_version(
         self,
@@ -150,11 +119,25 @@ class RankService:
         plan_hash: str,
         staging_buckets: int = 0,
         slot_events: bool = False,
-    ) -> Any:
-        pub = self.publisher(session)
-        await pub.drain(self.cfg.stall_timeout_s)
+    ) -> Ok:
+        pub = self._publishing.publisher(session)
+        await pub.drain(self._stall_timeout_s)
         pub.begin(version, plan_hash, staging_buckets, slot_events)
         return Ok(req=req, detail=f"version {version}")
+
+    def bucket_ready(self, session: Session, msg: BucketReady) -> None:
+        pub = self._publishing.publisher(session)
+        pub.bucket_ready(msg.version, (msg.bucket, *msg.more), msg.delta, msg.in_place)
+
+    def trailers_ready(self, session: Session, msg: TrailersReady) -> None:
+        self._publishing.publisher(session).trailers_ready(msg.version, msg.lengths)
+
+    def abort_version(self, session: Session, msg: AbortVersion) -> None:
+        self._publishing.publisher(session).abort(
+            f"version {msg.version} aborted by the rank: {msg.reason}"
+        )
+
+    # --- engine ranks --------------------------------------------------------
 
     async def wait_version(
         self, session: Session, req: int, version: int, timeout_s: float
@@ -163,88 +146,38 @@ class RankService:
             raise WeightwireError(
                 f"a {session.role} session does not receive versions", code=ErrorCode.INVALID
             )
-        if session.job in self.plan_problems:
-            raise self.plan_problems[session.job]
+        self._plans.check(session.job)
         deadline = time.monotonic() + timeout_s
-        while (rc := self.completions.get(session.job, session.rank)) is None:
-            if session.job in self.plan_problems:
-                raise self.plan_problems[session.job]
+        while (rc := self._completions.get(session.job, session.rank)) is None:
+            self._plans.check(session.job)
             left = deadline - time.monotonic()
             if left <= 0:
-                raise PlanError(self._waiting_for(session.job), code=ErrorCode.TIMEOUT)
-            await self._plan_changed(session.job, left)
+                raise PlanError(self._joining.waiting_for(session.job), code=ErrorCode.TIMEOUT)
+            await self._plans.changed(session.job, left)
         done = await rc.wait(version, max(0.001, deadline - time.monotonic()))
         return msgspec.structs.replace(done, req=req)
-
-    def _notify_engine(self, job: str, rank: int, msg: VersionComplete | VersionFailed) -> None:
-        self.local.push(job, "engine", rank, msg)
-
-    def _apply_engine(self, rc: RankCompletion, version: int) -> None:
-        """Every write of `version` landed at an engine rank with a delta area: it applies
-        the payloads and checks the trailers, then answers with `Applied`."""
-        msg = ApplyVersion(
-            rank=rc.rank,
-            version=version,
-            region=rc.expect.delta_region,
-            trailers=rc.expect.trailers,
-        )
-        self.local.push(rc.job, "engine", rc.rank, msg)
-
-    def _verdict(self, rc: RankCompletion, version: int, ok: bool, code: str, message: str) -> None:
-        """An engine rank's outcome of `version`, to every node that writes to it."""
-        verdict = Verdict(
-            node=self.node, slot=rc.expect.slot, rank=rc.rank, ok=ok, code=code, message=message
-        )
-        for node in rc.expect.sources:
-            self.mesh.send_soon(node, VersionVerdict(job=rc.job, version=version, verdict=verdict))
 
     def applied(self, session: Session, msg: Applied) -> None:
         if session.role != "engine" or msg.rank != session.rank:
             raise WeightwireError(
                 f"{session.label} answered for engine rank {msg.rank}", code=ErrorCode.INVALID
             )
-        rc = self.completions.get(session.job, session.rank)
+        rc = self._completions.get(session.job, session.rank)
         if rc is not None:
             rc.on_applied(msg.version, msg.ok, msg.code, msg.message)
 
-    def on_verdict(self, job: str, version: int, verdict: Verdict) -> None:
-        for (j, _), pub in self.publishers.items():
-            if j == job:
-                pub.on_verdict(version, verdict)
+    # --- leaving -------------------------------------------------------------
 
     def session_gone(self, session: Session) -> None:
         if session.role == "trainer":
-            pub = self.publishers.pop((session.job, session.rank), None)
-            if pub is not None:
-                pub.abort(f"trainer rank {session.rank} disconnected mid-version")
-                if pub.run is not None and pub.run.tasks:
-                    self.detached[(session.job, session.rank)] = pub.run
+            self._publishing.session_gone(session)
         if session.role == "engine":
-            self.slots.pop((session.job, session.rank), None)
-        for region in self.registry.of_session(session.id):
-            self.registry.remove(region.local.id)
+            self._plans.release_slot(session.job, session.rank)
+        for region in self._registry.of_session(session.id):
+            self._registry.remove(region.local.id)
         if session.sources or session.destinations:
-            self.advertise(session.job)
+            self._plans.advertise(session.job)
         if session.role != "admin" and not any(
-            s.job == session.job and s.role != "admin" for s in self.local.sessions.values()
+            s.job == session.job and s.role != "admin" for s in self._sessions.values()
         ):
-            self._forget_job(session.job)
-
-    def _forget_job(self, job: str) -> None:
-        """The last rank of `job` here left: its plan and any plan problem go with it (status
-        showed them long after). A rank that comes back advertises and gets a plan again."""
-        plan = self.plans.pop(job, None)
-        problem = self.plan_problems.pop(job, None)
-        self.completions.drop_job(job, "every rank of the job here left")
-        if plan is not None or problem is not None:
-            log.info("job left this node", job=job, plan=plan.plan_hash if plan else None)
-
-    def status(self) -> dict[str, Any]:
-        from .status import status
-
-        return status(self)
-
-    async def cluster_status(self, req: int) -> StatusReply:
-        from .status import cluster_status
-
-        return StatusReply(req=req, body=await cluster_status(self))
+            self._plans.forget(session.job)

@@ -12,47 +12,46 @@ a running daemon (its sockets were made with it): a changed pair on disk is repo
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import Any
 
 import structlog
 
 from weightwire.protocol.errors import WeightwireError
 
-from .peers import COORDINATOR
+from .config import DaemonConfig
+from .membership import Membership
+from .peers import COORDINATOR, PeerMesh
 from .security import AllowList
 from .security import load as load_security
-
-if TYPE_CHECKING:
-    from .node import Daemon
 
 log = structlog.get_logger("weightwire.daemon")
 
 
-def reload_keys(d: Daemon) -> None:
-    old = d.mesh.security
+def reload_keys(cfg: DaemonConfig, mesh: PeerMesh, authenticator: Any, view: Membership) -> None:
+    old = mesh.security
     if not old.curve:
         log.info("SIGHUP: peer sockets are plaintext (insecure = true); no keys to reload")
         return
     try:
-        new = load_security(d.cfg)
+        new = load_security(cfg)
     except WeightwireError as exc:
         log.error("SIGHUP: keys not reloaded; the old ones stay in use", error=exc.message)
         return
     if new.public_key != old.public_key:
         log.warning(
             "SIGHUP: this node's key pair changed on disk; it takes effect at the next restart",
-            key_file=d.cfg.curve_secret_key_file,
+            key_file=cfg.curve_secret_key_file,
         )
-    if d.authenticator is not None:
-        d.authenticator.configure_curve_callback(
+    if authenticator is not None:
+        authenticator.configure_curve_callback(
             domain="*", credentials_provider=AllowList(new.allowed)
         )
-    d.mesh.security = dataclasses.replace(
+    mesh.security = dataclasses.replace(
         old, allowed=new.allowed, coordinator_key=new.coordinator_key
     )
-    if new.coordinator_key != old.coordinator_key and d.coordinator is None:
-        d.mesh.know(COORDINATOR, d.cfg.coordinator, new.coordinator_key)
-        d.coordinator_name = None  # join again, through a socket that expects the new key
+    if new.coordinator_key != old.coordinator_key and view.coordinator is None:
+        mesh.know(COORDINATOR, cfg.coordinator, new.coordinator_key)
+        view.coordinator_name = None  # join again, through a socket that expects the new key
     log.info(
         "keys reloaded",
         trusted=len(new.allowed),

@@ -5,13 +5,21 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 from weightwire.protocol.errors import WeightwireError
 from weightwire.protocol.peer import StatusAnswer, StatusQuery
 
-if TYPE_CHECKING:
-    from .node import Daemon
+from .completion import Completions
+from .dataplane import DataPlane
+from .membership import Membership
+from .peers import PeerMesh
+from .plans import PlanBook
+from .publishing import Publishing
+from .regions import RegionRegistry
+from .sessions import Session
 
 
 def _rss_bytes() -> int:
@@ -29,82 +37,108 @@ def _open_fds() -> int:
         return 0
 
 
-def status(d: Daemon) -> dict[str, Any]:
-    now = time.monotonic()
-    return {
-        "node": d.node,
-        "version": d.version,
-        "incarnation": d.incarnation,
-        "uptime_s": round(time.time() - d.started, 1),
-        "pid": os.getpid(),
-        "rss_bytes": _rss_bytes(),
-        "open_fds": _open_fds(),
-        "peer_endpoint": d.mesh.endpoint,
-        "coordinator": d.coordinator_name,
-        "is_coordinator": d.coordinator is not None,
-        "peers": [
-            {
-                "node": m.node,
-                "endpoint": m.endpoint,
-                "alive": m.node == d.node or d.mesh.alive(m.node, d.cfg.heartbeat_timeout_s),
-                "last_seen_s": (
-                    round(now - d.mesh.last_seen[m.node], 2) if m.node in d.mesh.last_seen else None
-                ),
-                "lost": m.node in d.lost,
-            }
-            for m in sorted(d.members.values(), key=lambda m: m.node)
-        ],
-        "sessions": [
-            {"role": s.role, "rank": s.rank, "job": s.job, "pid": s.hello.pid}
-            for s in d.local.sessions.values()
-            if s.role != "admin"  # `weightwire status` itself
-        ],
-        "regions": [
-            {
-                "id": r.local.id,
-                "purpose": r.purpose,
-                "kind": r.local.kind,
-                "bytes": r.local.length,
-                "owner": r.local.owner,
-            }
-            for r in d.registry.regions.values()
-        ],
-        "plans": {job: p.plan_hash for job, p in d.plans.items()},
-        "plan_problems": {job: e.message for job, e in d.plan_problems.items()},
-        "publishing": [
-            {"job": job, **pub.progress()} for (job, _), pub in sorted(d.publishers.items())
-        ],
-        "receiving": [
-            {"job": job, **rc.progress()} for (job, _), rc in sorted(d.completions.ranks.items())
-        ],
-        "transports": {t.name: t.stats() for t in d.transports},
-        "coordination": d.coordinator.status() if d.coordinator is not None else None,
-    }
-
-
 ASK_S = 3.0  # how long `status --cluster` waits for each daemon
 
 
-async def cluster_status(d: Daemon) -> dict[str, Any]:
-    """Every member's status, asked over the mesh at once (this node's, as it is); a daemon
-    that does not answer within ASK_S is listed with why."""
+@dataclass(frozen=True)
+class StatusReport:
+    """The parts the status document is read from (node.py wires them)."""
 
-    async def ask(node: str) -> dict[str, Any]:
-        if node == d.node:
-            return status(d)
-        try:
-            reply = await d.mesh.request(node, StatusQuery(), ASK_S)
-        except WeightwireError as exc:
-            return {"node": node, "error": exc.message}
-        if not isinstance(reply, StatusAnswer):
-            return {"node": node, "error": f"answered {type(reply).__name__}"}
-        return dict(reply.body)
+    node: str
+    version: str
+    incarnation: str
+    started: float  # wall clock
+    heartbeat_timeout_s: float
+    mesh: PeerMesh
+    cluster: Membership
+    sessions: Mapping[bytes, Session]
+    registry: RegionRegistry
+    plans: PlanBook
+    publishing: Publishing
+    completions: Completions
+    dataplane: DataPlane
 
-    names = sorted(set(d.members) | {d.node})
-    answers = await asyncio.gather(*(ask(n) for n in names))
-    return {
-        "cluster": True,
-        "asked": d.node,
-        "coordinator": d.coordinator_name,
-        "nodes": dict(zip(names, answers, strict=True)),
-    }
+    def one_line(self) -> str:
+        timeout = self.heartbeat_timeout_s
+        live = sum(1 for m in self.cluster.members if m == self.node or self.mesh.alive(m, timeout))
+        return (
+            f"{len(self.sessions)} ranks, {len(self.registry.regions)} regions, "
+            f"{live} peers, {self.publishing.busy()} publishing, "
+            f"coordinator {self.cluster.coordinator_name or '-'}"
+        )
+
+    def __call__(self) -> dict[str, Any]:
+        now = time.monotonic()
+        mesh, cluster, coordinator = self.mesh, self.cluster, self.cluster.coordinator
+        return {
+            "node": self.node,
+            "version": self.version,
+            "incarnation": self.incarnation,
+            "uptime_s": round(time.time() - self.started, 1),
+            "pid": os.getpid(),
+            "rss_bytes": _rss_bytes(),
+            "open_fds": _open_fds(),
+            "peer_endpoint": mesh.endpoint,
+            "coordinator": cluster.coordinator_name,
+            "is_coordinator": coordinator is not None,
+            "peers": [
+                {
+                    "node": m.node,
+                    "endpoint": m.endpoint,
+                    "alive": m.node == self.node or mesh.alive(m.node, self.heartbeat_timeout_s),
+                    "last_seen_s": (
+                        round(now - mesh.last_seen[m.node], 2) if m.node in mesh.last_seen else None
+                    ),
+                    "lost": m.node in cluster.lost,
+                }
+                for m in sorted(cluster.members.values(), key=lambda m: m.node)
+            ],
+            "sessions": [
+                {"role": s.role, "rank": s.rank, "job": s.job, "pid": s.hello.pid}
+                for s in self.sessions.values()
+                if s.role != "admin"  # `weightwire status` itself
+            ],
+            "regions": [
+                {
+                    "id": r.local.id,
+                    "purpose": r.purpose,
+                    "kind": r.local.kind,
+                    "bytes": r.local.length,
+                    "owner": r.local.owner,
+                }
+                for r in self.registry.regions.values()
+            ],
+            "plans": {job: p.plan_hash for job, p in self.plans.plans.items()},
+            "plan_problems": {job: e.message for job, e in self.plans.problems.items()},
+            "publishing": self.publishing.progress(),
+            "receiving": [
+                {"job": job, **rc.progress()}
+                for (job, _), rc in sorted(self.completions.ranks.items())
+            ],
+            "transports": self.dataplane.stats(),
+            "coordination": coordinator.status() if coordinator is not None else None,
+        }
+
+    async def whole_cluster(self) -> dict[str, Any]:
+        """Every member's status, asked over the mesh at once (this node's, as it is); a
+        daemon that does not answer within ASK_S is listed with why."""
+
+        async def ask(node: str) -> dict[str, Any]:
+            if node == self.node:
+                return self()
+            try:
+                reply = await self.mesh.request(node, StatusQuery(), ASK_S)
+            except WeightwireError as exc:
+                return {"node": node, "error": exc.message}
+            if not isinstance(reply, StatusAnswer):
+                return {"node": node, "error": f"answered {type(reply).__name__}"}
+            return dict(reply.body)
+
+        names = sorted(set(self.cluster.members) | {self.node})
+        answers = await asyncio.gather(*(ask(n) for n in names))
+        return {
+            "cluster": True,
+            "asked": self.node,
+            "coordinator": self.cluster.coordinator_name,
+            "nodes": dict(zip(names, answers, strict=True)),
+        }

@@ -1,0 +1,39 @@
+"""The engine ranks' side of completion: what `Completions` tells an engine rank (a version
+complete or failed, apply your deltas) and the nodes that write to it (its verdict)."""
+
+from __future__ import annotations
+
+from weightwire.protocol.local import ApplyVersion, Verdict, VersionComplete, VersionFailed
+from weightwire.protocol.peer import VersionVerdict
+
+from .completion import RankCompletion
+from .seams import PeerSend, RankLink
+
+
+class EngineOutbox:
+    def __init__(self, node: str, link: RankLink, mesh: PeerSend) -> None:
+        self.node = node
+        self._link = link
+        self._mesh = mesh
+
+    def notify(self, job: str, rank: int, msg: VersionComplete | VersionFailed) -> None:
+        self._link.push(job, "engine", rank, msg)
+
+    def apply(self, rc: RankCompletion, version: int) -> None:
+        """Every write of `version` landed at an engine rank with a delta area: it applies
+        the payloads and checks the trailers, then answers with `Applied`."""
+        msg = ApplyVersion(
+            rank=rc.rank,
+            version=version,
+            region=rc.expect.delta_region,
+            trailers=rc.expect.trailers,
+        )
+        self._link.push(rc.job, "engine", rc.rank, msg)
+
+    def verdict(self, rc: RankCompletion, version: int, ok: bool, code: str, message: str) -> None:
+        """An engine rank's outcome of `version`, to every node that writes to it."""
+        verdict = Verdict(
+            node=self.node, slot=rc.expect.slot, rank=rc.rank, ok=ok, code=code, message=message
+        )
+        for node in rc.expect.sources:
+            self._mesh.send_soon(node, VersionVerdict(job=rc.job, version=version, verdict=verdict))
