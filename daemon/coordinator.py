@@ -230,8 +230,10 @@ class Coordinator:
         try:
             engines = resolve_recipes(engines)
             slots = {e.rank: e.slot for e in engines}
-            plans = await asyncio.to_thread(plan, job.name, trainers, engines, self.options, slots)
-            plans = add_delta(plans, _delta_areas(job))
+            planned = await asyncio.to_thread(
+                plan, job.name, trainers, engines, self.options, slots
+            )
+            plans = add_delta(planned, _delta_areas(job))
         except WeightwireError as exc:
             self._problem(job, exc)
             return

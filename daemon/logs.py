@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import TextIO
 
 import structlog
 
 
-def configure(level: str = "info", stream: object = None) -> None:
+def configure(level: str = "info", stream: TextIO | None = None) -> None:
     numeric = getattr(logging, level.upper())
     logging.basicConfig(level=numeric, stream=sys.stderr, format="%(message)s")
     structlog.configure(

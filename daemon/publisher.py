@@ -9,6 +9,7 @@ is also told as each bucket's writes have all finished (its slot is free again).
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -348,7 +349,7 @@ class Publisher:
         with structlog.contextvars.bound_contextvars(rank=self.rank, version=version):
             task = asyncio.get_running_loop().create_task(self._post(run, buckets, sent, direct))
         run.tasks.add(task)
-        task.add_done_callback(lambda t, run=run: self._written(run, t))
+        task.add_done_callback(functools.partial(self._written, run))
 
     def _check_delta(
         self, run: Run, buckets: tuple[int, ...], delta: tuple[tuple[int, int, int], ...]
@@ -407,7 +408,7 @@ class Publisher:
         run.delta_bytes += sum(lengths)
         task = asyncio.get_running_loop().create_task(self._post_writes(run, writes))
         run.tasks.add(task)
-        task.add_done_callback(lambda t, run=run: self._written(run, t))
+        task.add_done_callback(functools.partial(self._written, run))
 
     def on_verdict(self, version: int, verdict: Verdict) -> None:
         """An engine rank's outcome of `version` (delta-capable plans)."""

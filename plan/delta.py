@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -38,6 +38,9 @@ from weightwire.protocol.plan import (
     trailer_capacity,
 )
 from weightwire.protocol.regions import RegionDescriptor
+
+if TYPE_CHECKING:
+    from .compact import PlanSet  # numpy: not at run time (the daemon imports this module)
 
 ALIGN = 64
 Dst = tuple[str, int]  # (node, immediate slot) of an engine rank
@@ -103,14 +106,14 @@ def _spot(
 
 
 def add_delta(
-    plans: Mapping[str, NodePlan], areas: Mapping[tuple[str, int], RegionDescriptor]
-) -> Mapping[str, NodePlan]:
+    given: PlanSet, areas: Mapping[tuple[str, int], RegionDescriptor]
+) -> PlanSet | DeltaPlans:
     """The plans with delta slots and trailers for engine ranks in `areas` ((node, engine
-    rank) -> its delta area), or `plans` itself when there are none. Raises PlanError when
+    rank) -> its delta area), or `given` itself when there are none. Raises PlanError when
     an area cannot hold the trailers."""
     if not areas:
-        return plans
-    plans = {node: plans[node] for node in plans}
+        return given
+    plans = {node: given[node] for node in given}
     rank_of: dict[Dst, int] = {}
     area_of: dict[Dst, RegionDescriptor] = {}
     for node, np_ in plans.items():

@@ -160,8 +160,9 @@ class Chunker:
         sub-box and transform of a source shape: with the source's name, a chunk key."""
         shape = self.index.shape_id[piece.source]
         memo_key = (shape, piece.box, piece.transform)
-        hit = self._parts.get(memo_key, False)
-        if hit is False:
+        if memo_key in self._parts:
+            hit = self._parts[memo_key]
+        else:
             chunks = self.chunks(piece)
             hit = None
             if not isinstance(chunks, str):
