@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .engine import Engine, Recipe, Rows, VersionInfo
     from .layouts import Full, Part, Shard
-    from .trainer import PublishStats, Trainer
+    from .posting import PublishStats
+    from .trainer import Trainer
 
 _WHERE = {
     "Engine": "engine",
@@ -22,7 +23,7 @@ _WHERE = {
     "Full": "layouts",
     "Part": "layouts",
     "Shard": "layouts",
-    "PublishStats": "trainer",
+    "PublishStats": "posting",
     "Trainer": "trainer",
 }
 

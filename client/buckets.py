@@ -57,7 +57,9 @@ def row_parts(t: torch.Tensor, box: Box) -> list[tuple[int, torch.Tensor]]:
     """A box of a merged-rows tensor as views, each with its first row in the box: whole
     groups as one view, partial groups on their own."""
     per = t.shape[1]
-    rest = tuple(slice(o, o + s) for o, s in zip(box.offsets[1:], box.sizes[1:], strict=True))
+    rest: tuple[slice, ...] = tuple(
+        slice(o, o + s) for o, s in zip(box.offsets[1:], box.sizes[1:], strict=True)
+    )
     start, end = box.offsets[0], box.offsets[0] + box.sizes[0]
     out = []
     row = start
@@ -69,7 +71,8 @@ def row_parts(t: torch.Tensor, box: Box) -> list[tuple[int, torch.Tensor]]:
             row += n * per
         else:
             stop = min(end, (g + 1) * per)
-            out.append((row - start, t[(g, slice(i, i + stop - row), *rest)]))
+            index: tuple[int | slice, ...] = (g, slice(i, i + stop - row), *rest)
+            out.append((row - start, t[index]))
             row = stop
     return out
 
@@ -190,7 +193,7 @@ class BucketPack:
         global _graph_failure_logged
         graph = torch.cuda.CUDAGraph()
         current = torch.cuda.current_stream(self._device)
-        side = torch.cuda.Stream(self._device)
+        side = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
         side.wait_stream(current)
         try:
             with torch.cuda.stream(side):

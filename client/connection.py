@@ -183,7 +183,7 @@ class DaemonConnection:
         if self._closed:
             raise WeightwireError("the connection is closed", code=ErrorCode.PEER_LOST)
         epoch = self._epoch
-        reply = self._run(self._request(msg, timeout_s)).result(timeout_s + 5)
+        reply: LocalMessage = self._run(self._request(msg, timeout_s)).result(timeout_s + 5)
         forgotten = isinstance(reply, Error) and reply.code == ErrorCode.NO_SESSION.value
         if forgotten and self._on_reset is not None and not isinstance(msg, Hello):
             self.reset(epoch)

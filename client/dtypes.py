@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from weightwire.protocol.errors import ErrorCode, RegistrationError
+from weightwire.protocol.tensors import DType
 
-TORCH: dict[str, torch.dtype] = {
+TORCH: dict[DType, torch.dtype] = {
     "bool": torch.bool,
     "uint8": torch.uint8,
     "int8": torch.int8,
@@ -20,10 +21,10 @@ TORCH: dict[str, torch.dtype] = {
     "float8_e4m3fn": torch.float8_e4m3fn,
     "float8_e5m2": torch.float8_e5m2,
 }
-NAME: dict[torch.dtype, str] = {v: k for k, v in TORCH.items()}
+NAME: dict[torch.dtype, DType] = {v: k for k, v in TORCH.items()}
 
 
-def name_of(dtype: torch.dtype) -> str:
+def name_of(dtype: torch.dtype) -> DType:
     try:
         return NAME[dtype]
     except KeyError:

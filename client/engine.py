@@ -245,7 +245,7 @@ class Engine(RankClient):
             for _, t, off in placed:
                 view = buf[off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
                 view.copy_(t)
-                t.set_(view)
+                t.set_(view)  # type: ignore[call-overload]  # a tensor source: torch's stubs omit it
         if specs and self._delta is not None:  # the whole region: writes span tensors
             self._delta.add_targets([Target(specs[0].region, 0, buf.numel(), buf)])
         return specs

@@ -120,7 +120,9 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     while not hasattr(model, "decoder") and isinstance(
         getattr(model, "module", None), torch.nn.Module
     ):
-        model = model.module
+        inner = model.module
+        assert isinstance(inner, torch.nn.Module)
+        model = inner
     return model
 
 
@@ -254,10 +256,10 @@ class _Mapper:
         if rest == "self_attention.q_layernorm.weight":
             hf = "self_attn.q_a_layernorm.weight" if self.mla else "self_attn.q_norm.weight"
             return [self.sharded(prefix + hf, local, 0, 1)]
-        hf = _SIMPLE.get(rest)
-        if hf is None:
+        simple = _SIMPLE.get(rest)
+        if simple is None:
             raise ValueError("is no parameter of a known family's layer")
-        return [self.sharded(prefix + hf, local, r.tp, r.tp_size)]
+        return [self.sharded(prefix + simple, local, r.tp, r.tp_size)]
 
     def top(self, name: str, local: torch.Tensor) -> list[MegatronPiece]:
         if name == "embedding.word_embeddings.weight":

@@ -54,7 +54,7 @@ class Poster:
             self._delta[bucket] = delta
         event = None
         if device.type == "cuda":
-            event = torch.cuda.Event()
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(torch.cuda.current_stream(device))
         self._pending.append((bucket, event))
         self._send(wait=False)
@@ -100,7 +100,7 @@ class Poster:
         ready: list[int] = []
         while self._pending:
             bucket, event = self._pending[0]
-            if event is not None and not event.query():
+            if event is not None and not event.query():  # type: ignore[no-untyped-call]
                 if ready or not wait:
                     break
                 event.synchronize()  # releases the GIL while it waits

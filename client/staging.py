@@ -42,7 +42,8 @@ class Staging:
             self.tensor = torch.frombuffer(self.shared.map, dtype=torch.uint8)
             self.tensor.zero_()  # touch every page now, not in the first version
             if torch.cuda.is_available() and device.type == "cuda":
-                rc = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)
+                cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+                rc = cudart.cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)
                 self._pinned = int(rc) == 0
 
     def request(self) -> RegisterRegion:
@@ -54,7 +55,8 @@ class Staging:
 
     def close(self) -> None:
         if self._pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+            cudart.cudaHostUnregister(self.tensor.data_ptr())
             self._pinned = False
         if self.shared is not None:
             del self.tensor

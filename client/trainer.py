@@ -49,7 +49,7 @@ from .posting import BucketTimes, Poster, PublishStats
 from .rank import RankClient
 from .ring import Landed, SlotOps
 from .sources import SourceRegions
-from .staging import Staging
+from .staging import Placement, Staging
 
 if TYPE_CHECKING:
     from .megatron import MegatronSource, Ranks
@@ -310,9 +310,11 @@ class Trainer(RankClient):
             return None
         if self._staging is None or self._staging.nbytes < need:
             device = self._device()
-            placement = self.placement
-            if placement == "auto":
-                placement = "gpu" if device.type == "cuda" else "cpu"
+            placement: Placement = (
+                ("gpu" if device.type == "cuda" else "cpu")
+                if self.placement == "auto"
+                else self.placement
+            )
             staging = Staging(
                 need, placement, device, self._conn.socket_gid, self.rank, self._conn.region_dir
             )
@@ -332,7 +334,7 @@ class Trainer(RankClient):
         if not plan.delta_bytes:
             return None
         if self._delta_out is None or self._delta_out.nbytes < plan.delta_bytes:
-            placement = "gpu" if device.type == "cuda" else "cpu"
+            placement: Placement = "gpu" if device.type == "cuda" else "cpu"
             out = Staging(
                 plan.delta_bytes,
                 placement,

@@ -101,7 +101,7 @@ def xdigest(blocks: Iterable[torch.Tensor]) -> int:
     h = xxhash.xxh3_64()
     for block in blocks:
         if block.numel():
-            h.update(memoryview(block.contiguous().numpy()))
+            h.update(block.contiguous().numpy().data)
     return h.intdigest()
 
 

@@ -80,7 +80,7 @@ class DeltaReceiver:
 
     def is_gpu(self, region: int) -> bool:
         ts = self._targets.get(region)
-        return bool(ts) and ts[0].data.is_cuda
+        return ts is not None and bool(ts) and ts[0].data.is_cuda
 
     def apply(self, msg: ApplyVersion) -> Applied:
         t0 = time.perf_counter()

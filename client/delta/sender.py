@@ -87,8 +87,8 @@ class DeltaSender:
         self._base = self.shadow_version
         self._changed = self._compared = 0
         self.phases = {"sample": 0.0, "scan": 0.0, "copy": 0.0, "encode": 0.0}
-        self._parts: dict[Dst, list[int]] = {}  # per engine rank: range checksums so far
-        self._ranges: dict[Dst, list[frames.Range]] = {}
+        self._parts = {}  # per engine rank: range checksums so far
+        self._ranges = {}
 
     def _wants_delta(self, ds: DeltaSlot) -> bool:
         return (
