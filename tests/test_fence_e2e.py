@@ -107,7 +107,7 @@ def settle(d: DaemonProc, limit: tuple[int, int], timeout_s: float) -> tuple[int
 FAULTS = r"""
 import socket, sys
 from weightwire.protocol import PROTOCOL_VERSION
-from weightwire.protocol.data import DataHello, Write
+from weightwire.transport.tcp.data import DataHello, Write
 from weightwire.transport.tcp import wire
 host, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 hello = wire.encode(DataHello(protocol=PROTOCOL_VERSION, node="intruder"))

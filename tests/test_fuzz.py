@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from weightwire.client.status import fetch
 from weightwire.harness.localcluster import LocalCluster
-from weightwire.protocol.data import PREFIX
+from weightwire.transport.tcp.data import PREFIX
 
 from .fuzz.targets import RKEY, frame_parser, local_decoder, peer_decoder, seeds
 from .test_bad_inputs import healthy_sync
@@ -83,8 +83,8 @@ def test_typed_messages_with_random_fields(kind: str, fields: dict) -> None:
 @st.composite
 def frame_streams(draw: st.DrawFn) -> bytes:
     """Mostly well-formed streams (hello, writes near the region's edges), some corrupted."""
-    from weightwire.protocol.data import DataHello, Write
     from weightwire.transport.tcp import wire
+    from weightwire.transport.tcp.data import DataHello, Write
 
     out = [bytes([draw(st.integers(0, 255))]), wire.encode(DataHello(protocol=1, node="p"))]
     for _ in range(draw(st.integers(0, 6))):

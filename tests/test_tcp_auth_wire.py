@@ -11,10 +11,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from weightwire.protocol import PROTOCOL_VERSION
-from weightwire.protocol.data import DataHello, Proof, Write
 from weightwire.protocol.errors import ErrorCode, ProtocolError
 from weightwire.transport.base import LocalRegion
 from weightwire.transport.tcp import auth, handshake, wire
+from weightwire.transport.tcp.data import DataHello, Proof, Write
 from weightwire.transport.tcp.regions import RegionTable
 from weightwire.transport.tcp.transport import StreamSink
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import uvloop
 
 from weightwire.protocol import PROTOCOL_VERSION
-from weightwire.protocol.data import DataHello, Refused
 from weightwire.transport.tcp import TcpTransport, auth, handshake, wire
+from weightwire.transport.tcp.data import DataHello, Refused
 
 HERE = Path(__file__).parent
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from weightwire.protocol import PROTOCOL_VERSION
-from weightwire.protocol.data import PREFIX, DataHello, Write
 from weightwire.protocol.errors import ErrorCode
 from weightwire.transport.base import LocalRegion
 from weightwire.transport.tcp import wire
+from weightwire.transport.tcp.data import PREFIX, DataHello, Write
 from weightwire.transport.tcp.regions import RegionTable
 
 

@@ -15,7 +15,7 @@ import sys
 
 import msgspec
 
-from weightwire.protocol.data import PREFIX, DataHello, DataMessage, Write
+from weightwire.transport.tcp.data import PREFIX, DataHello, DataMessage, Write
 
 ETH_P_ALL = 0x0003
 _decoder: msgspec.msgpack.Decoder[DataMessage] = msgspec.msgpack.Decoder(DataMessage)

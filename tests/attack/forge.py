@@ -15,8 +15,8 @@ import sys
 import time
 
 from weightwire.protocol import PROTOCOL_VERSION
-from weightwire.protocol.data import PREFIX, Ack, DataHello, Refused, Write
 from weightwire.transport.tcp import wire
+from weightwire.transport.tcp.data import PREFIX, Ack, DataHello, Refused, Write
 
 
 def attempt(host: str, port: int, spec: dict[str, object], replay: bool) -> dict[str, object]:

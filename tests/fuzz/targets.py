@@ -9,13 +9,13 @@ from __future__ import annotations
 import msgspec
 
 from weightwire.protocol import PROTOCOL_VERSION
-from weightwire.protocol.data import DataHello, Write
 from weightwire.protocol.errors import ProtocolError
 from weightwire.protocol.frames import Codec
 from weightwire.protocol.local import LocalMessage
 from weightwire.protocol.peer import PeerMessage
 from weightwire.transport.base import LocalRegion
 from weightwire.transport.tcp import wire
+from weightwire.transport.tcp.data import DataHello, Write
 from weightwire.transport.tcp.regions import RegionTable
 
 LOCAL = Codec(LocalMessage, max_bytes=1 << 16)

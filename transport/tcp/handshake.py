@@ -13,8 +13,8 @@ import asyncio
 import socket
 
 from weightwire.protocol import PROTOCOL_VERSION
-from weightwire.protocol.data import PREFIX, Challenge, DataHello, DataMessage, Proof, Refused
 from weightwire.protocol.errors import PeerLostError, WeightwireError, error_from_code
+from weightwire.transport.tcp.data import PREFIX, Challenge, DataHello, DataMessage, Proof, Refused
 
 from . import wire
 from .auth import (

@@ -8,9 +8,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-from weightwire.protocol.data import Write
 from weightwire.protocol.errors import ErrorCode, RegionError
 from weightwire.transport.base import LocalRegion
+from weightwire.transport.tcp.data import Write
 
 from . import auth
 

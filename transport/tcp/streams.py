@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from weightwire.protocol.data import MAX_HEADER, PREFIX, Ack, Refused, Write
 from weightwire.protocol.errors import (
     PeerLostError,
     TimeoutError_,
@@ -30,6 +29,7 @@ from weightwire.protocol.errors import (
     error_from_code,
 )
 from weightwire.transport.base import LocalRegion
+from weightwire.transport.tcp.data import MAX_HEADER, PREFIX, Ack, Refused, Write
 
 from . import auth, wire
 from .bounce import Bounce

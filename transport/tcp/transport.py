@@ -22,9 +22,6 @@ from typing import ClassVar
 
 import structlog
 
-from weightwire.protocol.data import (
-    Write,
-)
 from weightwire.protocol.errors import (
     ErrorCode,
     PeerLostError,
@@ -46,6 +43,9 @@ from weightwire.transport.base import (
     Signal,
     Transport,
     check_write,
+)
+from weightwire.transport.tcp.data import (
+    Write,
 )
 
 from . import auth, handshake, wire

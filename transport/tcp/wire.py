@@ -1,4 +1,4 @@
-"""Encoding and I/O-free parsing of tcp data frames (see weightwire.protocol.data).
+"""Encoding and I/O-free parsing of tcp data frames (see weightwire.transport.tcp.data).
 
 `ReceiveMachine` is the whole receive side without sockets: the caller asks it for
 the buffer to fill next (`buffer()`), receives into it, and reports how many bytes
@@ -16,7 +16,9 @@ from typing import Protocol
 import msgspec
 
 from weightwire.protocol import PROTOCOL_VERSION
-from weightwire.protocol.data import (
+from weightwire.protocol.errors import ErrorCode, ProtocolError, WeightwireError
+from weightwire.protocol.frames import decode_checked
+from weightwire.transport.tcp.data import (
     KIND,
     MAX_HEADER,
     PREFIX,
@@ -29,8 +31,6 @@ from weightwire.protocol.data import (
     Refused,
     Write,
 )
-from weightwire.protocol.errors import ErrorCode, ProtocolError, WeightwireError
-from weightwire.protocol.frames import decode_checked
 
 from . import auth
 

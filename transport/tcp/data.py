@@ -18,8 +18,8 @@ from typing import Annotated
 
 import msgspec
 
-from .regions import U64
-from .tensors import NonNeg
+from weightwire.protocol.regions import U64
+from weightwire.protocol.tensors import NonNeg
 
 PREFIX = struct.Struct("<BI")
 MAX_HEADER = 4096
