@@ -528,7 +528,7 @@ class Trainer(RankClient):
             for handle in events:
                 ev = self._ipc_events.get(handle)
                 if ev is None:
-                    ev = torch.cuda.Event.from_ipc_handle(device, handle)
+                    ev = torch.cuda.Event.from_ipc_handle(device, handle)  # type: ignore[no-untyped-call]
                     self._ipc_events[handle] = ev
                 stream.wait_event(ev)
         except RuntimeError:  # the events cannot be opened here: wait for landings instead
