@@ -24,7 +24,7 @@ import numpy as np
 try:  # optional: the compiled word loop (pip install numba)
     import numba
 except ImportError:  # pragma: no cover - exercised where numba is absent
-    numba = None
+    numba = None  # type: ignore[assignment]
 
 CHUNK = 1 << 20  # bytes per step: both streams' chunks stay in L2 while hashed and compared
 NP_INT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}

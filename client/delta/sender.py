@@ -184,7 +184,7 @@ class DeltaSender:
                     scan.copy(a, old, hasher)
                     self._tick("copy", t0)
                 else:
-                    self._scan(job, claim[1], a, old, hasher)
+                    self._scan(job, claim[1], a, old, hasher)  # type: ignore[index]  # job: claim
                     self._tick("scan", t0)
                 if gpu:
                     blocks.append(fresh)
@@ -433,7 +433,7 @@ def _feed(hasher: object, blocks: list[torch.Tensor], data: torch.Tensor) -> Non
         blocks.append(data)
         return
     if data.numel():
-        hasher.update(memoryview(data.contiguous().cpu().numpy()))  # type: ignore[attr-defined]
+        hasher.update(memoryview(data.contiguous().cpu().numpy()))  # type: ignore[attr-defined, arg-type]
 
 
 def _cat(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
