@@ -11,7 +11,7 @@ from typing import Any
 import structlog
 
 from weightwire.protocol.errors import ErrorCode, WeightwireError
-from weightwire.protocol.local import BucketsLanded, PublishResult, Verdict
+from weightwire.protocol.local import BucketsIssued, BucketsLanded, PublishResult, Verdict
 from weightwire.protocol.peer import PeerMsg, VersionAbort, VersionStart
 from weightwire.protocol.plan import NodePlan
 from weightwire.transport.base import LocalRegion
@@ -36,7 +36,7 @@ class _RankOutbox:
     mesh: PeerSend
     registry: RegionRegistry
 
-    def reply(self, result: PublishResult | BucketsLanded) -> None:
+    def reply(self, result: PublishResult | BucketsLanded | BucketsIssued) -> None:
         self.link.send(self.session.identity, result)
 
     def announce(self, version: int, kind: str, message: str, nodes: set[str]) -> None:
