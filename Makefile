@@ -31,7 +31,7 @@ demo: setup
 test: setup sysdeps
 	@rc=0; \
 	echo "== ruff"; $(VPY) -m ruff check . || rc=1; \
-	echo "== mypy (strict: protocol, transport, memory)"; scripts/typecheck.sh || rc=1; \
+	echo "== mypy (strict: protocol, transport, memory, daemon, plan, client)"; scripts/typecheck.sh || rc=1; \
 	echo "== pytest"; $(VPY) -m pytest -q -ra || rc=1; \
 	echo "== rdma (Soft-RoCE VM)"; \
 	why=$$(RDMA_VM_TORCH=1 scripts/rdma-vm.sh --setup-only 2>&1); st=$$?; \
