@@ -744,17 +744,7 @@ class Publisher:
             gbyte_s=gbyte_s(run.bytes_done, seconds),
             staging_buckets=run.ring.slots,
         )
-        if self.metrics is not None:
-            self.metrics.rank_version(
-                self.job,
-                "trainer",
-                self.rank,
-                run.version,
-                run.bytes_done,
-                seconds,
-                run.peer_bytes,
-                None,
-            )
+        self._record(run, seconds, None)
         self.reply(
             PublishResult(
                 version=run.version,
@@ -772,6 +762,14 @@ class Publisher:
                 replicas=run.outcomes(),
             )
         )
+
+    def _record(self, run: Run, seconds: float, code: str | None) -> None:
+        """The rank's finished version in the metrics (code None: it landed)."""
+        if self.metrics is not None:
+            self.metrics.rank_version(
+                self.job, "trainer", self.rank, run.version, run.bytes_done, seconds,
+                run.peer_bytes, code,
+            )  # fmt: skip
 
     def abort(self, reason: str, code: ErrorCode = ErrorCode.ABORTED) -> None:
         self._fail(WeightwireError(reason, code=code))
@@ -796,17 +794,7 @@ class Publisher:
             message = f"[{err.code.value}] {err.message}"
             self.announce(run.version, "abort", message, self.destinations)
         seconds = time.monotonic() - run.started
-        if self.metrics is not None:
-            self.metrics.rank_version(
-                self.job,
-                "trainer",
-                self.rank,
-                run.version,
-                run.bytes_done,
-                seconds,
-                run.peer_bytes,
-                err.code.value,
-            )
+        self._record(run, seconds, err.code.value)
         self.reply(
             PublishResult(
                 version=run.version,
