@@ -562,11 +562,11 @@ class Publisher:
         fenced = self._fencing(run, bucket, parts)
         outcomes = await asyncio.gather(
             *(
-                p.transport.write_fenced(
+                p.transport.post_fenced(
                     p.prepared, [high | s for s in p.slots], self._slot_key(run, bucket), f
                 )
                 if f is not None and isinstance(p.transport, SlotFencing)
-                else p.transport.write_prepared(p.prepared, [high | s for s in p.slots])
+                else p.transport.post(p.prepared, [high | s for s in p.slots])
                 for p, f in zip(parts, fenced, strict=True)
             ),
             return_exceptions=True,
@@ -700,9 +700,7 @@ class Publisher:
         parts = list(groups.items())
         outcomes = await asyncio.gather(
             *(
-                t.write_prepared(
-                    t.prepare([r for _, r in items]), [high | w.slot for w, _ in items]
-                )
+                t.post(t.prepare([r for _, r in items]), [high | w.slot for w, _ in items])
                 for t, items in parts
             )
         )

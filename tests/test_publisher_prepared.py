@@ -279,14 +279,14 @@ class _Issuing:
     def __getattr__(self, name: str) -> object:
         return getattr(self.inner, name)
 
-    async def write_fenced(
+    async def post_fenced(
         self,
         prepared: object,
         imms: Sequence[int | None],
         slot: Hashable,
         on_issued: Callable[[tuple[bytes, ...]], None],
     ) -> list[BaseException | None]:
-        writing = asyncio.ensure_future(self.inner.write_prepared(prepared, imms))  # type: ignore[arg-type]
+        writing = asyncio.ensure_future(self.inner.post(prepared, imms))  # type: ignore[arg-type]
         await asyncio.sleep(0)  # queued
         on_issued((repr(slot).encode().ljust(64, b"\0"),))
         return await writing

@@ -150,7 +150,7 @@ def test_one_node_cannot_hold_more_than_its_share_of_connections() -> None:
 EMFILE_SCRIPT = r"""
 import asyncio, json, resource, sys, time
 import structlog, uvloop
-from weightwire.transport.base import LocalRegion
+from weightwire.transport.base import LocalRegion, WriteRequest
 from weightwire.memory.hostmem import create_shared
 from weightwire.transport.tcp import TcpTransport
 from weightwire.protocol.regions import RegionDescriptor
@@ -190,7 +190,7 @@ async def main():
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     await asyncio.sleep(1.5)  # the listener's pause ends; the flood's sockets are gone
     await w.connect("a", t.endpoints())
-    await w.write(src, 0, desc, 0, 1 << 20, 7)
+    await w.write(WriteRequest(src, 0, desc, 0, 1 << 20, 7))
     lines = [e for e in logged if e.get("event") == "tcp accept failed; pausing the listener"]
     print(json.dumps({
         "cpu_s": cpu, "accept_errors": t.stats()["accept_errors"], "log_lines": len(lines),

@@ -105,7 +105,9 @@ def _filled(p: Pair) -> tuple[LocalRegion, LocalRegion, RegionDescriptor, bytes]
 def _start_writes(p: Pair, src: LocalRegion, desc: RegionDescriptor) -> list[asyncio.Future[None]]:
     """COUNT concurrent writes of CHUNK bytes, write i with immediate i."""
     return [
-        asyncio.ensure_future(p.a.transport.write(src, i * CHUNK, desc, i * CHUNK, CHUNK, i))
+        asyncio.ensure_future(
+            p.a.transport.write(WriteRequest(src, i * CHUNK, desc, i * CHUNK, CHUNK, i))
+        )
         for i in range(COUNT)
     ]
 
@@ -121,7 +123,10 @@ def test_lane_budget_bounds_copies_in_flight(
     async def body(p: Pair) -> None:
         src, dst, desc, data = _filled(p)
         await asyncio.gather(
-            *(p.a.transport.write(src, i * CHUNK, desc, i * CHUNK, CHUNK, i) for i in range(COUNT))
+            *(
+                p.a.transport.write(WriteRequest(src, i * CHUNK, desc, i * CHUNK, CHUNK, i))
+                for i in range(COUNT)
+            )
         )
         assert p.kit.read(dst, 0, CHUNK * COUNT) == data
         assert sorted(imm for imm, _ in p.b.imms) == list(range(COUNT))
@@ -130,7 +135,8 @@ def test_lane_budget_bounds_copies_in_flight(
         assert lane.issued["thread"] == 0
         p.kit.fill(dst, 0, bytes(CHUNK * 8))
         reqs = [WriteRequest(src, i * CHUNK, desc, i * CHUNK, CHUNK, None) for i in range(8)]
-        assert await p.a.transport.write_batch(reqs) == [None] * 8
+        posted = p.a.transport.post(p.a.transport.prepare(reqs), [None] * 8)
+        assert await posted == [None] * 8
         assert p.kit.read(dst, 0, CHUNK * 8) == data[: CHUNK * 8]
         assert lane.issued["thread"] == 1 and lane.budget.used == 0
 
@@ -163,7 +169,7 @@ def test_cancelled_writes_leave_the_lane_whole(
             await asyncio.sleep(0.05)
         assert lane.budget.used == 0
         assert set(range(0, COUNT, 2)) <= {imm for imm, _ in p.b.imms}
-        await p.a.transport.write(src, CHUNK, desc, CHUNK, CHUNK, 999)
+        await p.a.transport.write(WriteRequest(src, CHUNK, desc, CHUNK, CHUNK, 999))
         assert p.kit.read(dst, CHUNK, CHUNK) == data[CHUNK : 2 * CHUNK]
 
     run(kit, body)  # noqa: F405
@@ -190,7 +196,7 @@ def test_close_resolves_every_write_in_flight_or_waiting(
             assert p.kit.read(dst, i * CHUNK, CHUNK) == data[i * CHUNK : (i + 1) * CHUNK]
         assert sorted(imm for imm, _ in p.b.imms) == landed
         with pytest.raises(PeerLostError):
-            await p.a.transport.write(src, 0, desc, 0, CHUNK, None)
+            await p.a.transport.write(WriteRequest(src, 0, desc, 0, CHUNK, None))
 
     run(kit, body)  # noqa: F405
 
@@ -213,7 +219,7 @@ def test_host_source_pinned_or_pageable_lands(kit: TransportKit, pinned: bool) -
             assert p.a.transport._pinned == {90: src.address}  # type: ignore[attr-defined]
         try:
             dst, desc = p.region(p.b, 91, n)
-            await p.a.transport.write(src, 0, desc, 0, n, 5)
+            await p.a.transport.write(WriteRequest(src, 0, desc, 0, n, 5))
             assert p.kit.read(dst, 0, n) == data
             assert p.b.imms == [(5, "node-a")]
             (lane,) = _lanes(p.a.transport)
@@ -236,18 +242,18 @@ def test_prepared_writes_follow_a_destination_registered_again(kit: TransportKit
         old, desc = p.region(p.b, 2, n)
         p.kit.fill(src, 0, rand(n, 41))  # noqa: F405
         prepared = p.a.transport.prepare([WriteRequest(src, 0, desc, 0, n, None)])
-        assert await p.a.transport.write_prepared(prepared, [1]) == [None]
+        assert await p.a.transport.post(prepared, [1]) == [None]
         assert p.kit.read(old, 0, n) == rand(n, 41)  # noqa: F405
         epoch = prepared.epoch  # type: ignore[attr-defined]
         await p.a.transport.connect("node-b", p.b.transport.endpoints())  # as every pick does
-        assert await p.a.transport.write_prepared(prepared, [1]) == [None]
+        assert await p.a.transport.post(prepared, [1]) == [None]
         assert prepared.epoch == epoch  # type: ignore[attr-defined]  # not resolved again
         p.b.transport.deregister(2)
         new, _ = p.region(p.b, 2, n)
         p.kit.fill(old, 0, bytes(n))
         p.kit.fill(new, 0, bytes(n))
         p.kit.fill(src, 0, rand(n, 42))  # noqa: F405
-        assert await p.a.transport.write_prepared(prepared, [2]) == [None]
+        assert await p.a.transport.post(prepared, [2]) == [None]
         assert p.kit.read(new, 0, n) == rand(n, 42)  # noqa: F405
         assert p.kit.read(old, 0, n) == bytes(n)
         assert p.b.imms == [(1, "node-a"), (1, "node-a"), (2, "node-a")]

@@ -25,7 +25,7 @@ from tests.conformance.harness import Pair, TransportKit, with_pair
 from tests.conformance.suite import *  # noqa: F403
 from weightwire.memory.hostmem import SharedFile, create_shared
 from weightwire.protocol.errors import ErrorCode, PeerLostError, RegionError, TransferError
-from weightwire.transport.base import LocalRegion, Transport
+from weightwire.transport.base import LocalRegion, Transport, WriteRequest
 from weightwire.transport.verbs import VerbsTransport, available, discover
 from weightwire.transport.verbs.transport import FAULT_ENV
 
@@ -149,10 +149,15 @@ def test_error_completion_fails_inflight_writes_and_the_qp_is_rebuilt(fault_file
         data = rand(4 * n, 11)
         p.kit.fill(src, 0, data)
         p.kit.fill(dst, 0, bytes(4 * n))
-        await p.a.transport.write(src, 0, desc, 0, 4096, 1)  # link up, descriptor checked
+        await p.a.transport.write(
+            WriteRequest(src, 0, desc, 0, 4096, 1)
+        )  # link up, descriptor checked
         fault_file.write_text("rkey")
         results = await asyncio.gather(
-            *(p.a.transport.write(src, i * n, desc, i * n, n, 100 + i) for i in range(4)),
+            *(
+                p.a.transport.write(WriteRequest(src, i * n, desc, i * n, n, 100 + i))
+                for i in range(4)
+            ),
             return_exceptions=True,
         )
         assert isinstance(results[0], RegionError), results
@@ -169,7 +174,10 @@ def test_error_completion_fails_inflight_writes_and_the_qp_is_rebuilt(fault_file
         stats = p.a.transport.stats()
         assert stats["qp_rebuilds"] == 1 and stats["error_completions"] >= 1, stats
         await asyncio.gather(
-            *(p.a.transport.write(src, i * n, desc, i * n, n, 200 + i) for i in range(4))
+            *(
+                p.a.transport.write(WriteRequest(src, i * n, desc, i * n, n, 200 + i))
+                for i in range(4)
+            )
         )
         assert p.kit.read(dst, 0, 4 * n) == data
         assert sorted(imm for imm, _ in p.b.imms) == [1, 200, 201, 202, 203]
@@ -191,9 +199,11 @@ def test_send_queue_slots_are_counted_for_unsignaled_wrs() -> None:
         data = rand(2 * n, 12)
         p.kit.fill(src, 0, data)
         await asyncio.gather(
-            p.a.transport.write(src, 0, desc, 0, n, 7),
+            p.a.transport.write(WriteRequest(src, 0, desc, 0, n, 7)),
             *(
-                p.a.transport.write(src, n + i * (n // 8), desc, n + i * (n // 8), n // 8, 8 + i)
+                p.a.transport.write(
+                    WriteRequest(src, n + i * (n // 8), desc, n + i * (n // 8), n // 8, 8 + i)
+                )
                 for i in range(8)
             ),
         )
@@ -215,8 +225,8 @@ def test_completions_by_polling_thread() -> None:
         dst, desc = p.region(p.b, 2, 3 * MiB)
         p.kit.fill(src, 0, rand(3 * MiB, 13))
         await asyncio.gather(
-            p.a.transport.write(src, 0, desc, 0, 2 * MiB + 5, 1),
-            p.a.transport.write(src, 2 * MiB + 5, desc, 2 * MiB + 5, MiB - 5, 2),
+            p.a.transport.write(WriteRequest(src, 0, desc, 0, 2 * MiB + 5, 1)),
+            p.a.transport.write(WriteRequest(src, 2 * MiB + 5, desc, 2 * MiB + 5, MiB - 5, 2)),
         )
         assert p.kit.read(dst, 0, 3 * MiB) == rand(3 * MiB, 13)
         # the two transports' polling threads race: b's may hand its immediate to the loop
@@ -246,8 +256,8 @@ def test_two_lanes_stripe_one_write_over_two_nics() -> None:
         p.kit.fill(src, 0, data)
         half = n // 2
         await asyncio.gather(
-            p.a.transport.write(src, 0, desc, 0, half, 42, lane=0),
-            p.a.transport.write(src, half, desc, half, n - half, 42, lane=1),
+            p.a.transport.write(WriteRequest(src, 0, desc, 0, half, 42, lane=0)),
+            p.a.transport.write(WriteRequest(src, half, desc, half, n - half, 42, lane=1)),
         )
         assert p.kit.read(dst, 0, n) == data
         assert p.b.imms == [(42, "node-a"), (42, "node-a")]
@@ -264,7 +274,7 @@ def test_chunks_never_exceed_the_ports_max_message() -> None:
         src, _ = p.region(p.a, 1, n)
         dst, desc = p.region(p.b, 2, n)
         p.kit.fill(src, 0, rand(n, 15))
-        await p.a.transport.write(src, 0, desc, 0, n, 3)
+        await p.a.transport.write(WriteRequest(src, 0, desc, 0, n, 3))
         assert p.kit.read(dst, 0, n) == rand(n, 15)
         t = p.a.transport
         assert isinstance(t, VerbsTransport)
@@ -302,7 +312,7 @@ def test_registration_from_threads_while_writing() -> None:
         threads = [threading.Thread(target=reg, args=(i,)) for i in range(len(extra))]
         for th in threads:
             th.start()
-        await p.a.transport.write(src, 0, desc, 0, 4 * MiB, 9)
+        await p.a.transport.write(WriteRequest(src, 0, desc, 0, 4 * MiB, 9))
         await asyncio.to_thread(lambda: [th.join(30) for th in threads])
         assert not errors, errors
         rkeys = {k.verbs[0].rkey for k in keys}
@@ -321,13 +331,13 @@ def test_unregistered_source_and_missing_keys_are_refused() -> None:
         stray = p.kit.region(5, MiB)
         p.regions.append(stray)
         with pytest.raises(RegionError):
-            await p.a.transport.write(stray, 0, desc, 0, 16, 1)
+            await p.a.transport.write(WriteRequest(stray, 0, desc, 0, 16, 1))
         from weightwire.protocol.regions import RegionKeys
 
         bare = type(desc)(id=desc.id, node=desc.node, kind="cpu", length=MiB, keys=RegionKeys())
         assert not p.a.transport.accepts(src, bare)
         with pytest.raises(RegionError):
-            await p.a.transport.write(src, 0, bare, 0, 16, 1)
+            await p.a.transport.write(WriteRequest(src, 0, bare, 0, 16, 1))
         assert p.b.imms == []
 
     run(kit, body)
@@ -341,9 +351,9 @@ def test_zero_length_write_and_the_largest_immediate() -> None:
         dst, desc = p.region(p.b, 2, MiB)
         p.kit.fill(src, 0, rand(MiB, 17))
         p.kit.fill(dst, 0, bytes(MiB))
-        await p.a.transport.write(src, 5, desc, 7, 0, 0xFFFFFFFF)
-        await p.a.transport.write(src, 0, desc, 0, 0, None)
-        await p.a.transport.write(src, MiB - 1, desc, MiB - 1, 1, 0)
+        await p.a.transport.write(WriteRequest(src, 5, desc, 7, 0, 0xFFFFFFFF))
+        await p.a.transport.write(WriteRequest(src, 0, desc, 0, 0, None))
+        await p.a.transport.write(WriteRequest(src, MiB - 1, desc, MiB - 1, 1, 0))
         assert p.b.imms == [(0xFFFFFFFF, "node-a"), (0, "node-a")]
         assert p.kit.read(dst, 0, MiB) == bytes(MiB - 1) + rand(MiB, 17)[-1:]
 

@@ -12,7 +12,7 @@ from tests.conformance.proxy import PausableRelay
 from tests.conformance.suite import *  # noqa: F403
 from weightwire.memory.hostmem import SharedFile, create_shared
 from weightwire.protocol.regions import TransportEndpoints
-from weightwire.transport.base import LocalRegion, Transport
+from weightwire.transport.base import LocalRegion, Transport, WriteRequest
 from weightwire.transport.tcp import TcpTransport
 
 
@@ -95,13 +95,13 @@ def test_the_stronger_setting_of_two_nodes_wins_and_plain_hellos_are_refused() -
             b.authorize(2, frozenset({"a", "p"}))
             desc = RegionDescriptor(id=2, node="b", kind="cpu", length=4096, keys=keys)
             await a.connect("b", b.endpoints())
-            await a.write(src, 0, desc, 0, 4096, 1)
+            await a.write(WriteRequest(src, 0, desc, 0, 4096, 1))
             assert kit.read(dst, 0, 4096) == bytes(range(256)) * 16
             assert all(s.channel and s.channel.mode.name == "ENCRYPT" for s in a._peers["b"])
             kit.fill(dst, 0, bytes(4096))
             await plain.connect("b", b.endpoints())
             try:
-                await plain.write(src, 0, desc, 0, 4096, 1)
+                await plain.write(WriteRequest(src, 0, desc, 0, 4096, 1))
             except WeightwireError as exc:  # the refusal itself, or the stream it closed
                 assert "unauthorized" in str(exc), exc
             else:

@@ -1,14 +1,22 @@
 """The transport contract every data plane implements (tcp, verbs, cuda).
 
-    write(src_region, src_offset, dst_region, dst_offset, length, imm)
+Its core is two calls, NIXL's shape:
 
-resolves when the bytes are in the destination's memory (which implies the source
-buffer may be reused), and delivers `imm` at the destination, through the handler
-given to `start`, only after those bytes are visible there. A strided write
-(`count` blocks of `length` bytes, `src_stride`/`dst_stride` apart) is one write:
-one immediate, after every block is visible. A write that cannot be
-done raises a `TransferError` subclass naming the cause; the destination never
-sees the immediate of a refused or failed write.
+    prepared = transport.prepare([WriteRequest(src, src_offset, dst, dst_offset, length, imm)])
+    errors = await transport.post(prepared, imms)
+
+`prepare` checks and resolves writes once (a bucket's, for every version); `post` issues
+them with new immediates, `imms[i]` for write i, and resolves once every one has finished,
+with None or the error of each, in order. `write(request)` is one write, posted at once:
+it returns once the write has finished and raises its error.
+
+A write resolves when the bytes are in the destination's memory (which implies the
+source buffer may be reused), and delivers `imm` at the destination, through the handler
+given to `start`, only after those bytes are visible there. A strided write (`count`
+blocks of `length` bytes, `src_stride`/`dst_stride` apart) is one write: one immediate,
+after every block is visible. A write that cannot be done fails with a `TransferError`
+subclass naming the cause; the destination never sees the immediate of a refused or
+failed write. A write refused when prepared is refused by every post.
 
 Fencing: `fence(node)` is how a destination stops a peer's writes before it tells anyone
 that a version failed or that the peer is lost. Once it returns, no byte of a write that
@@ -28,8 +36,8 @@ from __future__ import annotations
 import abc
 import asyncio
 from collections.abc import Awaitable, Callable, Hashable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import ClassVar, Literal, Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal, Protocol, final, runtime_checkable
 
 from weightwire.protocol.errors import ErrorCode, RegionError
 from weightwire.protocol.plan import check_blocks, span
@@ -71,7 +79,11 @@ class LocalRegion:
 
 @dataclass(frozen=True, slots=True)
 class WriteRequest:
-    """One write of a batch (see `Transport.write_batch`)."""
+    """One write: `length` bytes from `src` at `src_offset` into `dst` at `dst_offset`
+    (`count` blocks of them, `src_stride`/`dst_stride` apart, when strided), delivering
+    `imm` (None: no immediate) once landed. `lane` picks one of the source's paths (a NIC,
+    a stream); transports with a single path ignore it. `prepare` ignores `imm`: each
+    post gives the immediates."""
 
     src: LocalRegion
     src_offset: int
@@ -87,7 +99,8 @@ class WriteRequest:
 
 class Prepared:
     """Writes checked and resolved once (`Transport.prepare`), then posted any number of
-    times with new immediates: a bucket's writes, every version."""
+    times with new immediates (`Transport.post`): a bucket's writes, every version.
+    Transports that resolve nothing up front use it as it is."""
 
     __slots__ = ("requests",)
 
@@ -100,7 +113,7 @@ class SlotFencing(Protocol):
     """A transport that can tell when a post's reads of its source are all queued on the
     GPU, fenced by interprocess events a rank's stream can wait on (the cuda transport)."""
 
-    async def write_fenced(
+    async def post_fenced(
         self,
         prepared: Prepared,
         imms: Sequence[int | None],
@@ -166,63 +179,26 @@ class Transport(abc.ABC):
         writes of failed versions with (one-sided transports rely on `fence` alone)."""
 
     @abc.abstractmethod
-    async def write(
-        self,
-        src: LocalRegion,
-        src_offset: int,
-        dst: RegionDescriptor,
-        dst_offset: int,
-        length: int,
-        imm: int | None,
-        lane: int = 0,
-        *,
-        count: int = 1,
-        src_stride: int = 0,
-        dst_stride: int = 0,
-    ) -> None:
-        """Write `length` bytes (`count` blocks of them when strided); see the module
-        docstring. `lane` picks one of the source's paths (a NIC, a stream); transports with
-        a single path ignore it. Check the request with `check_write` first."""
-
-    async def write_batch(self, requests: Sequence[WriteRequest]) -> list[BaseException | None]:
-        """Post several writes at once (a bucket's); resolves once every one has finished,
-        with None or the error of each, in order. Each write keeps `write`'s contract.
-        Transports with per-write costs to save (one event, one wake-up per batch) override it.
-        """
-        outcomes = await asyncio.gather(
-            *(
-                self.write(
-                    r.src,
-                    r.src_offset,
-                    r.dst,
-                    r.dst_offset,
-                    r.length,
-                    r.imm,
-                    r.lane,
-                    count=r.count,
-                    src_stride=r.src_stride,
-                    dst_stride=r.dst_stride,
-                )
-                for r in requests
-            ),
-            return_exceptions=True,
-        )
-        return [o if isinstance(o, BaseException) else None for o in outcomes]
-
     def prepare(self, requests: Sequence[WriteRequest]) -> Prepared:
-        """Check and resolve writes once, for `write_prepared`. Their `imm`s are ignored.
-        A request that cannot be written is not refused here: each post reports it."""
-        return Prepared(requests)
+        """Check and resolve writes once, for `post`; their `imm`s are ignored. A request
+        that cannot be written is not refused here: each post reports it."""
 
-    async def write_prepared(
+    @abc.abstractmethod
+    async def post(
         self, prepared: Prepared, imms: Sequence[int | None]
     ) -> list[BaseException | None]:
-        """`write_batch` of prepared writes, with `imms[i]` as the immediate of write i.
-        Transports that resolve writes up front override both; a change since `prepare`
-        (a region or peer gone, or back) is theirs to notice."""
-        return await self.write_batch(
-            [replace(r, imm=imm) for r, imm in zip(prepared.requests, imms, strict=True)]
-        )
+        """Issue prepared writes with `imms[i]` as the immediate of write i (ValueError if
+        the counts differ); resolves once every one has finished, with None or the error
+        of each, in order (see the module docstring). A change since `prepare` (a region
+        or peer gone, or back) is the transport's to notice."""
+
+    @final
+    async def write(self, request: WriteRequest) -> None:
+        """One write, prepared and posted at once with `request.imm`; raises its error.
+        The only convenience over the core: no transport overrides it."""
+        (err,) = await self.post(self.prepare((request,)), (request.imm,))
+        if err is not None:
+            raise err
 
     def deliver_written(self, node: str, imms: Sequence[int]) -> bool:
         """Deliver to `node` the immediates of writes whose bytes a source rank put there
@@ -260,21 +236,34 @@ def check_destination(dst: RegionDescriptor, dst_offset: int, length: int) -> No
         )
 
 
-def check_write(
-    src: LocalRegion,
-    src_offset: int,
-    dst: RegionDescriptor,
-    dst_offset: int,
-    length: int,
-    count: int = 1,
-    src_stride: int = 0,
-    dst_stride: int = 0,
-) -> None:
+def check_write(r: WriteRequest) -> None:
     """The writer-side checks of a (strided) write: well-formed blocks, every source byte
     inside `src` and every destination byte inside what `dst` advertised."""
     try:
-        check_blocks(length, count, src_stride, dst_stride)
+        check_blocks(r.length, r.count, r.src_stride, r.dst_stride)
     except ValueError as exc:
         raise RegionError(str(exc), code=ErrorCode.INVALID) from None
-    src.check(src_offset, span(length, count, src_stride), "source")
-    check_destination(dst, dst_offset, span(length, count, dst_stride))
+    r.src.check(r.src_offset, span(r.length, r.count, r.src_stride), "source")
+    check_destination(r.dst, r.dst_offset, span(r.length, r.count, r.dst_stride))
+
+
+WriteOne = Callable[[WriteRequest, int | None], Awaitable[None]]
+"""`write_one(request, imm)`: one write of a transport that resolves nothing up front."""
+
+
+async def post_each(
+    write_one: WriteOne, prepared: Prepared, imms: Sequence[int | None]
+) -> list[BaseException | None]:
+    """`Transport.post` for transports that resolve nothing up front (tcp, verbs): every
+    write checked and issued by `write_one` with its immediate, all at once."""
+    pairs = list(zip(prepared.requests, imms, strict=True))  # ValueError: counts differ
+    if len(pairs) == 1:  # `write`: no task for one write
+        try:
+            await write_one(*pairs[0])
+        except Exception as exc:
+            return [exc]
+        return [None]
+    outcomes = await asyncio.gather(
+        *(write_one(r, imm) for r, imm in pairs), return_exceptions=True
+    )
+    return [o if isinstance(o, BaseException) else None for o in outcomes]

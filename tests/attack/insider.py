@@ -36,7 +36,7 @@ from weightwire.protocol.peer import (
     TransportSignal,
 )
 from weightwire.protocol.regions import RegionDescriptor, RegionKeys, TcpKey
-from weightwire.transport.base import LocalRegion
+from weightwire.transport.base import LocalRegion, WriteRequest
 from weightwire.transport.tcp import TcpTransport
 
 
@@ -122,7 +122,7 @@ async def run(spec: dict[str, object]) -> dict[str, object]:
         out["connected"] = True
         try:
             await asyncio.wait_for(
-                tcp.write(src, 0, dst, int(spec["offset"]), length, int(spec["imm"])),
+                tcp.write(WriteRequest(src, 0, dst, int(spec["offset"]), length, int(spec["imm"]))),
                 20,  # type: ignore[call-overload]
             )
             out["written"] = True

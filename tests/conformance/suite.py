@@ -52,11 +52,15 @@ def test_fence_no_byte_of_a_failed_version_lands_after_the_report(kit: Transport
         pause = await p.kit.pausable(p)
         try:
             for i in range(2):  # version 1 begins: two writes land
-                await p.a.transport.write(src, i * n, desc, i * n, n, 100 + i)
+                await p.a.transport.write(WriteRequest(src, i * n, desc, i * n, n, 100 + i))
             if pause is not None:  # the writer stops in the middle of the next write
                 pause.pause(after=n)
             rest = n * (parts - 2)
-            late = [asyncio.ensure_future(p.a.transport.write(src, 2 * n, desc, 2 * n, rest, 102))]
+            late = [
+                asyncio.ensure_future(
+                    p.a.transport.write(WriteRequest(src, 2 * n, desc, 2 * n, rest, 102))
+                )
+            ]
             await asyncio.sleep(0.3)  # posted; where the kit can pause, half sent
             if pause is not None:
                 seen = p.kit.read(dst, 2 * n, rest)
@@ -73,11 +77,11 @@ def test_fence_no_byte_of_a_failed_version_lands_after_the_report(kit: Transport
                 assert all(isinstance(o, Exception) for o in outcomes), outcomes
             if p.kit.admits_before_landing:
                 with pytest.raises(TransferError):  # the old path writes nothing any more
-                    await p.a.transport.write(src, 0, desc, 4 * n, n, 150)
+                    await p.a.transport.write(WriteRequest(src, 0, desc, 4 * n, n, 150))
                 # nor does a new one, for the failed version
                 await p.a.transport.connect("node-b", p.b.transport.endpoints())
                 with pytest.raises(TransferError):
-                    await p.a.transport.write(src, 0, desc, 4 * n, n, 151)
+                    await p.a.transport.write(WriteRequest(src, 0, desc, 4 * n, n, 151))
             await asyncio.sleep(0.5)
             assert p.kit.read(dst, 0, n * parts) == reported, "bytes landed after the report"
             assert len(p.b.imms) == imms_at_report, p.b.imms[imms_at_report:]
@@ -88,7 +92,7 @@ def test_fence_no_byte_of_a_failed_version_lands_after_the_report(kit: Transport
         for attempt in range(3):  # version 2; a path the fence broke may fail it once
             await p.a.transport.connect("node-b", p.b.transport.endpoints())
             try:
-                await p.a.transport.write(src, 0, desc, 0, n * parts, 200)
+                await p.a.transport.write(WriteRequest(src, 0, desc, 0, n * parts, 200))
                 break
             except PeerLostError:
                 assert attempt < 2, "the writer never got through again after the fence"
@@ -108,7 +112,7 @@ def test_write_lands_bitwise_at_odd_offsets_and_sizes(kit: TransportKit) -> None
         p.kit.fill(dst, 0, bytes(8 * MiB))
         cases = [(0, 0, 1), (1, 3, 4095), (17, 5000, 65537), (MiB + 3, 3 * MiB + 1, 2 * MiB + 7)]
         for i, (so, do, n) in enumerate(cases):
-            await p.a.transport.write(src, so, desc, do, n, 1000 + i)
+            await p.a.transport.write(WriteRequest(src, so, desc, do, n, 1000 + i))
             assert p.kit.read(dst, do, n) == data[so : so + n], f"case {i} differs"
         assert sorted(imm for imm, _ in p.b.imms) == [1000, 1001, 1002, 1003]
         assert {node for _, node in p.b.imms} == {"node-a"}
@@ -133,7 +137,10 @@ def test_immediate_only_after_bytes_visible(kit: TransportKit) -> None:
 
         p.b.on_imm_check = check
         await asyncio.gather(
-            *(p.a.transport.write(src, i * n, desc, i * n, n, 500 + i) for i in range(count))
+            *(
+                p.a.transport.write(WriteRequest(src, i * n, desc, i * n, n, 500 + i))
+                for i in range(count)
+            )
         )
         assert not seen_bad, f"immediates delivered before their bytes: {seen_bad}"
         assert sorted(imm for imm, _ in p.b.imms) == [500 + i for i in range(count)]
@@ -153,7 +160,9 @@ def test_many_concurrent_writes_and_no_immediate_when_none_asked(kit: TransportK
         random.Random(4).shuffle(order)
         await asyncio.gather(
             *(
-                p.a.transport.write(src, i * chunk, desc, i * chunk, chunk, i if i % 2 else None)
+                p.a.transport.write(
+                    WriteRequest(src, i * chunk, desc, i * chunk, chunk, i if i % 2 else None)
+                )
                 for i in order
             )
         )
@@ -170,8 +179,8 @@ def test_both_directions(kit: TransportKit) -> None:
         p.kit.fill(a_mem, 0, rand(MiB, 5))
         p.kit.fill(b_mem, 0, rand(MiB, 6))
         await asyncio.gather(
-            p.a.transport.write(a_mem, 0, b_desc, 0, MiB // 2, 1),
-            p.b.transport.write(b_mem, MiB // 2, a_desc, MiB // 2, MiB // 2, 2),
+            p.a.transport.write(WriteRequest(a_mem, 0, b_desc, 0, MiB // 2, 1)),
+            p.b.transport.write(WriteRequest(b_mem, MiB // 2, a_desc, MiB // 2, MiB // 2, 2)),
         )
         assert p.kit.read(b_mem, 0, MiB // 2) == rand(MiB, 5)[: MiB // 2]
         assert p.kit.read(a_mem, MiB // 2, MiB // 2) == rand(MiB, 6)[MiB // 2 :]
@@ -204,9 +213,9 @@ def test_strided_write_lands_blocks_leaves_gaps_and_signals_once(kit: TransportK
         p.b.on_imm_check = check
         await asyncio.gather(
             p.a.transport.write(
-                src, so, desc, do, n, 77, count=count, src_stride=ss, dst_stride=ds
+                WriteRequest(src, so, desc, do, n, 77, count=count, src_stride=ss, dst_stride=ds)
             ),
-            p.a.transport.write(src, MiB, desc, MiB + 8, 4096, None, count=1),
+            p.a.transport.write(WriteRequest(src, MiB, desc, MiB + 8, 4096, None, count=1)),
         )
         want[MiB + 8 : MiB + 8 + 4096] = data[MiB : MiB + 4096]
         assert p.kit.read(dst, 0, 2 * MiB) == bytes(want)
@@ -224,17 +233,21 @@ def test_strided_write_checks(kit: TransportKit) -> None:
         _, desc = p.region(p.b, 2, MiB)
         with pytest.raises(RegionError) as e1:
             await p.a.transport.write(
-                src, 0, desc, 0, 4096, 1, count=4, src_stride=4096, dst_stride=100
+                WriteRequest(src, 0, desc, 0, 4096, 1, count=4, src_stride=4096, dst_stride=100)
             )
         assert e1.value.code is ErrorCode.INVALID
         with pytest.raises(RegionError) as e2:  # the last block ends one byte past the end
             await p.a.transport.write(
-                src, 0, desc, 1, 4096, 1, count=4, src_stride=4096, dst_stride=(MiB - 4096) // 3
+                WriteRequest(
+                    src, 0, desc, 1, 4096, 1, count=4, src_stride=4096, dst_stride=(MiB - 4096) // 3
+                )
             )
         assert e2.value.code is ErrorCode.OUT_OF_BOUNDS
         with pytest.raises(RegionError) as e3:
             await p.a.transport.write(
-                src, 1, desc, 0, 4096, 1, count=2, src_stride=MiB - 4096, dst_stride=4096
+                WriteRequest(
+                    src, 1, desc, 0, 4096, 1, count=2, src_stride=MiB - 4096, dst_stride=4096
+                )
             )
         assert e3.value.code is ErrorCode.OUT_OF_BOUNDS
         assert p.b.imms == []
@@ -247,10 +260,10 @@ def test_writer_side_bounds_checks(kit: TransportKit) -> None:
         src, _ = p.region(p.a, 1, MiB)
         _, desc = p.region(p.b, 2, MiB)
         with pytest.raises(RegionError) as e1:
-            await p.a.transport.write(src, 0, desc, MiB - 10, 11, 1)
+            await p.a.transport.write(WriteRequest(src, 0, desc, MiB - 10, 11, 1))
         assert e1.value.code is ErrorCode.OUT_OF_BOUNDS
         with pytest.raises(RegionError) as e2:
-            await p.a.transport.write(src, MiB - 10, desc, 0, 11, 1)
+            await p.a.transport.write(WriteRequest(src, MiB - 10, desc, 0, 11, 1))
         assert e2.value.code is ErrorCode.OUT_OF_BOUNDS
         assert p.b.imms == []
 
@@ -282,14 +295,16 @@ def test_receiver_refuses_out_of_bounds_unknown_region_and_bad_key(kit: Transpor
             forged.append((_forged(desc, keys=bad_key), 0, 1024, ErrorCode.UNAUTHORIZED))
         for lie, off, n, code in forged:
             with pytest.raises(TransferError) as err:
-                await asyncio.wait_for(p.a.transport.write(src, 0, lie, off, n, 77), 30)
+                await asyncio.wait_for(
+                    p.a.transport.write(WriteRequest(src, 0, lie, off, n, 77)), 30
+                )
             if p.kit.precise_codes:
                 assert err.value.code is code, err.value
             await p.a.transport.connect("node-b", p.b.transport.endpoints())
         assert p.b.imms == []
         assert p.kit.read(guard, 0, MiB) == bytes(MiB)
         # the transport keeps serving honest writes afterwards
-        await p.a.transport.write(src, 0, desc, 0, MiB, 5)
+        await p.a.transport.write(WriteRequest(src, 0, desc, 0, MiB, 5))
         assert p.kit.read(dst, 0, MiB) == rand(2 * MiB, 7)[:MiB]
         assert p.b.imms == [(5, "node-a")]
 
@@ -304,7 +319,7 @@ def test_deregistered_region_refuses_writes(kit: TransportKit) -> None:
         p.kit.fill(src, 0, rand(MiB, 8))
         p.b.transport.deregister(2)
         with pytest.raises(TransferError):
-            await asyncio.wait_for(p.a.transport.write(src, 0, desc, 0, MiB, 1), 30)
+            await asyncio.wait_for(p.a.transport.write(WriteRequest(src, 0, desc, 0, MiB, 1)), 30)
         assert p.kit.read(dst, 0, MiB) == bytes(MiB)
         assert p.b.imms == []
 
@@ -318,10 +333,13 @@ def test_lost_peer_is_a_typed_error(kit: TransportKit) -> None:
         await p.b.transport.close()
         with pytest.raises(PeerLostError):
             for _ in range(3):  # the first write may race the teardown and still be refused
-                await asyncio.wait_for(p.a.transport.write(src, 0, desc, 0, MiB, 1), 30)
+                await asyncio.wait_for(
+                    p.a.transport.write(WriteRequest(src, 0, desc, 0, MiB, 1)), 30
+                )
         with pytest.raises(PeerLostError):
             await asyncio.wait_for(
-                p.a.transport.write(src, 0, _forged(desc, node="nobody"), 0, 16, 1), 30
+                p.a.transport.write(WriteRequest(src, 0, _forged(desc, node="nobody"), 0, 16, 1)),
+                30,
             )
 
     run(kit, body)
@@ -335,9 +353,9 @@ def test_disconnect_fails_inflight_and_reconnect_works(kit: TransportKit) -> Non
         p.kit.fill(src, 0, rand(n, 9))
         await p.a.transport.disconnect("node-b", "test")
         with pytest.raises(PeerLostError):
-            await asyncio.wait_for(p.a.transport.write(src, 0, desc, 0, n, 1), 30)
+            await asyncio.wait_for(p.a.transport.write(WriteRequest(src, 0, desc, 0, n, 1)), 30)
         await p.a.transport.connect("node-b", p.b.transport.endpoints())
-        await p.a.transport.write(src, 0, desc, 0, n, 2)
+        await p.a.transport.write(WriteRequest(src, 0, desc, 0, n, 2))
         assert p.kit.read(dst, 0, n) == rand(n, 9)
         assert p.b.imms == [(2, "node-a")]
 
@@ -360,7 +378,7 @@ def test_prepared_writes_post_again_with_new_immediates(kit: TransportKit) -> No
             data = rand(n * chunk, 20 + post)
             p.kit.fill(src, 0, data)
             imms = [post * 100 + i for i in range(n + 1)]
-            results = await asyncio.wait_for(p.a.transport.write_prepared(prepared, imms), 30)
+            results = await asyncio.wait_for(p.a.transport.post(prepared, imms), 30)
             assert results[:n] == [None] * n
             refused = results[n]
             assert isinstance(refused, RegionError) and refused.code is ErrorCode.OUT_OF_BOUNDS
@@ -368,7 +386,7 @@ def test_prepared_writes_post_again_with_new_immediates(kit: TransportKit) -> No
             assert sorted(imm for imm, _ in p.b.imms) == imms[:n]
             p.b.imms.clear()
         with pytest.raises(ValueError):
-            await p.a.transport.write_prepared(prepared, imms[:-1])
+            await p.a.transport.post(prepared, imms[:-1])
 
     run(kit, body)
 
@@ -388,11 +406,11 @@ def test_prepared_writes_see_a_disconnect_and_a_reconnect(kit: TransportKit) -> 
             [WriteRequest(src, i * half, desc, i * half, half, None) for i in range(2)]
         )
         await p.a.transport.disconnect("node-b", "test")
-        results = await asyncio.wait_for(p.a.transport.write_prepared(prepared, [1, 2]), 30)
+        results = await asyncio.wait_for(p.a.transport.post(prepared, [1, 2]), 30)
         assert all(isinstance(r, PeerLostError) for r in results), results
         assert p.kit.read(dst, 0, n) == bytes(n) and p.b.imms == []
         await p.a.transport.connect("node-b", p.b.transport.endpoints())
-        results = await asyncio.wait_for(p.a.transport.write_prepared(prepared, [3, 4]), 30)
+        results = await asyncio.wait_for(p.a.transport.post(prepared, [3, 4]), 30)
         assert results == [None, None]
         assert p.kit.read(dst, 0, n) == rand(n, 31)
         assert sorted(p.b.imms) == [(3, "node-a"), (4, "node-a")]

@@ -28,7 +28,7 @@ import structlog
 from weightwire.memory.hostmem import create_shared
 from weightwire.protocol.errors import PeerLostError
 from weightwire.protocol.regions import RegionDescriptor
-from weightwire.transport.base import LocalRegion
+from weightwire.transport.base import LocalRegion, WriteRequest
 from weightwire.transport.verbs import VerbsTransport
 
 MiB = 1 << 20
@@ -87,14 +87,14 @@ async def verbs_rounds(dev_a: str, dev_b: str, total: int, write: int, rounds: i
     a.register(src)
     desc = RegionDescriptor(id=2, node="b", kind="cpu", length=total, keys=b.register(dst))
     await a.connect("b", b.endpoints())
-    await a.write(src, 0, desc, 0, MiB, 0)  # link up, descriptor checked: not timed
+    await a.write(WriteRequest(src, 0, desc, 0, MiB, 0))  # link up, descriptor checked: not timed
     out = []
     try:
         for _ in range(rounds):
             t0 = time.perf_counter()
             parts = range(0, total, write)
             await asyncio.gather(
-                *(a.write(src, o, desc, o, min(write, total - o), o) for o in parts)
+                *(a.write(WriteRequest(src, o, desc, o, min(write, total - o), o)) for o in parts)
             )
             out.append(total / (time.perf_counter() - t0) / 1e6)
         assert bytes(fb.view) == bytes(fa.view), "bytes differ"

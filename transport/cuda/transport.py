@@ -4,7 +4,7 @@ engines, over NVLink or PCIe.
 The writer opens the destination's CUDA IPC handle (once) and copies into it on a lane
 of the copying device, one per destination device (`lanes.py`: issued on the loop,
 completed by a thread per lane). A bucket's writes are resolved once (`prepare`) and
-only issued each version (`write_prepared`).
+only issued each version (`post`).
 Only once a copy has landed is its immediate delivered: to this daemon's own handler when
 the destination is local, to another transport in this process directly, or over a Unix
 datagram channel to another daemon of the same host.
@@ -294,33 +294,9 @@ class CudaTransport(Transport):
         mapped = self._ipc.mapped(handle, device)
         return ptr if not mapped else mapped + (ptr - base)
 
-    async def write(
-        self,
-        src: LocalRegion,
-        src_offset: int,
-        dst: RegionDescriptor,
-        dst_offset: int,
-        length: int,
-        imm: int | None,
-        lane: int = 0,
-        *,
-        count: int = 1,
-        src_stride: int = 0,
-        dst_stride: int = 0,
-    ) -> None:
-        req = WriteRequest(
-            src, src_offset, dst, dst_offset, length, imm, lane, count, src_stride, dst_stride
-        )
-        (err,) = await self.write_batch([req])
-        if err is not None:
-            raise err
-
-    async def write_batch(self, requests: Sequence[WriteRequest]) -> list[BaseException | None]:
-        return await self._post(self.prepare(requests), [r.imm for r in requests])
-
     def prepare(self, requests: Sequence[WriteRequest]) -> CudaPrepared:
         """Each write checked, its destination resolved to a pointer the copying device can
-        write, and the lane's chunks cut, once; `write_prepared` only issues them."""
+        write, and the lane's chunks cut, once; `post` only issues them."""
         prepared = CudaPrepared(requests, self)
         self._resolve(prepared)
         return prepared
@@ -333,10 +309,7 @@ class CudaTransport(Transport):
         pageable: set[tuple[int, int]] = set()  # lanes with a copy from unpinned host memory
         for i, r in enumerate(requests):
             try:
-                check_write(
-                    r.src, r.src_offset, r.dst, r.dst_offset, r.length,
-                    r.count, r.src_stride, r.dst_stride,
-                )  # fmt: skip
+                check_write(r)
                 dst_ptr, dst_dev = self._destination(
                     r.dst, r.dst_offset, span(r.length, r.count, r.dst_stride)
                 )
@@ -368,9 +341,14 @@ class CudaTransport(Transport):
         prepared.epoch, prepared.failed = epoch, failed
         prepared.lanes = [(key, lanes.chunks(cs), key in pageable) for key, cs in by_lane.items()]
 
-    async def write_prepared(
+    async def post(
         self, prepared: Prepared, imms: Sequence[int | None]
     ) -> list[BaseException | None]:
+        return await self._post(self._current(prepared, imms), imms)
+
+    def _current(self, prepared: Prepared, imms: Sequence[int | None]) -> CudaPrepared:
+        """`prepared` as this transport resolved it, resolved again if something changed
+        (or may have) since: what a post issues."""
         if len(imms) != len(prepared.requests):
             raise ValueError(f"{len(imms)} immediates for {len(prepared.requests)} writes")
         p = prepared
@@ -378,28 +356,21 @@ class CudaTransport(Transport):
             p = self.prepare(prepared.requests)
         elif p.epoch != Epoch.value or p.failed:  # something changed, or may have: again
             self._resolve(p)
-        return await self._post(p, imms)
+        return p
 
-    async def write_fenced(
+    async def post_fenced(
         self,
         prepared: Prepared,
         imms: Sequence[int | None],
         slot: Hashable,
         on_issued: Callable[[tuple[bytes, ...]], None],
     ) -> list[BaseException | None]:
-        """As `write_prepared`, and once every copy is issued (queued on its lane's stream),
+        """As `post`, and once every copy is issued (queued on its lane's stream),
         `on_issued` gets the IPC handles of the events each lane recorded right after its
         last copy: one event per (`slot`, lane), recorded again by the next post for the
         same slot. Not called if any write failed before issuing or no event could be made
         (then only the landing tells that the source is free)."""
-        if len(imms) != len(prepared.requests):
-            raise ValueError(f"{len(imms)} immediates for {len(prepared.requests)} writes")
-        p = prepared
-        if not isinstance(p, CudaPrepared) or p.owner is not self:
-            p = self.prepare(prepared.requests)
-        elif p.epoch != Epoch.value or p.failed:
-            self._resolve(p)
-        return await self._post(p, imms, (slot, on_issued))
+        return await self._post(self._current(prepared, imms), imms, (slot, on_issued))
 
     def _slot_event(self, slot: Hashable, key: tuple[int, int]) -> tuple[int, bytes] | None:
         """The interprocess event fencing `slot` on lane `key` (made once), or None."""
@@ -421,7 +392,7 @@ class CudaTransport(Transport):
         fencing: tuple[Hashable, Callable[[tuple[bytes, ...]], None]] | None = None,
     ) -> list[BaseException | None]:
         """Issue resolved writes on their lanes; each one's outcome, in order. `fencing`:
-        (slot, on_issued), as `write_fenced`."""
+        (slot, on_issued), as `post_fenced`."""
         refused = self._refused(p, imms)
         if refused is not None:
             return [refused] * len(imms)

@@ -18,6 +18,7 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from typing import ClassVar
 
 import structlog
@@ -40,9 +41,12 @@ from weightwire.transport.base import (
     Admit,
     ImmHandler,
     LocalRegion,
+    Prepared,
     Signal,
     Transport,
+    WriteRequest,
     check_write,
+    post_each,
 )
 from weightwire.transport.tcp.data import (
     Write,
@@ -394,23 +398,20 @@ class TcpTransport(Transport):
         for s in self._peers.pop(node, []):
             s.fail(PeerLostError(f"{node}: {reason}"))
 
-    async def write(
-        self,
-        src: LocalRegion,
-        src_offset: int,
-        dst: RegionDescriptor,
-        dst_offset: int,
-        length: int,
-        imm: int | None,
-        lane: int = 0,
-        *,
-        count: int = 1,
-        src_stride: int = 0,
-        dst_stride: int = 0,
-    ) -> None:
+    def prepare(self, requests: Sequence[WriteRequest]) -> Prepared:
+        """Nothing to resolve up front: each post checks its writes."""
+        return Prepared(requests)
+
+    async def post(
+        self, prepared: Prepared, imms: Sequence[int | None]
+    ) -> list[BaseException | None]:
+        return await post_each(self._write_one, prepared, imms)
+
+    async def _write_one(self, r: WriteRequest, imm: int | None) -> None:
         """A strided write goes as one frame per block on one connection, the immediate on
         the last: the receiver handles a connection's frames in order."""
-        check_write(src, src_offset, dst, dst_offset, length, count, src_stride, dst_stride)
+        check_write(r)
+        src, dst, length, count = r.src, r.dst, r.length, r.count
         if src.view is None and src.fd is None and src.kind != "gpu":
             raise RegionError(f"tcp cannot read region {src.id} ({src.kind} memory)")
         if dst.keys.tcp is None:
@@ -433,13 +434,13 @@ class TcpTransport(Transport):
                     seq=seq,
                     region=dst.id,
                     rkey=dst.keys.tcp.rkey,
-                    offset=dst_offset + i * dst_stride,
+                    offset=r.dst_offset + i * r.dst_stride,
                     length=length,
                     imm=-1 if imm is None or not last else imm,
                     tag=-1 if imm is None else imm,
                 )
             )
-            stream.submit(Pending(seq, fut, header, src, src_offset + i * src_stride, length))
+            stream.submit(Pending(seq, fut, header, src, r.src_offset + i * r.src_stride, length))
             futures.append(fut)
         await (futures[0] if count == 1 else asyncio.gather(*futures))
 

@@ -12,7 +12,7 @@ registered memory, over RC queue pairs, with WRITE_WITH_IMM carrying the immedia
   descriptor.
 - `mesh`: bring-up requests to a peer's verbs transport over the daemons' mesh;
   `on_signal` below answers them.
-- `checks`: `write` checks the descriptor with its owner once (`Check`: unknown region,
+- `checks`: a post checks the descriptor with its owner once (`Check`: unknown region,
   wrong key, length beyond the real region are refused with their own codes).
 - `links`: a writer owns "links": per (local device, remote device) pair, `qps_per_peer`
   RC queue pairs brought up through the mesh (`Connect`: QPN, PSN, GID, MTU both ways),
@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import ClassVar
 
 import structlog
@@ -55,9 +55,12 @@ from weightwire.protocol.regions import (
 from weightwire.transport.base import (
     ImmHandler,
     LocalRegion,
+    Prepared,
     Signal,
     Transport,
+    WriteRequest,
     check_write,
+    post_each,
 )
 
 from . import wire
@@ -274,21 +277,19 @@ class VerbsTransport(Transport):
 
     # --- writing -------------------------------------------------------------------
 
-    async def write(
-        self,
-        src: LocalRegion,
-        src_offset: int,
-        dst: RegionDescriptor,
-        dst_offset: int,
-        length: int,
-        imm: int | None,
-        lane: int = 0,
-        *,
-        count: int = 1,
-        src_stride: int = 0,
-        dst_stride: int = 0,
-    ) -> None:
-        check_write(src, src_offset, dst, dst_offset, length, count, src_stride, dst_stride)
+    def prepare(self, requests: Sequence[WriteRequest]) -> Prepared:
+        """Nothing to resolve up front: each post checks its writes (and their
+        descriptors, once per region key: `checks`)."""
+        return Prepared(requests)
+
+    async def post(
+        self, prepared: Prepared, imms: Sequence[int | None]
+    ) -> list[BaseException | None]:
+        return await post_each(self._write_one, prepared, imms)
+
+    async def _write_one(self, r: WriteRequest, imm: int | None) -> None:
+        check_write(r)
+        src, dst, lane = r.src, r.dst, r.lane
         if not dst.keys.verbs:
             raise RegionError(f"region {dst.id} of node {dst.node} has no verbs key")
         reg = self._regions.get(src.id)
@@ -310,15 +311,15 @@ class VerbsTransport(Transport):
             raise PeerLostError(link.dead or f"{dst.node} was disconnected")
         await self._sender.submit(
             link,
-            local_addr=reg.base + src_offset,
+            local_addr=reg.base + r.src_offset,
             lkey=int(reg.mrs[sdev].lkey),
-            remote_addr=key.addr + dst_offset,
+            remote_addr=key.addr + r.dst_offset,
             rkey=self._checks.fault(key.rkey),
-            length=length,
+            length=r.length,
             imm=imm,
-            count=count,
-            src_stride=src_stride,
-            dst_stride=dst_stride,
+            count=r.count,
+            src_stride=r.src_stride,
+            dst_stride=r.dst_stride,
         )
 
     def stats(self) -> dict[str, int]:
