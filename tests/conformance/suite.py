@@ -416,3 +416,31 @@ def test_prepared_writes_see_a_disconnect_and_a_reconnect(kit: TransportKit) -> 
         assert sorted(p.b.imms) == [(3, "node-a"), (4, "node-a")]
 
     run(kit, body)
+
+
+def test_post_reports_each_write_and_write_raises(kit: TransportKit) -> None:
+    """The core and its convenience agree: a refused write posted alone is reported in
+    `post`'s list (post does not raise for it) and raised by `write`, with the same code,
+    and nothing is delivered; an empty batch posts as nothing; a single good write posted
+    with an immediate lands bitwise and delivers that immediate, not the request's."""
+    n = 64 * 1024 + 1
+
+    async def body(p: Pair) -> None:
+        src, _ = p.region(p.a, 1, n)
+        dst, desc = p.region(p.b, 2, n)
+        p.kit.fill(src, 0, rand(n, 41))
+        p.kit.fill(dst, 0, bytes(n))
+        t = p.a.transport
+        bad = WriteRequest(src, 0, desc, 1, n, 5)  # one byte past the destination's end
+        (refused,) = await asyncio.wait_for(t.post(t.prepare([bad]), [5]), 30)
+        assert isinstance(refused, RegionError) and refused.code is ErrorCode.OUT_OF_BOUNDS
+        with pytest.raises(RegionError) as raised:
+            await asyncio.wait_for(t.write(bad), 30)
+        assert raised.value.code is ErrorCode.OUT_OF_BOUNDS
+        assert await asyncio.wait_for(t.post(t.prepare([]), []), 30) == []
+        good = WriteRequest(src, 0, desc, 0, n, 6)
+        assert await asyncio.wait_for(t.post(t.prepare([good]), [7]), 30) == [None]
+        assert p.kit.read(dst, 0, n) == rand(n, 41)
+        assert p.b.imms == [(7, "node-a")]
+
+    run(kit, body)
