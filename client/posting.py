@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from weightwire.protocol.errors import TimeoutError_
 from weightwire.protocol.local import BucketReady, ReplicaOutcome
 
 from .connection import DaemonConnection
@@ -86,6 +87,35 @@ class Poster:
                 raise landed.timed_out(bucket, timeout_s, what)
         return landed.wait(bucket, max(deadline - time.monotonic(), 0.0), what, issued=issued)
 
+    def await_posted(self, landed: Landed, bucket: int, timeout_s: float, what: str) -> bool:
+        """Post every packed bucket up to and including `bucket`, as each one's packing
+        completes (the GPU may wait for slot counters meanwhile: the daemon writes them as
+        it learns of buckets). False, at once, if the version ended first (failed, or the
+        daemon was lost: the counters may never be written, so no CUDA event is waited for
+        without looking at that). The events are polled, without holding the GIL between
+        polls; TimeoutError_ after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while any(b == bucket for b, _ in self._pending):
+            self._send(wait=False)
+            if not any(b == bucket for b, _ in self._pending):
+                break
+            if landed.ended:
+                return False
+            if time.monotonic() >= deadline:
+                raise TimeoutError_(
+                    f"{what}: bucket {bucket} was not packed within {timeout_s:.0f} s (its "
+                    "ring slot's counter never reached it)"
+                )
+            time.sleep(0)  # let the connection's thread run
+        return True
+
+    def drain(self, landed: Landed, timeout_s: float, what: str) -> bool:
+        """As `finish`, without blocking on an event the version's end would leave
+        waiting forever (GPU slot counters): see `await_posted`."""
+        if not self._pending:
+            return True
+        return self.await_posted(landed, self._pending[-1][0], timeout_s, what)
+
     def finish(self) -> None:
         """Every bucket is queued: post the rest as they complete."""
         while self._pending:
@@ -138,6 +168,7 @@ class PublishStats:
     replicas: tuple[ReplicaOutcome, ...] = ()  # elastic jobs: each engine replica's outcome
     slot_events: int = 0  # ring slots reused once the GPU waits on the copies' events
     slot_landings: int = 0  # ring slots reused once the copies landed (waited for on the CPU)
+    slot_counters: int = 0  # ring slots waited for on the GPU, on counters the daemon writes
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,11 @@ class Landed:
             self._ended = True
             self._cv.notify_all()
 
+    @property
+    def ended(self) -> bool:
+        """The version's result came (or the daemon was lost): nothing more will land."""
+        return self._ended
+
     def wait(self, bucket: int, timeout_s: float, what: str, *, issued: bool = False) -> bool:
         """True once `bucket` has landed (or, with `issued`, been issued: see `events`);
         False if the version ended first (failed: its result says why). Raises

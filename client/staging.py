@@ -17,6 +17,7 @@ from weightwire.protocol.local import RegisterRegion
 from . import cuda
 
 Placement = Literal["cpu", "gpu"]
+FENCE_ALIGN = 256  # where slot counters start past the ring's bytes
 
 
 class Staging:
@@ -28,13 +29,23 @@ class Staging:
         gid: int,
         rank: int,
         directory: str = SHM_DIR,
+        fence_slots: int = 0,
     ):
+        """`fence_slots`: GPU staging ends with that many 32-bit ring-slot counters, at
+        `fence_offset` (past `nbytes`), registered with it (`BeginVersion.fence_offset`)."""
         self.nbytes = nbytes
         self.placement = placement
         self.shared: SharedFile | None = None
         self._pinned = False
+        self.fence_slots = fence_slots if placement == "gpu" else 0
+        self.fence_offset = -(-nbytes // FENCE_ALIGN) * FENCE_ALIGN if self.fence_slots else -1
+        self.counters: torch.Tensor | None = None
         if placement == "gpu":
-            self.tensor = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+            total = self.fence_offset + 4 * self.fence_slots if self.fence_slots else nbytes
+            self.tensor = torch.zeros(total, dtype=torch.uint8, device=device)
+            if self.fence_slots:
+                self.counters = self.tensor[self.fence_offset :].view(torch.int32)
+                self.tensor = self.tensor[:nbytes]
         else:
             self.shared = create_shared(
                 nbytes, purpose=f"staging-r{rank}", gid=gid, directory=directory
@@ -49,8 +60,9 @@ class Staging:
     def request(self) -> RegisterRegion:
         if self.shared is not None:
             return RegisterRegion(path=self.shared.path, length=self.nbytes, purpose="staging")
+        length = self.fence_offset + 4 * self.fence_slots if self.fence_slots else self.nbytes
         return RegisterRegion(
-            length=self.nbytes, purpose="staging", kind="gpu", cuda=cuda.region_of(self.tensor)
+            length=length, purpose="staging", kind="gpu", cuda=cuda.region_of(self.tensor)
         )
 
     def close(self) -> None:

@@ -48,6 +48,7 @@ from .pack import Packer
 from .posting import BucketTimes, Poster, PublishStats
 from .rank import RankClient
 from .ring import Landed, SlotOps
+from .slotwait import SlotWaits
 from .sources import SourceRegions
 from .staging import Placement, Staging
 
@@ -78,6 +79,7 @@ class Trainer(RankClient):
         delta: Mode = "off",
         direct: bool = False,
         slot_events: bool = True,
+        slot_counters: bool = True,
     ) -> None:
         """`staging`: where buckets are packed. "gpu" (the default when the tensors are on a
         GPU) keeps everything on the device; "cpu" is the pinned CPU replica in the
@@ -94,6 +96,13 @@ class Trainer(RankClient):
         for the landing. Any other destination (tcp, RDMA, host memory), or no IPC events,
         and the slot waits for the landing as before.
 
+        `slot_counters`: with GPU staging, the packing stream waits for a ring slot on the
+        GPU itself (cuStreamWaitValue32 on a counter per slot at the end of staging, which
+        the daemon writes once the slot's last bucket is read: right after its cuda copies,
+        on the GPU, or when it lands), and this thread never waits for the daemon. Used
+        where the driver has stream memory operations and the plan sends no deltas; it
+        takes precedence over `slot_events`.
+
         `delta`: sparse delta sync to engine ranks that registered a delta area: "auto"
         sends each bucket as a delta payload where that is smaller, "on" wherever it fits,
         "off" always dense. Those engines verify every version (checksums) either way. It
@@ -109,6 +118,8 @@ class Trainer(RankClient):
         self.placement = staging
         self.staging_buckets = staging_buckets
         self.slot_events = slot_events
+        self.slot_counters = slot_counters
+        self._slots = SlotWaits()
         self._ipc_events: dict[bytes, torch.cuda.Event] = {}  # opened once per handle
         self._delta = DeltaSender(delta)
         self._delta_out: Staging | None = None
@@ -305,19 +316,33 @@ class Trainer(RankClient):
         return self._staging.nbytes if self._staging is not None else 0
 
     def _ensure_staging(self, plan: RankPlan) -> torch.Tensor | None:
-        need = self.ring(plan).nbytes
+        ring = self.ring(plan)
+        need = ring.nbytes
         if not need:  # everything is written from zero-copy sources
             return None
-        if self._staging is None or self._staging.nbytes < need:
-            device = self._device()
-            placement: Placement = (
-                ("gpu" if device.type == "cuda" else "cpu")
-                if self.placement == "auto"
-                else self.placement
-            )
+        device = self._device()
+        placement: Placement = (
+            ("gpu" if device.type == "cuda" else "cpu")
+            if self.placement == "auto"
+            else self.placement
+        )
+        fence = ring.slots if self._counters_wanted(plan, ring, placement) else 0
+        if (
+            self._staging is None
+            or self._staging.nbytes < need
+            or self._staging.fence_slots < fence
+        ):
             staging = Staging(
-                need, placement, device, self._conn.socket_gid, self.rank, self._conn.region_dir
+                need,
+                placement,
+                device,
+                self._conn.socket_gid,
+                self.rank,
+                self._conn.region_dir,
+                fence_slots=fence,
             )
+            if staging.counters is not None:
+                self._slots.fresh(staging.counters)
             try:
                 expect(self._conn.request(staging.request()), RegionRegistered)
             except BaseException:
@@ -327,6 +352,22 @@ class Trainer(RankClient):
                 self._staging.close()
             self._staging = staging
         return self._staging.tensor
+
+    def _counters_wanted(self, plan: RankPlan, ring: StagingRing, placement: str) -> bool:
+        return (
+            self.slot_counters
+            and ring.slots > 0
+            and placement == "gpu"
+            and not plan.delta_bytes
+            and self._slots.usable()
+        )
+
+    def _counters(self, plan: RankPlan, ring: StagingRing) -> torch.Tensor | None:
+        """The staging's slot counters, where this version waits for slots on them."""
+        st = self._staging
+        if st is None or st.counters is None or st.fence_slots < ring.slots:
+            return None
+        return st.counters if self._counters_wanted(plan, ring, st.placement) else None
 
     def _ensure_delta_out(self, plan: RankPlan, device: torch.device) -> torch.Tensor | None:
         """The region this rank encodes delta payloads and trailers in (delta-capable plans),
@@ -391,13 +432,18 @@ class Trainer(RankClient):
             device = staging.device if staging is not None else self._device()
             out = self._ensure_delta_out(plan, device)
             ring = self.ring(plan)
+            counters = self._counters(plan, ring)
             try:
                 self._conn.request(
                     BeginVersion(
                         version=version,
                         plan_hash=plan.plan_hash,
                         staging_buckets=ring.slots,
-                        slot_events=self._events_on(device, ring),
+                        slot_events=counters is None and self._events_on(device, ring),
+                        fence_offset=self._staging.fence_offset
+                        if counters is not None and self._staging is not None
+                        else -1,
+                        fence_base=self._slots.base,
                     )
                 )
                 break
@@ -412,7 +458,7 @@ class Trainer(RankClient):
             self._landed[version] = landed
         poster = Poster(self._conn, version)
         pack_s = 0.0
-        by_event = by_landing = 0
+        by_event = by_landing = by_counter = 0
         what = f"version {version} of trainer rank {self.rank}"
         result: PublishResult | None = None
         self._delta.begin(version, plan, staging)
@@ -420,7 +466,12 @@ class Trainer(RankClient):
             try:
                 for bucket in plan.buckets:
                     reuse = ring.reuse[bucket.index]
-                    if reuse >= 0:  # wait until the bucket packed in this slot has landed,
+                    if reuse >= 0 and counters is not None:  # the GPU waits for the slot
+                        if not poster.await_posted(landed, reuse, self.timeout_s, what):
+                            break  # the version failed: its result says why
+                        self._slots.wait(counters, ring.slot[bucket.index], reuse)
+                        by_counter += 1
+                    elif reuse >= 0:  # wait until the bucket packed in this slot has landed,
                         poster.flush(reuse)  # or its copies are issued (GPU waits on them)
                         freed = self._slot_free(poster, landed, reuse, device, ring, what)
                         if freed == "ended":
@@ -450,8 +501,12 @@ class Trainer(RankClient):
                     )
                     pack_s += time.perf_counter() - p0
                 else:
-                    poster.finish()
-                    if plan.trailers:
+                    ended = False
+                    if counters is None:
+                        poster.finish()
+                    else:
+                        ended = not poster.drain(landed, self.timeout_s, what)
+                    if plan.trailers and not ended:
                         assert out is not None
                         lengths = self._delta.trailers(plan, out)
                         self._conn.send(TrailersReady(version=version, lengths=lengths))
@@ -471,6 +526,9 @@ class Trainer(RankClient):
             with self._lock:
                 self._results.pop(version, None)
                 self._landed.pop(version, None)
+            if counters is not None and not (result is not None and result.ok):
+                self._slots.release(counters, len(plan.buckets))  # no GPU wait left behind
+            self._slots.advance(len(plan.buckets))
         self._delta.settle(version, plan, result)
         if not result.ok:
             raise error_from_code(result.code, f"version {version}: {result.message}")
@@ -499,6 +557,7 @@ class Trainer(RankClient):
             replicas=result.replicas,
             slot_events=by_event,
             slot_landings=by_landing,
+            slot_counters=by_counter,
         )
 
     def _events_on(self, device: torch.device, ring: StagingRing) -> bool:

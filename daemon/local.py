@@ -98,6 +98,7 @@ class Requests(Protocol):
         plan_hash: str,
         staging_buckets: int = 0,
         slot_events: bool = False,
+        fence: tuple[int, int] = (-1, 0),
     ) -> Ok: ...
 
     def bucket_ready(self, session: Session, msg: BucketReady) -> None: ...
@@ -261,7 +262,10 @@ class LocalServer:
             case GetPlan(timeout_s=timeout_s):
                 self._spawn(identity, msg.req, d.plan_for(session, msg.req, timeout_s))
             case BeginVersion(version=version, plan_hash=plan_hash, staging_buckets=slots):
-                work = d.begin_version(session, msg.req, version, plan_hash, slots, msg.slot_events)
+                fence = (msg.fence_offset, msg.fence_base)
+                work = d.begin_version(
+                    session, msg.req, version, plan_hash, slots, msg.slot_events, fence
+                )
                 self._spawn(identity, msg.req, work)
             case BucketReady():
                 d.bucket_ready(session, msg)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import msgspec
 import structlog
 
+from weightwire.memory.cudadrv import CudaError
 from weightwire.protocol.errors import (
     ErrorCode,
     PeerLostError,
@@ -42,6 +43,7 @@ from weightwire.protocol.plan import (
 )
 from weightwire.protocol.regions import RegionDescriptor
 from weightwire.transport.base import (
+    CudaEvents,
     LocalRegion,
     Prepared,
     SlotFencing,
@@ -50,6 +52,7 @@ from weightwire.transport.base import (
 )
 
 from .metrics import Recorder
+from .slotfence import SlotCounters
 from .versionlog import gbyte_s
 
 log = structlog.get_logger("weightwire.daemon.publisher")
@@ -93,7 +96,8 @@ class Run:
     ring: StagingRing
     delta_out: LocalRegion | None = None  # payloads and trailers (src_region DELTA_OUT)
     slot_events: bool = False  # the rank waits for slots on the GPU (`BucketsIssued`)
-    issued: int = 0  # buckets reported `BucketsIssued`
+    issued: int = 0  # buckets reported `BucketsIssued`, or their counters written on the GPU
+    counters: SlotCounters | None = None  # the rank waits for slots on the GPU, on these
     posted: set[int] = field(default_factory=set)
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     started: float = field(default_factory=time.monotonic)
@@ -247,8 +251,16 @@ class Publisher:
         return {r.node for r in self.plan.regions} if self.plan else set()
 
     def begin(
-        self, version: int, plan_hash: str, staging_buckets: int = 0, slot_events: bool = False
+        self,
+        version: int,
+        plan_hash: str,
+        staging_buckets: int = 0,
+        slot_events: bool = False,
+        fence_offset: int = -1,
+        fence_base: int = 0,
     ) -> None:
+        """`fence_offset` >= 0: the rank waits for ring slots on the GPU, on counters at
+        that offset of its staging region (`BeginVersion.fence_offset`)."""
         if self.plan is None:
             raise PlanError("this rank has no plan yet", code=ErrorCode.NOT_READY)
         if plan_hash != self.plan.plan_hash:
@@ -282,6 +294,11 @@ class Publisher:
                 raise VersionError(
                     f"version {run.version} still has writes in flight", code=ErrorCode.NOT_READY
                 )
+        counters = None
+        if fence_offset >= 0:
+            counters = SlotCounters(
+                self.staging, ring, fence_offset, fence_base, len(self.plan.buckets)
+            )
         self.last_version = version
         self.run = Run(
             version=version,
@@ -289,7 +306,8 @@ class Publisher:
             staging=self.staging,
             ring=ring,
             delta_out=self.delta_out,
-            slot_events=slot_events and ring.slots > 0,
+            slot_events=slot_events and ring.slots > 0 and counters is None,
+            counters=counters,
         )
         self.announce(version, "start", "", self.destinations)
         if not self.plan.buckets and not self.plan.trailers:
@@ -594,8 +612,7 @@ class Publisher:
         landed = run.bucket_landed[bucket] = time.time()
         if self.metrics is not None:
             self.metrics.bucket_landed(self.job, landed - run.bucket_posted[bucket])
-        if run.ring.slots and not run.finished:
-            self.reply(BucketsLanded(version=run.version, buckets=(bucket,)))
+        self._slot_free(run, bucket)
 
     async def _post_in_place(self, run: Run, bucket: int) -> None:
         """A bucket the rank packed straight into its destinations' memory, on the GPU its
@@ -626,8 +643,21 @@ class Publisher:
         run.bytes_done += sum(w.nbytes for w in b.writes)
         run.writes_done += len(b.writes)
         run.bucket_landed[bucket] = time.time()
-        if run.ring.slots and not run.finished:
+        self._slot_free(run, bucket)
+
+    def _slot_free(self, run: Run, bucket: int) -> None:
+        """Every write of `bucket` landed: its ring slot is free. The rank learns it from
+        `BucketsLanded`, or from its slot counter where it waits on the GPU (written here
+        unless its copies' events wrote it already)."""
+        if not run.ring.slots or run.finished:
+            return
+        if run.counters is None:
             self.reply(BucketsLanded(version=run.version, buckets=(bucket,)))
+            return
+        try:
+            run.counters.signal(bucket)
+        except CudaError as exc:
+            self._fail(TransferError(f"slot counter of bucket {bucket}: {exc.message}"), run)
 
     def _slot_key(self, run: Run, bucket: int) -> tuple[str, int, int]:
         return (self.job, self.rank, run.ring.slot[bucket])
@@ -639,7 +669,7 @@ class Publisher:
         the rank waits for slots on the GPU and every part is on a transport that fences
         (cuda); the last one tells the rank `BucketsIssued` with every part's events.
         Otherwise None each: the rank waits for the landing."""
-        if not run.slot_events or not parts:
+        if not (run.slot_events or run.counters) or not parts:
             return [None] * len(parts)
         if not all(isinstance(p.transport, SlotFencing) for p in parts):
             return [None] * len(parts)
@@ -649,7 +679,9 @@ class Publisher:
         def issued(handles: tuple[bytes, ...]) -> None:
             events.extend(handles)
             left[0] -= 1
-            if not left[0] and not run.finished:
+            if not left[0] and not run.finished and run.counters is not None:
+                self._signal_issued(run, bucket, parts, tuple(dict.fromkeys(events)))
+            elif not left[0] and not run.finished:
                 run.issued += 1
                 self.reply(
                     BucketsIssued(
@@ -660,6 +692,23 @@ class Publisher:
                 )
 
         return [issued] * len(parts)
+
+    def _signal_issued(
+        self, run: Run, bucket: int, parts: list[_Part], handles: tuple[bytes, ...]
+    ) -> None:
+        """Every cuda copy of `bucket` is queued: its slot counter is written on the GPU
+        once the copies' events are (left to the landing if the events are not known)."""
+        assert run.counters is not None
+        transport = parts[0].transport
+        events = transport.events_of(handles) if isinstance(transport, CudaEvents) else None
+        if events is None:
+            return
+        try:
+            run.counters.signal(bucket, events)
+        except CudaError as exc:  # the landing writes it
+            log.warning("slot counter not written on the GPU", bucket=bucket, error=exc.message)
+            return
+        run.issued += 1
 
     async def _post_delta(self, run: Run, bucket: int, sent: dict[int, int]) -> None:
         """A bucket some of whose destinations get a delta payload: each payload travels as
@@ -683,8 +732,7 @@ class Publisher:
         landed = run.bucket_landed[bucket] = time.time()
         if self.metrics is not None:
             self.metrics.bucket_landed(self.job, landed - run.bucket_posted[bucket])
-        if run.ring.slots and not run.finished:
-            self.reply(BucketsLanded(version=run.version, buckets=(bucket,)))
+        self._slot_free(run, bucket)
 
     async def _post_writes(self, run: Run, writes: list[WriteOp]) -> None:
         """Writes made for this version only (prepared now, not cached)."""
@@ -780,6 +828,7 @@ class Publisher:
             return
         run.finished = True
         run.error = err
+        self._release(run)
         log.warning(
             "publish failed",
             rank=self.rank,
@@ -807,6 +856,15 @@ class Publisher:
                 replicas=run.outcomes(),
             )
         )
+
+    def _release(self, run: Run) -> None:
+        """A failed version: the rank's GPU waits on its slot counters all end."""
+        if run.counters is None:
+            return
+        try:
+            run.counters.release()
+        except CudaError as exc:  # the rank releases them itself when it learns the outcome
+            log.error("slot counters not released", version=run.version, error=exc.message)
 
     async def drain(self, timeout_s: float) -> None:
         """Wait for writes still in flight: a failed version's stragglers, or those of an

@@ -119,10 +119,11 @@ class Ranks:
         plan_hash: str,
         staging_buckets: int = 0,
         slot_events: bool = False,
+        fence: tuple[int, int] = (-1, 0),
     ) -> Ok:
         pub = self._publishing.publisher(session)
         await pub.drain(self._stall_timeout_s)
-        pub.begin(version, plan_hash, staging_buckets, slot_events)
+        pub.begin(version, plan_hash, staging_buckets, slot_events, *fence)
         return Ok(req=req, detail=f"version {version}")
 
     def bucket_ready(self, session: Session, msg: BucketReady) -> None:

@@ -15,6 +15,7 @@ import ctypes
 import ctypes.util
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 from weightwire.protocol.errors import ErrorCode, WeightwireError
 
@@ -29,6 +30,8 @@ RANGE_HANDLE_DMA_BUF_FD = 0x1
 PEER_ACCESS_ALREADY_ENABLED = 704
 MEMORYTYPE_UNIFIED = 4
 MAX_PITCH = (1 << 31) - 1  # cuMemcpy2D's limit on a row pitch (CU_DEVICE_ATTRIBUTE_MAX_PITCH)
+STREAM_WAIT_VALUE_GEQ = 0x0  # (int32_t)(*addr - value) >= 0: cyclic, wraparound ignored
+STREAM_WRITE_VALUE_DEFAULT = 0x0  # a memory barrier first: earlier work's accesses are done
 
 
 class CudaError(WeightwireError):
@@ -95,6 +98,14 @@ class Driver:
         self._memcpy2d = self._lib.cuMemcpy2DAsync_v2
         self._memcpy2d.argtypes = [ctypes.POINTER(_Memcpy2D), ctypes.c_void_p]
         self._memcpy2d.restype = ctypes.c_int
+        # stream memory operations, V2 (by default since CUDA 11.7; V1 needs a module
+        # parameter): None where this driver lacks them
+        self._wait32: Any = getattr(self._lib, "cuStreamWaitValue32_v2", None)
+        self._write32: Any = getattr(self._lib, "cuStreamWriteValue32_v2", None)
+        for fn in (self._wait32, self._write32):
+            if fn is not None:
+                fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+                fn.restype = ctypes.c_int
         self._call("cuInit", ctypes.c_uint(0))
         count = ctypes.c_int()
         self._call("cuDeviceGetCount", ctypes.byref(count))
@@ -344,6 +355,36 @@ class Driver:
 
     def synchronize(self, stream: int) -> None:
         self._call("cuStreamSynchronize", ctypes.c_void_p(stream))
+
+    def stream_wait_event(self, stream: int, event: int) -> None:
+        """`stream`'s later work waits for `event`'s last record (of any context)."""
+        self._call("cuStreamWaitEvent", ctypes.c_void_p(stream), ctypes.c_void_p(event), 0)
+
+    # --- stream memory operations (ring slot counters) --------------------------------
+
+    def stream_mem_ops(self) -> bool:
+        """Whether 32-bit stream wait/write value operations are there (V2 API)."""
+        return self._wait32 is not None and self._write32 is not None
+
+    def wait_value32(self, stream: int, address: int, value: int) -> None:
+        """`stream`'s later work waits until the 32-bit word at device address `address`
+        is at least `value`, compared cyclically (GEQ): a counter may wrap around."""
+        fn = self._wait32
+        if fn is None:
+            raise CudaError("this CUDA driver has no cuStreamWaitValue32_v2")
+        rc = fn(stream, address, value & 0xFFFFFFFF, STREAM_WAIT_VALUE_GEQ)
+        if rc != 0:
+            raise CudaError(f"cuStreamWaitValue32 failed: {self.error_name(rc)}")
+
+    def write_value32(self, stream: int, address: int, value: int) -> None:
+        """Once `stream`'s earlier work is done (a memory barrier first), write the 32-bit
+        `value` at device address `address`."""
+        fn = self._write32
+        if fn is None:
+            raise CudaError("this CUDA driver has no cuStreamWriteValue32_v2")
+        rc = fn(stream, address, value & 0xFFFFFFFF, STREAM_WRITE_VALUE_DEFAULT)
+        if rc != 0:
+            raise CudaError(f"cuStreamWriteValue32 failed: {self.error_name(rc)}")
 
 
 _driver: Driver | None = None

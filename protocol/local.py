@@ -138,6 +138,16 @@ class BeginVersion(LocalMsg, frozen=True, tag="begin_version"):
     slot_events: bool = False
     """The rank can wait on the GPU for a slot (CUDA IPC events): a bucket whose writes are
     all cuda copies is also reported `BucketsIssued`, once they are all queued."""
+    fence_offset: Annotated[int, msgspec.Meta(ge=-1)] = -1
+    """>= 0: GPU staging's slot counters, one 32-bit word per ring slot from this byte
+    offset of the staging region (past the ring's bytes). The rank's packing stream waits
+    on the GPU (cuStreamWaitValue32, GEQ) for slot s's counter to reach bucket b's sequence
+    number, `fence_base + b + 1` (mod 2**32), before packing the slot's next bucket; the
+    daemon writes it once every read of bucket b's slot is done: on the GPU after its cuda
+    copies (cuStreamWriteValue32), or when the bucket lands. The rank's thread never waits
+    for the daemon (no `BucketsIssued`). A failed version's counters are all set to its last
+    sequence number, releasing every wait. -1: no counters."""
+    fence_base: Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)] = 0
 
 
 class BucketReady(LocalMsg, frozen=True, tag="bucket_ready"):

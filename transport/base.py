@@ -122,6 +122,14 @@ class SlotFencing(Protocol):
     ) -> list[BaseException | None]: ...
 
 
+@runtime_checkable
+class CudaEvents(Protocol):
+    """A fencing transport whose events this process can wait on directly (the cuda
+    transport: a ring slot's counter is written on the GPU after them)."""
+
+    def events_of(self, handles: Sequence[bytes]) -> list[int] | None: ...
+
+
 class Transport(abc.ABC):
     """One data-plane engine of a node. See the module docstring for the contract."""
 

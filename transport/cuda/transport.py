@@ -98,6 +98,7 @@ class CudaTransport(Transport):
         # interprocess events fencing a ring slot on a lane: (slot key, lane) -> (event, handle)
         self._slot_events: dict[tuple[Hashable, tuple[int, int]], tuple[int, bytes]] = {}
         self._ipc_events = True  # False once the driver refused one: no fences from then on
+        self._event_of: dict[bytes, int] = {}  # those events, by their IPC handles
 
     # --- lifecycle -----------------------------------------------------------
 
@@ -151,6 +152,7 @@ class CudaTransport(Transport):
                 with contextlib.suppress(CudaError):
                     self._drv.destroy_event(event)
         self._slot_events.clear()
+        self._event_of.clear()
         self._channel.close()
         if self._ipc is not None:
             self._ipc.close()
@@ -372,6 +374,12 @@ class CudaTransport(Transport):
         (then only the landing tells that the source is free)."""
         return await self._post(self._current(prepared, imms), imms, (slot, on_issued))
 
+    def events_of(self, handles: Sequence[bytes]) -> list[int] | None:
+        """The events behind slot events' IPC handles (as `write_fenced` gave them), for a
+        stream of this process to wait on; None if one is not this transport's."""
+        events = [self._event_of.get(h, 0) for h in handles]
+        return None if not all(events) else events
+
     def _slot_event(self, slot: Hashable, key: tuple[int, int]) -> tuple[int, bytes] | None:
         """The interprocess event fencing `slot` on lane `key` (made once), or None."""
         found = self._slot_events.get((slot, key))
@@ -380,6 +388,7 @@ class CudaTransport(Transport):
             try:
                 self._drv.use(key[0])
                 found = self._slot_events[slot, key] = self._drv.ipc_event()
+                self._event_of[found[1]] = found[0]
             except CudaError as exc:
                 self._ipc_events = False
                 log.warning("no interprocess cuda events: slots wait for landings", error=str(exc))

@@ -1,0 +1,112 @@
+"""GPU staging's ring-slot counters, written by the daemon (`BeginVersion.fence_offset`).
+
+The rank's packing stream waits on the GPU (cuStreamWaitValue32, GEQ) for slot s's
+counter to reach bucket b's sequence number before it packs the slot's next bucket; this
+writes that number once every read of bucket b's slot is done: on the GPU right after the
+bucket's cuda copies (its stream waits on the lanes' events, then cuStreamWriteValue32),
+or when the bucket has landed (any other transport). Each bucket is signalled once, in
+order on one stream per device, so a slot's counter only grows. A failed version sets
+every counter to its last sequence number: no wait of the rank's is left hanging.
+
+The counters are a few words at the end of the rank's staging allocation, opened here
+through its CUDA IPC handle with the staging region itself: registered once, never per
+version. No torch: the driver alone.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+from weightwire.memory.cudadrv import CudaError, Driver, driver
+from weightwire.protocol.errors import ErrorCode, PlanError
+from weightwire.protocol.plan import StagingRing
+from weightwire.transport.base import LocalRegion
+
+MASK = 0xFFFFFFFF
+WORD = 4  # bytes per slot counter
+
+_streams: dict[int, int] = {}  # one signalling stream per device of this process
+_lock = threading.Lock()
+
+
+def _stream(drv: Driver, device: int) -> int:
+    with _lock:
+        s = _streams.get(device)
+        if s is None:
+            drv.use(device)
+            s = _streams[device] = drv.stream()
+        return s
+
+
+def sequence(base: int, bucket: int) -> int:
+    """Bucket `bucket`'s sequence number in a version whose base is `base`."""
+    return (base + bucket + 1) & MASK
+
+
+class SlotCounters:
+    """One version's slot counters: where they are, and what each bucket writes there."""
+
+    def __init__(
+        self, staging: LocalRegion | None, ring: StagingRing, offset: int, base: int, buckets: int
+    ) -> None:
+        """Checks the rank's `fence_offset` against its staging region and the ring;
+        PlanError (INVALID) naming what does not fit."""
+        if ring.slots <= 0:
+            raise PlanError(
+                "slot counters need a staging ring (staging_buckets > 0)", code=ErrorCode.INVALID
+            )
+        if staging is None or staging.kind != "gpu" or staging.device is None:
+            raise PlanError(
+                "slot counters need GPU staging (the counters live at its end)",
+                code=ErrorCode.INVALID,
+            )
+        end = offset + WORD * ring.slots
+        if offset % WORD or offset < ring.nbytes or end > staging.length:
+            raise PlanError(
+                f"slot counters at offset {offset} ({ring.slots} slots of {WORD} bytes) do not "
+                f"fit past the ring's {ring.nbytes} bytes in the {staging.length}-byte staging "
+                f"region, aligned to {WORD}",
+                code=ErrorCode.INVALID,
+            )
+        try:
+            self._drv = driver()
+        except CudaError as exc:
+            raise PlanError(f"slot counters need CUDA here: {exc.message}") from None
+        if not self._drv.stream_mem_ops():
+            raise PlanError(
+                "this CUDA driver has no stream memory operations (cuStreamWriteValue32_v2)",
+                code=ErrorCode.INVALID,
+            )
+        self.device = staging.device
+        self.address = staging.address + offset
+        self.ring = ring
+        self.base = base & MASK
+        self.buckets = buckets
+        self.signalled: set[int] = set()  # buckets whose counter write is queued
+        self.released = False
+
+    def signal(self, bucket: int, after: Sequence[int] = ()) -> None:
+        """Queue bucket `bucket`'s counter write, after `after` (CUDA events) if any, at
+        most once per bucket and never after `release`. CudaError if the driver refuses."""
+        slot = self.ring.slot[bucket]
+        if slot < 0 or bucket in self.signalled or self.released:
+            return
+        s = _stream(self._drv, self.device)
+        self._drv.use(self.device)
+        for event in after:
+            self._drv.stream_wait_event(s, event)
+        self._drv.write_value32(s, self.address + WORD * slot, sequence(self.base, bucket))
+        self.signalled.add(bucket)
+
+    def release(self) -> None:
+        """The version failed: every counter to its last sequence number (after every
+        write queued before), so that every wait of the rank's packing stream ends."""
+        if self.released:
+            return
+        self.released = True
+        s = _stream(self._drv, self.device)
+        self._drv.use(self.device)
+        last = sequence(self.base, self.buckets - 1)
+        for slot in range(self.ring.slots):
+            self._drv.write_value32(s, self.address + WORD * slot, last)
