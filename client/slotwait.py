@@ -65,7 +65,7 @@ class SlotWaits:
         index = device.index if device.index is not None else torch.cuda.current_device()
         stream = self._release.get(index)
         if stream is None:
-            stream = self._release[index] = torch.cuda.Stream(device)
+            stream = self._release[index] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         self._drv.use(index)
         last = sequence(self.base, buckets - 1)
         for slot in range(counters.numel()):

@@ -11,7 +11,8 @@
 #
 # SUITE_TESTS_S caps the GPU tests stage (default 170 s). SUITE_STAGES picks stages (default:
 # probe,tests,colocated,2x2,2x2-zero-copy,1x1,replica,fp8; e.g. SUITE_STAGES=2x2; `rings`, not
-# in the default, compares staging rings of 2 and 4 slots with the whole send). `colocated`:
+# in the default, compares staging rings of 2 and 4 slots with the whole send, slots waited
+# for on GPU counters and by the daemon's IPC events). `colocated`:
 # trainer and engine on GPU 0 (--place 0:0): bf16 through staging (bench-colocated-bf16),
 # then packed in place (--direct) with bf16 and FP8 engines (bench-colocated-bf16-direct,
 # bench-colocated-fp8-direct); the summary's "busiest link 0->0 at X of its rate" is the
@@ -193,8 +194,11 @@ fi
 if ((NGPU >= 1)); then
     bench 1x1 180 50 --pairs 1x1 --trace "$OUT/$TAG-bench-1x1-trace.json"
     # opt-in (SUITE_STAGES=rings): the staging ring at 2 and 4 slots against the whole send,
-    # 1x1 (colocated on one GPU), each run verified, ratios in the table and JSON
-    bench rings 480 0 --pairs 1x1 --staging-buckets 0,2,4 --no-baseline
+    # 1x1 (colocated on one GPU), each run verified, ratios in the table and JSON; slots
+    # waited for on GPU counters (the default), then the same rings the older way (the
+    # daemon's IPC events, `N:events`) in the same process. SUITE_RINGS overrides the list.
+    bench rings 480 0 --pairs 1x1 --staging-buckets "${SUITE_RINGS:-0,2,4,2:events,4:events}" \
+        --no-baseline
     bench replica 90 0 --replica --layers 8 --versions 2 --trace "$OUT/$TAG-bench-replica-trace.json"
     if ((NGPU >= 4)); then FP8PAIR=2x2; else FP8PAIR=1x1; fi
     bench fp8 100 0 --pairs $FP8PAIR --dest fp8 --layers 8 --versions 2

@@ -271,22 +271,26 @@ def test_layers_are_reduced_to_fit_the_gpu() -> None:
 
 
 def test_staging_rings_compared_in_one_call(tmp_path: Path) -> None:
-    """`--staging-buckets 0,2`: one run per ring, each verified, the ring's throughput given
-    against the whole send's, and its staging memory smaller (small buckets, so that the
-    plan has more buckets than the ring has slots)."""
+    """`--staging-buckets 0,2,2:landing`: one run per ring, each verified, the ring's
+    throughput given against the whole send's, and its staging memory smaller (small
+    buckets, so that the plan has more buckets than the ring has slots); `:landing` names
+    how the trainer waits for slots (`rank --slot-wait`)."""
     r = bench(
         tmp_path,
-        *("--pairs", "1x1", "--staging-buckets", "0,2", "--no-baseline"),
+        *("--pairs", "1x1", "--staging-buckets", "0,2,2:landing", "--no-baseline"),
         *("--daemon-flag", "bucket-bytes=262144", "--daemon-flag", "max-write-bytes=65536"),
     )
-    whole, ring = r["runs"]
-    for run in (whole, ring):
+    whole, ring, landing = r["runs"]
+    for run in (whole, ring, landing):
         check_run(run, baseline=False)
+    assert landing["pair"] == "1x1 ring 2 landing" and landing["slot_wait"] == "landing"
+    assert "slot_wait" not in ring
     assert [whole["staging_buckets"], ring["staging_buckets"]] == [0, 2]
     (plan0,), (plan2,) = whole["trainer_plans"], ring["trainer_plans"]
     assert plan0["staging_buckets"] == 0 and plan2["staging_buckets"] == 2
     assert plan0["staging_bytes"] == plan0["send_staging_bytes"]
     assert plan2["buckets"] > 2 and plan2["staging_bytes"] < plan0["staging_bytes"] / 2
-    (cmp,) = r["staging_rings"]
+    cmp, cmp_landing = r["staging_rings"]
     assert cmp["pair"] == "1x1 ring 2" and cmp["against"] == "1x1 ring 0"
+    assert cmp_landing["pair"] == "1x1 ring 2 landing"
     assert cmp["ratio"] == pytest.approx(whole["weightwire_s"] / ring["weightwire_s"])

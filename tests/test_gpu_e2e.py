@@ -17,6 +17,7 @@ Needs a GPU: run by scripts/gpu-suite.sh; skipped elsewhere, saying why.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,6 +30,7 @@ from weightwire.client.status import fetch
 from weightwire.harness.localcluster import LocalCluster
 from weightwire.memory.cudadrv import available
 from weightwire.plan.rules import engine_tensors
+from weightwire.protocol.errors import ErrorCode, WeightwireError
 from weightwire.protocol.local import EngineLayout
 
 from .conftest import FAST
@@ -88,7 +90,12 @@ def sync(
     direct: bool = False,
     slot_events: bool = True,
     versions: tuple[int, ...] = (1, 2),
+    slot_counters: bool = True,
+    abort_at: int = 0,
 ) -> dict[str, Any]:
+    """`abort_at` > 0: version `abort_at` is aborted by rank 0 once its packing stream
+    waits for a slot on the GPU (its counter), and must fail (not hang); the versions after
+    it must land bitwise."""
     tg, eg = ([0, 0], [0, 0]) if direct else placement()
     engines, received = [], []
     for r in range(2):
@@ -112,7 +119,7 @@ def sync(
     }
     nbytes, staged, held, slots, writes = 0, 0, 0, 0, 0
     waited = True  # with a ring: every bucket packed only after its slot's last one landed
-    by_event, by_landing, reuses, issued = 0, 0, 0, 0
+    by_event, by_landing, by_counter, reuses, issued, aborted = 0, 0, 0, 0, 0, 0
     try:
         for version in versions:
             hf = random_hf(CFG, seed=version)
@@ -134,6 +141,7 @@ def sync(
                         staging_buckets=staging_buckets,
                         direct=direct,
                         slot_events=slot_events,
+                        slot_counters=slot_counters,
                     )
                     tr.register(
                         mine,
@@ -166,16 +174,36 @@ def sync(
                 except BaseException as exc:
                     errors.append(exc)
 
+            if version == abort_at:
+                _abort_once_waiting(trainers[0][0], version)
             threads = [threading.Thread(target=publish, args=(tr,)) for tr, _ in trainers]
             for t in threads:
                 t.start()
             for t in threads:
                 t.join(180)
+            assert not any(t.is_alive() for t in threads), "a publish hung"
+            if version == abort_at:
+                # rank 0 aborted; rank 1 failed with it, or had landed everything first
+                assert all(isinstance(e, WeightwireError) for e in errors), errors
+                assert any(e.code == ErrorCode.ABORTED for e in errors), errors
+                for tr, _ in trainers:  # no GPU wait left behind: the streams drain
+                    done = torch.cuda.Event()
+                    done.record(torch.cuda.current_stream(tr._device()))
+                    deadline = time.monotonic() + 30
+                    while not done.query():
+                        assert time.monotonic() < deadline, "the packing stream still waits"
+                        time.sleep(0.01)
+                aborted += 1
+                for eng in engines:
+                    with pytest.raises(WeightwireError):
+                        eng.wait(version, 60)
+                continue
             assert not errors, errors
             nbytes += sum(s.nbytes for s in stats)
             writes += sum(s.writes for s in stats)
             by_event += sum(s.slot_events for s in stats)
             by_landing += sum(s.slot_landings for s in stats)
+            by_counter += sum(s.slot_counters for s in stats)
             reuses += sum(max(len(s.buckets) - slots, 0) for s in stats) if slots else 0
             issued += sum(
                 int(p["buckets_issued"])
@@ -212,6 +240,8 @@ def sync(
         "waited": waited,
         "by_event": by_event,
         "by_landing": by_landing,
+        "by_counter": by_counter,
+        "aborted": aborted,
         "reuses": reuses,
         "issued": issued,
         "cuda": moved(c, 0, "cuda") - before["cuda"],
@@ -247,7 +277,14 @@ def test_gpu_staging_ring_through_cuda_ipc(small_buckets: LocalCluster, dest: st
     engines done reading it), all bitwise, and less staging memory than the whole send."""
     job = f"gpu-ring-{dest or 'bf16'}"
     got = sync(
-        small_buckets, job, dest, "gpu", trainer_host=0, staging_buckets=2, slot_events=False
+        small_buckets,
+        job,
+        dest,
+        "gpu",
+        trainer_host=0,
+        staging_buckets=2,
+        slot_events=False,
+        slot_counters=False,
     )
     assert got["slots"] == 2 and got["waited"], got
     assert got["held"] < got["staged"], got
@@ -274,11 +311,62 @@ def test_gpu_staging_ring_slots_fenced_by_ipc_events(
         staging_buckets=2,
         slot_events=True,
         versions=(1, 2, 3, 4),
+        slot_counters=False,
     )
     assert got["slots"] == 2 and got["held"] < got["staged"], got
     assert got["cuda"] == got["bytes"] > 0, got
     assert got["by_event"] + got["by_landing"] == got["reuses"] > 0, got
     assert got["by_event"] > 0 and got["issued"] > 0, got  # the event path was taken
+
+
+@pytest.mark.parametrize("slots", [2, 4])
+@pytest.mark.parametrize("dest", ["", "fp8"])
+def test_gpu_staging_ring_slots_on_gpu_counters(
+    small_buckets: LocalCluster, dest: str, slots: int
+) -> None:
+    """A ring of 2 or 4 slots waited for on the GPU: the packing stream waits on each slot's
+    counter, which the daemon writes right after the slot's cuda copies, and the trainer's
+    thread never waits for the daemon (no BucketsIssued, no BucketsLanded). Four versions,
+    all bitwise: the GPU ordering alone keeps a slot from being packed while copied out."""
+    job = f"gpu-ring-counters-{dest or 'bf16'}-{slots}"
+    got = sync(
+        small_buckets, job, dest, "gpu", trainer_host=0, staging_buckets=slots,
+        versions=(1, 2, 3, 4),
+    )  # fmt: skip
+    assert got["slots"] == slots and got["held"] < got["staged"], got
+    assert got["cuda"] == got["bytes"] > 0, got
+    assert got["by_counter"] == got["reuses"] > 0, got
+    assert got["by_event"] == got["by_landing"] == 0, got
+    assert got["issued"] > 0, got  # counters written on the GPU after the copies
+
+
+def test_gpu_ring_counters_released_when_a_version_fails(small_buckets: LocalCluster) -> None:
+    """Version 2 is aborted while rank 0's packing stream waits on a slot counter: both
+    ranks' publishes fail with ABORTED (none hangs), their GPU streams drain (the counters
+    were released), the engines fail version 2, and versions 3 and 4 land bitwise."""
+    got = sync(
+        small_buckets, "gpu-ring-counters-abort", "", "gpu", trainer_host=0,
+        staging_buckets=2, versions=(1, 2, 3, 4), abort_at=2,
+    )  # fmt: skip
+    assert got["aborted"] == 1, got
+    assert got["by_counter"] > 0 and got["slots"] == 2, got
+
+
+def _abort_once_waiting(tr: Trainer, version: int) -> None:
+    """Rank `tr` aborts `version` (through its own connection, as a failing trainer does)
+    right after its packing stream first waits on a slot counter: the wait is queued, and
+    the daemon fails the version, so the counters must be released."""
+    waits = tr._slots
+    original = waits.wait
+
+    def wait(counters: torch.Tensor, slot: int, bucket: int) -> None:
+        original(counters, slot, bucket)
+        waits.wait = original  # type: ignore[method-assign]
+        # the version's last number: only a release can end this wait now
+        original(counters, slot, len(tr.plan().buckets) - 1)
+        tr._abort(version, "aborted by the test while the GPU waits on a slot counter")
+
+    waits.wait = wait  # type: ignore[method-assign]
 
 
 @pytest.mark.parametrize("dest", ["", "fp8"])

@@ -60,7 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="4",
         metavar="N[,N...]",
         help="trainer staging: a ring of N bucket slots (0: the whole send). Several values "
-        "(e.g. 0,2,4) make one run per value for each pair, each compared with the first",
+        "(e.g. 0,2,4) make one run per value for each pair, each compared with the first. "
+        "N:events or N:landing waits for slots the older ways (default: GPU slot counters)",
     )
     p.add_argument(
         "--zero-copy",

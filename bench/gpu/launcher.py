@@ -69,17 +69,19 @@ def main(args: Any) -> int:
         head = {"pair": "1x1 replica", "mode": "replica", "trainers": 1, "engines": 1}
         jobs.append((head, lambda: run_replica(args, base_cfg, info, workdir)))
     else:
-        rings = [int(n) for n in str(args.staging_buckets).split(",") if n.strip()] or [4]
+        rings = [ring_spec(n) for n in str(args.staging_buckets).split(",") if n.strip()]
+        rings = rings or [(4, "")]
         for pair in filter(None, args.pairs.split(",")):
             t, _, e = pair.lower().partition("x")
-            for n in rings:
+            for n, wait in rings:
                 name = f"{t}x{e}" + (f" ring {n}" if len(rings) > 1 else "")
+                name += f" {wait}" if wait else ""
                 head = {"pair": name, "mode": "pair", "trainers": int(t), "engines": int(e)}
                 jobs.append(
                     (
                         head,
-                        lambda t=int(t), e=int(e), n=n, name=name: run_pair(
-                            args, base_cfg, t, e, info, workdir, ring=n, name=name
+                        lambda t=int(t), e=int(e), n=n, w=wait, name=name: run_pair(
+                            args, base_cfg, t, e, info, workdir, ring=n, name=name, slot_wait=w
                         ),
                     )
                 )
@@ -105,3 +107,14 @@ def main(args: Any) -> int:
     else:
         print(text)
     return 0 if result["ok"] else 1
+
+
+def ring_spec(text: str) -> tuple[int, str]:
+    """`--staging-buckets` value: "N" (slots freed as the trainer chooses: GPU counters
+    where it can) or "N:counters", "N:events", "N:landing" (`rank --slot-wait`)."""
+    n, _, wait = text.strip().partition(":")
+    if wait not in ("", "counters", "events", "landing"):
+        raise SystemExit(
+            f"--staging-buckets {text!r}: the slot wait is counters, events or landing"
+        )
+    return int(n), wait

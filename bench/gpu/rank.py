@@ -67,6 +67,13 @@ def main() -> None:
     p.add_argument("--zero-copy", action="store_true")
     p.add_argument("--direct", action="store_true")
     p.add_argument("--staging-buckets", type=int, default=4, help="0: the whole send")
+    p.add_argument(
+        "--slot-wait",
+        choices=["counters", "events", "landing"],
+        default="counters",
+        help="how a ring slot is waited for: GPU counters (Trainer(slot_counters=True)), the "
+        "daemon's IPC events (slot_events), or the landing on this thread",
+    )
     p.add_argument("--trainer-layout", choices=["fsdp", "full"], default="fsdp")
     p.add_argument("--bucket-mb", type=int, default=1024)
     p.add_argument(

@@ -41,6 +41,8 @@ class TrainerRank(Rank):
             staging=args.staging,
             staging_buckets=args.staging_buckets,
             direct=args.direct,
+            slot_events=args.slot_wait != "landing",
+            slot_counters=args.slot_wait == "counters",
         )
         layout = Full() if self.full else Shard(0, self.index, self.T)
         self.tr.register(
@@ -99,6 +101,7 @@ class TrainerRank(Rank):
             "total_seconds": s.total_seconds,
             "slot_events": s.slot_events,  # ring slots freed by the daemon's IPC events
             "slot_landings": s.slot_landings,  # ring slots freed by landings
+            "slot_counters": s.slot_counters,  # ring slots waited for on GPU counters
             "buckets": [
                 [b.index, b.nbytes, b.prepare_start, b.prepared, b.posted, b.landed]
                 for b in s.buckets

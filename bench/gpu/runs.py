@@ -44,10 +44,13 @@ def run_pair(
     workdir: Path,
     ring: int = 4,
     name: str = "",
+    slot_wait: str = "",
 ) -> dict[str, Any]:
     name = name or f"{trainers}x{engines}"
     rec: dict[str, Any] = {"pair": name, "trainers": trainers, "engines": engines, "mode": "pair"}
     rec["staging_buckets"] = ring
+    if slot_wait:
+        rec["slot_wait"] = slot_wait
     cuda = args.device == "cuda"
     n = len(info["devices"]["gpus"]) if cuda else trainers + engines
     if cuda and n == 0:
@@ -161,6 +164,7 @@ def _run(
                     *common,
                     *("--gpu", str(tg[r]), "--socket", tsock, "--staging", staging),
                     *("--staging-buckets", str(ring)),
+                    *(("--slot-wait", rec["slot_wait"]) if rec.get("slot_wait") else ()),
                 ],
             )
         for e in range(E):
