@@ -22,7 +22,8 @@ from weightwire.cli.status import render
 from weightwire.client import Engine, Trainer
 from weightwire.client.status import fetch
 from weightwire.harness.localcluster import LocalCluster
-from weightwire.protocol.errors import WeightwireError
+from weightwire.protocol.errors import ErrorCode, WeightwireError
+from weightwire.protocol.local import BeginVersion
 from weightwire.protocol.plan import Bucket, PackOp, RankPlan, staging_ring
 from weightwire.protocol.tensors import Box, Copy
 
@@ -346,4 +347,31 @@ def test_a_rank_asking_for_slot_events_over_tcp_waits_for_landings_bitwise(
                 assert b[k].prepare_start >= b[k - 2].landed > 0, (version, k)
             status = publishing(ring_cluster, job)
             assert status["slot_events"] is True and status["buckets_issued"] == 0, status
+    eng.close()
+
+
+def test_slot_counters_on_host_staging_are_refused_and_the_rank_publishes_after(
+    ring_cluster: LocalCluster,
+) -> None:
+    # GPU slot counters (`BeginVersion.fence_offset`) live at the end of GPU staging: asked
+    # for with host staging, the version is refused with a typed error naming why, and
+    # the same rank then publishes the version as usual, bitwise.
+    job = "ring-counters-cpu"
+    rows = 384
+    eng, dst = _engine(ring_cluster, job, rows)
+    w = weights(11)[:rows].clone()
+    with _trainer(ring_cluster, job, 2) as tr:
+        tr.register({"w": w})
+        plan = tr.prepare()
+        ring = tr.ring()
+        begin = BeginVersion(
+            version=1, plan_hash=plan.plan_hash, staging_buckets=2, fence_offset=ring.nbytes
+        )
+        with pytest.raises(WeightwireError, match="need GPU staging") as err:
+            tr._conn.request(begin)
+        assert err.value.code == ErrorCode.INVALID
+        stats = tr.publish(1)
+        eng.wait(1)
+        assert torch.equal(dst.view(torch.uint8), w.view(torch.uint8))
+        assert stats.slot_counters == 0 and stats.slot_landings == len(stats.buckets) - 2
     eng.close()
