@@ -52,7 +52,7 @@ from weightwire.transport.base import (
 )
 
 from .metrics import Recorder
-from .slotfence import SlotCounters
+from .slotfence import Counters, MakeCounters, SlotCounters
 from .versionlog import gbyte_s
 
 log = structlog.get_logger("weightwire.daemon.publisher")
@@ -97,7 +97,8 @@ class Run:
     delta_out: LocalRegion | None = None  # payloads and trailers (src_region DELTA_OUT)
     slot_events: bool = False  # the rank waits for slots on the GPU (`BucketsIssued`)
     issued: int = 0  # buckets reported `BucketsIssued`, or their counters written on the GPU
-    counters: SlotCounters | None = None  # the rank waits for slots on the GPU, on these
+    counters: Counters | None = None  # the rank waits for slots on the GPU, on these
+    on_gpu: set[int] = field(default_factory=set)  # buckets whose counter the GPU writes
     posted: set[int] = field(default_factory=set)
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     started: float = field(default_factory=time.monotonic)
@@ -155,6 +156,7 @@ class Publisher:
     _cache: dict[tuple[int, int, str], _Cached] = field(default_factory=dict)
     """Prepared parts by (bucket, ring slot, replica plan hash: "" when not elastic)."""
     _rings: dict[int, StagingRing] = field(default_factory=dict)  # this plan's, by slots
+    make_counters: MakeCounters = SlotCounters  # a version's GPU slot counters
 
     def set_plan(
         self, plan: RankPlan | None, reason: str = "", code: ErrorCode = ErrorCode.PLAN_CHANGED
@@ -296,7 +298,7 @@ class Publisher:
                 )
         counters = None
         if fence_offset >= 0:
-            counters = SlotCounters(
+            counters = self.make_counters(
                 self.staging, ring, fence_offset, fence_base, len(self.plan.buckets)
             )
         self.last_version = version
@@ -654,6 +656,8 @@ class Publisher:
         if run.counters is None:
             self.reply(BucketsLanded(version=run.version, buckets=(bucket,)))
             return
+        if bucket in run.on_gpu:
+            return  # written on the GPU behind its copies already
         try:
             run.counters.signal(bucket)
         except CudaError as exc:
@@ -708,6 +712,7 @@ class Publisher:
         except CudaError as exc:  # the landing writes it
             log.warning("slot counter not written on the GPU", bucket=bucket, error=exc.message)
             return
+        run.on_gpu.add(bucket)
         run.issued += 1
 
     async def _post_delta(self, run: Run, bucket: int, sent: dict[int, int]) -> None:
@@ -902,6 +907,8 @@ class Publisher:
             "staging_buckets": run.ring.slots if run else 0,  # 0: the whole send is staged
             "staging_bytes": run.ring.nbytes if run else 0,
             "slot_events": run.slot_events if run else False,  # slots waited for on the GPU
+            "slot_counters": run.counters is not None if run else False,  # waited for on
+            # GPU counters the daemon writes (`buckets_issued`: those written on the GPU)
             "buckets_issued": run.issued if run else 0,  # of them, reported BucketsIssued
         }
 

@@ -16,7 +16,8 @@ version. No torch: the driver alone.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from weightwire.memory.cudadrv import CudaError, Driver, driver
 from weightwire.protocol.errors import ErrorCode, PlanError
@@ -42,6 +43,14 @@ def _stream(drv: Driver, device: int) -> int:
 def sequence(base: int, bucket: int) -> int:
     """Bucket `bucket`'s sequence number in a version whose base is `base`."""
     return (base + bucket + 1) & MASK
+
+
+class Counters(Protocol):
+    """What the publisher asks of a version's slot counters."""
+
+    def signal(self, bucket: int, after: Sequence[int] = ()) -> None: ...
+
+    def release(self) -> None: ...
 
 
 class SlotCounters:
@@ -110,3 +119,7 @@ class SlotCounters:
         last = sequence(self.base, self.buckets - 1)
         for slot in range(self.ring.slots):
             self._drv.write_value32(s, self.address + WORD * slot, last)
+
+
+MakeCounters = Callable[[LocalRegion | None, StagingRing, int, int, int], Counters]
+"""(staging, ring, fence offset, base, buckets) -> a version's counters (SlotCounters)."""

@@ -196,7 +196,7 @@ def sync(
                 aborted += 1
                 for eng in engines:
                     with pytest.raises(WeightwireError):
-                        eng.wait(version, 60)
+                        eng.wait(version, 20)
                 continue
             assert not errors, errors
             nbytes += sum(s.nbytes for s in stats)

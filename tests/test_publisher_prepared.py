@@ -341,3 +341,99 @@ def test_buckets_whose_writes_all_fence_are_reported_issued_with_their_slots_eve
                 assert sorted(b for m in mine for b in m.buckets) == [0, 1, 2, 3]
 
     uvloop.run(asyncio.wait_for(with_pair(kit, body), 60))
+
+
+class _IssuingEvents(_Issuing):
+    """As `_Issuing`, with events this process can wait on (the cuda transport's
+    `events_of`): a slot counter is written on the GPU after them."""
+
+    def events_of(self, handles: Sequence[bytes]) -> list[int] | None:
+        return [len(h) for h in handles]
+
+
+class _Counters:
+    """Records what the publisher asks of a version's GPU slot counters (the driver's
+    writes themselves are tested on a GPU, tests/test_slot_counters.py)."""
+
+    def __init__(self, log: list[tuple[str, int, tuple[int, ...]]]) -> None:
+        self.log = log
+
+    def signal(self, bucket: int, after: Sequence[int] = ()) -> None:
+        self.log.append(("signal", bucket, tuple(after)))
+
+    def release(self) -> None:
+        self.log.append(("release", -1, ()))
+
+
+def test_slot_counters_are_signalled_once_per_bucket_on_the_gpu_or_at_landing() -> None:
+    """A ring of 2 slots, four buckets, the rank waiting on GPU slot counters: with every
+    write on a transport whose events this process can wait on, each bucket's counter is
+    written right after its copies are issued (behind their events); on plain tcp, once it
+    landed. Each bucket once, no BucketsIssued or BucketsLanded sent, bitwise. A version
+    aborted midway releases the counters, and signals nothing after."""
+    kit = TcpKit()
+    part = 4096
+    n = 4 * part
+
+    async def body(p: Pair) -> None:
+        dst, desc = p.region(p.b, 2, n)
+        seen: list[PublishResult | BucketsLanded | BucketsIssued] = []
+        log: list[tuple[str, int, tuple[int, ...]]] = []
+        fencing = _IssuingEvents(p.a.transport)
+        use: list[object] = [fencing]
+
+        async def pick(*_: object) -> object:
+            return use[0]
+
+        pub = publisher(seen, pick)  # type: ignore[arg-type]
+        made: list[tuple[int, int, int]] = []
+
+        def make(staging: object, ring: StagingRing, offset: int, base: int, buckets: int):  # type: ignore[no-untyped-def]
+            made.append((offset, base, buckets))
+            return _Counters(log)
+
+        pub.make_counters = make
+        pub.set_plan(_ring_plan(desc, part))
+        ring = pub.ring(2)
+        staging, _ = p.region(p.a, 1, ring.nbytes + 64)
+        pub.staging = staging
+
+        async def signalled(bucket: int) -> None:
+            while not any(e[0] == "signal" and e[1] == bucket for e in log):
+                await asyncio.sleep(0.005)
+
+        for version, transport in ((1, fencing), (2, p.a.transport)):
+            use[0] = transport
+            pub._cache.clear()
+            log.clear()
+            data = rand(n, version)
+            pub.begin(version, "ring", 2, fence_offset=ring.nbytes, fence_base=10 * version)
+            assert made[-1] == (ring.nbytes, 10 * version, 4)
+            for b in range(4):
+                if ring.reuse[b] >= 0:
+                    await signalled(ring.reuse[b])
+                kit.fill(staging, ring.slot[b] * part, data[b * part : (b + 1) * part])
+                pub.bucket_ready(version, (b,))
+            await pub.drain(30)
+            assert isinstance(seen[-1], PublishResult) and seen[-1].ok, seen[-1]
+            assert kit.read(dst, 0, n) == data, f"version {version}"
+            assert not [m for m in seen if isinstance(m, (BucketsLanded, BucketsIssued))]
+            assert sorted(b for kind, b, _ in log if kind == "signal") == [0, 1, 2, 3], log
+            after = {b: a for _, b, a in log}
+            if transport is fencing:  # on the GPU, behind the copies' events
+                assert all(after[b] == (64,) for b in range(4)), log
+                assert pub.progress()["buckets_issued"] == 4
+            else:  # at landing
+                assert all(after[b] == () for b in range(4)), log
+            assert pub.progress()["slot_counters"] is True
+        log.clear()
+        pub.begin(3, "ring", 2, fence_offset=ring.nbytes, fence_base=30)
+        pub.bucket_ready(3, (0,))
+        await signalled(0)
+        pub.abort("the test aborts version 3")
+        pub.bucket_ready(3, (1,))  # after the failure: nothing more is sent or signalled
+        await pub.drain(30)
+        assert isinstance(seen[-1], PublishResult) and not seen[-1].ok
+        assert log == [("signal", 0, ()), ("release", -1, ())], log
+
+    uvloop.run(asyncio.wait_for(with_pair(kit, body), 60))
