@@ -141,6 +141,8 @@ class Publishing:
     def session_gone(self, session: Session) -> None:
         gone = self.publishers.pop((session.job, session.rank), None)
         if gone is not None:
+            if gone.run is not None:  # nothing waits on its slot counters any more, and its
+                gone.run.counters = None  # staging is unmapped next: no release write there
             gone.abort(f"trainer rank {session.rank} disconnected mid-version")
             if gone.run is not None and gone.run.tasks:
                 self._detached[(session.job, session.rank)] = gone.run
