@@ -375,7 +375,7 @@ class CudaTransport(Transport):
         return await self._post(self._current(prepared, imms), imms, (slot, on_issued))
 
     def events_of(self, handles: Sequence[bytes]) -> list[int] | None:
-        """The events behind slot events' IPC handles (as `write_fenced` gave them), for a
+        """The events behind slot events' IPC handles (as `post_fenced` gave them), for a
         stream of this process to wait on; None if one is not this transport's."""
         events = [self._event_of.get(h, 0) for h in handles]
         return None if not all(events) else events
