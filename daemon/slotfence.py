@@ -27,16 +27,21 @@ from weightwire.transport.base import LocalRegion
 MASK = 0xFFFFFFFF
 WORD = 4  # bytes per slot counter
 
-_streams: dict[int, int] = {}  # one signalling stream per device of this process
+STREAMS = 8  # signalling streams per device: ranks spread over them by their counters
+_streams: dict[tuple[int, int], int] = {}  # of this process, by (device, which)
 _lock = threading.Lock()
 
 
-def _stream(drv: Driver, device: int) -> int:
+def _stream(drv: Driver, device: int, address: int) -> int:
+    """The stream that writes the counters at `address`: always the same one for a rank's
+    counters (so they only grow), ranks spread over a few (so that one rank's writes,
+    queued behind its copies, do not hold back another's)."""
+    key = (device, (address // 64) % STREAMS)
     with _lock:
-        s = _streams.get(device)
+        s = _streams.get(key)
         if s is None:
             drv.use(device)
-            s = _streams[device] = drv.stream()
+            s = _streams[key] = drv.stream()
         return s
 
 
@@ -101,7 +106,7 @@ class SlotCounters:
         slot = self.ring.slot[bucket]
         if slot < 0 or bucket in self.signalled or self.released:
             return
-        s = _stream(self._drv, self.device)
+        s = _stream(self._drv, self.device, self.address)
         self._drv.use(self.device)
         for event in after:
             self._drv.stream_wait_event(s, event)
@@ -114,7 +119,7 @@ class SlotCounters:
         if self.released:
             return
         self.released = True
-        s = _stream(self._drv, self.device)
+        s = _stream(self._drv, self.device, self.address)
         self._drv.use(self.device)
         last = sequence(self.base, self.buckets - 1)
         for slot in range(self.ring.slots):
