@@ -114,7 +114,7 @@ def test_gpu_pack_waits_for_the_daemons_counter(slots: int) -> None:
     st = Staging(slots * 1024, "gpu", dev, -1, 0, fence_slots=slots)
     waits = SlotWaits()
     assert waits.usable()
-    waits.base = MASK - 2  # the numbers wrap within the version
+    waits.base = MASK - 1  # the numbers wrap within the version: bucket 1's is 0
     assert st.counters is not None and st.fence_offset % FENCE_ALIGN == 0
     waits.fresh(st.counters)
     region = LocalRegion(

@@ -22,7 +22,7 @@ from weightwire.cli.status import render
 from weightwire.client import Engine, Trainer
 from weightwire.client.status import fetch
 from weightwire.harness.localcluster import LocalCluster
-from weightwire.protocol.errors import ErrorCode, WeightwireError
+from weightwire.protocol.errors import ErrorCode, TimeoutError_, WeightwireError
 from weightwire.protocol.local import BeginVersion
 from weightwire.protocol.plan import Bucket, PackOp, RankPlan, staging_ring
 from weightwire.protocol.tensors import Box, Copy
@@ -375,3 +375,36 @@ def test_slot_counters_on_host_staging_are_refused_and_the_rank_publishes_after(
         assert torch.equal(dst.view(torch.uint8), w.view(torch.uint8))
         assert stats.slot_counters == 0 and stats.slot_landings == len(stats.buckets) - 2
     eng.close()
+
+
+def test_a_slot_on_gpu_counters_waits_only_for_packing_and_ends_with_the_version() -> None:
+    # With GPU slot counters the trainer's thread waits for nothing from the daemon: only
+    # for the packing of the bucket N back to complete, posting every bucket packed
+    # meanwhile, in order, in one message. The version ending (failed, the daemon lost)
+    # ends the wait at once even though that packing never completes (its GPU wait on a
+    # counter nobody writes is released after); a wait past its time raises TimeoutError_.
+    from weightwire.client.posting import Poster
+    from weightwire.client.ring import Landed
+
+    conn = _Sent()
+    poster = Poster(conn, version=1)  # type: ignore[arg-type]
+    landed = Landed()
+    packs = [_PackEvent() for _ in range(3)]
+    for b, ev in enumerate(packs):
+        poster._pending.append((b, ev))  # type: ignore[arg-type]  # as post() on a GPU
+        poster.started[b] = time.time()
+    packs[0].done.set()
+    packs[1].done.set()
+    assert poster.await_posted(landed, 1, 20.0, "test") is True
+    assert conn.posted == [(0, 1)]  # both in one message, bucket 2 still packing
+    threading.Timer(0.05, packs[2].done.set).start()
+    assert poster.drain(landed, 20.0, "test") is True
+    assert conn.posted == [(0, 1), (2,)] and not poster._pending
+
+    stuck = _PackEvent()  # its GPU waits on a counter the failed version never reaches
+    poster._pending.append((3, stuck))  # type: ignore[arg-type]
+    threading.Timer(0.05, landed.end).start()
+    assert poster.await_posted(landed, 3, 20.0, "test") is False
+    assert conn.posted == [(0, 1), (2,)]
+    with pytest.raises(TimeoutError_, match="was not packed"):
+        poster.await_posted(Landed(), 3, 0.05, "test")
