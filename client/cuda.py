@@ -1,10 +1,17 @@
 """What the daemon needs to reach a rank's GPU memory: the CUDA IPC handle of the
-allocation holding it, and the offset into that allocation."""
+allocation holding it (cudaMalloc'd memory), or, for CUDA VMM memory (cuMemCreate:
+SGLang's memory saver, PyTorch's expandable segments), its allocations exported as POSIX
+file descriptors and passed to the daemon's fd socket; and where the region starts."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterable
+
 import torch
 
+from weightwire.memory import fdpass, vmm
 from weightwire.memory.cudadrv import CudaError, driver
 from weightwire.protocol.errors import ErrorCode, RegistrationError
 from weightwire.protocol.local import CudaRegion
@@ -13,32 +20,128 @@ EXPORTED: dict[bytes, int] = {}
 """IPC handles this process made (for its own allocations) -> the allocation's base: a
 handle cannot be opened by the process that exported it, whose pointer is valid as it is."""
 
+NOT_SHAREABLE = (
+    "cannot register {what}: its GPU memory is a CUDA VMM allocation (cuMemCreate) made "
+    "without a shareable handle type, so no other process can map it. SGLang's "
+    "--enable-memory-saver (torch_memory_saver, which has no option to request one) "
+    "allocates weights this way. Start SGLang without --enable-memory-saver (with or "
+    "without PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: both work), or allocate "
+    "the weights with requestedHandleTypes=CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR"
+)
+
+
+def _device(t: torch.Tensor) -> int:
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+
 
 def allocation_of(t: torch.Tensor) -> tuple[int, int]:
     """(base, size) of the CUDA allocation holding tensor `t`."""
     drv = driver()
-    drv.use(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    drv.use(_device(t))
     return drv.address_range(t.data_ptr())
 
 
-def region_of(t: torch.Tensor, base: int | None = None) -> CudaRegion:
-    """The CudaRegion starting at `base` (default: at `t` itself) of t's allocation."""
+def span_of(t: torch.Tensor) -> tuple[int, int]:
+    """(base, size) of the memory a region holding `t` covers: its cudaMalloc allocation,
+    or the VMM allocations mapped back to back under it."""
     drv = driver()
-    device = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    drv.use(_device(t))
+    start = t.data_ptr()
+    chunks = vmm.chunks_over(drv, start, start + max(t.numel() * t.element_size(), 1))
+    if not chunks:
+        return drv.address_range(start)
+    return chunks[0].base, chunks[-1].base + chunks[-1].size - chunks[0].base
+
+
+def spans(
+    tensors: Iterable[tuple[str, torch.Tensor]],
+) -> list[tuple[int, int, list[tuple[str, torch.Tensor]]]]:
+    """The tensors grouped by the memory they are in: (base, size, members), one per
+    allocation (cudaMalloc) or per run of overlapping VMM allocations, by address."""
+    found = sorted(((*span_of(t), name, t) for name, t in tensors), key=lambda s: s[0])
+    groups: list[tuple[int, int, list[tuple[str, torch.Tensor]]]] = []
+    for base, size, name, t in found:
+        if groups and base < groups[-1][0] + groups[-1][1]:  # overlaps the last one
+            gbase, gsize, members = groups[-1]
+            groups[-1] = (gbase, max(gsize, base + size - gbase), [*members, (name, t)])
+        else:
+            groups.append((base, size, [(name, t)]))
+    return groups
+
+
+def region_at(device: int, base: int, size: int, fd_socket: str, what: str) -> CudaRegion:
+    """The CudaRegion of [base, base + size) on `device`: its IPC handle, or its VMM
+    allocations passed as fds to `fd_socket` (RegistrationError naming `what` where they
+    cannot be shared)."""
+    drv = driver()
     drv.use(device)
-    alloc, _ = drv.address_range(t.data_ptr())
+    chunks = vmm.chunks_over(drv, base, base + size)
+    uuid = drv.devices[device].uuid
+    if chunks:
+        return _vmm_region(chunks, uuid, base, fd_socket, what)
+    alloc, _ = drv.address_range(base)
     try:
         handle = drv.ipc_handle(alloc)
     except CudaError as exc:
         raise RegistrationError(
-            f"cannot share GPU memory of this tensor through CUDA IPC ({exc.message}); "
-            "allocations made by expandable segments (PYTORCH_CUDA_ALLOC_CONF="
-            "expandable_segments:True) cannot be, plain cudaMalloc ones can",
+            f"cannot share the GPU memory of {what} through CUDA IPC ({exc.message})",
             code=ErrorCode.INVALID,
         ) from None
     EXPORTED[handle] = alloc
+    return CudaRegion(device_uuid=uuid, ipc_handle=handle, offset=base - alloc)
+
+
+def _vmm_region(
+    chunks: list[vmm.Chunk], uuid: str, base: int, fd_socket: str, what: str
+) -> CudaRegion:
+    if not all(c.posix_fd_ok for c in chunks):
+        raise RegistrationError(NOT_SHAREABLE.format(what=what), code=ErrorCode.INVALID)
+    if not fd_socket:
+        raise RegistrationError(
+            f"cannot register {what}: its GPU memory is CUDA VMM memory, passed to the daemon "
+            "as file descriptors, and this daemon has no fd socket (upgrade weightwired)",
+            code=ErrorCode.INVALID,
+        )
+    if len(chunks) > fdpass.MAX_FDS:
+        raise RegistrationError(
+            f"cannot register {what}: it spans {len(chunks)} VMM allocations, more than "
+            f"{fdpass.MAX_FDS}",
+            code=ErrorCode.INVALID,
+        )
+    drv = driver()
+    fds: list[int] = []
+    try:
+        for c in chunks:
+            fds.append(vmm.export_fd(drv, c.base))
+        token = fdpass.new_token()
+        try:
+            fdpass.send(fd_socket, token, fds)
+        except fdpass.FdPassError as exc:
+            raise RegistrationError(f"cannot register {what}: {exc}") from None
+    except CudaError as exc:
+        raise RegistrationError(
+            f"cannot export the VMM memory of {what}: {exc.message}", code=ErrorCode.INVALID
+        ) from None
+    finally:
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    return CudaRegion(
+        device_uuid=uuid,
+        ipc_handle=b"",
+        offset=base - chunks[0].base,
+        vmm_token=token,
+        vmm_sizes=tuple(c.size for c in chunks),
+    )
+
+
+def region_of(
+    t: torch.Tensor, base: int | None = None, *, fd_socket: str = "", what: str = "a tensor"
+) -> CudaRegion:
+    """The CudaRegion starting at `base` (default: at `t` itself) of the memory `t` is in."""
+    first, size = span_of(t)
     start = t.data_ptr() if base is None else base
-    return CudaRegion(device_uuid=drv.devices[device].uuid, ipc_handle=handle, offset=start - alloc)
+    return region_at(_device(t), start, first + size - start, fd_socket, what)
 
 
 def gpu_uuid(device: int | None) -> str:
