@@ -94,8 +94,18 @@ def region_at(device: int, base: int, size: int, fd_socket: str, what: str) -> C
 def _vmm_region(
     chunks: list[vmm.Chunk], uuid: str, base: int, fd_socket: str, what: str
 ) -> CudaRegion:
-    if not all(c.posix_fd_ok for c in chunks):
+    refused = next((c for c in chunks if not c.posix_fd_ok), None)
+    if refused is not None and not refused.handle_types:
         raise RegistrationError(NOT_SHAREABLE.format(what=what), code=ErrorCode.INVALID)
+    if refused is not None:  # e.g. fabric handles only (PyTorch's choice where IMEX runs)
+        raise RegistrationError(
+            f"cannot register {what}: its GPU memory is a CUDA VMM allocation that allows "
+            f"handle types {refused.handle_types:#x} but not POSIX file descriptors (0x1), "
+            "the only kind weightwire maps (PyTorch's expandable segments choose fabric "
+            "handles where the driver supports them: leave PYTORCH_CUDA_ALLOC_CONF's "
+            "expandable_segments off there)",
+            code=ErrorCode.INVALID,
+        )
     if not fd_socket:
         raise RegistrationError(
             f"cannot register {what}: its GPU memory is CUDA VMM memory, passed to the daemon "

@@ -199,6 +199,8 @@ class RegionRegistry:
             log.info("region released by its rank", region=old.id, owner=old.owner)
             return
         local = self._map_cuda(info, old.length, old.id, old.owner)
+        if region.descriptor.keys.tcp is not None:  # writers elsewhere keep their key
+            local.extra["tcp_rkey"] = region.descriptor.keys.tcp.rkey
         try:
             keys = self._register(local)
         except BaseException:
