@@ -77,12 +77,14 @@ def region_at(device: int, base: int, size: int, fd_socket: str, what: str) -> C
     drv.use(device)
     chunks = vmm.chunks_over(drv, base, base + size)
     uuid = drv.devices[device].uuid
-    if chunks:
+    if chunks and all(c.posix_fd_ok for c in chunks):
         return _vmm_region(chunks, uuid, base, fd_socket, what)
     alloc, _ = drv.address_range(base)
     try:
         handle = drv.ipc_handle(alloc)
     except CudaError as exc:
+        if chunks:  # VMM memory no process can map: say what to set
+            return _vmm_region(chunks, uuid, base, fd_socket, what)
         raise RegistrationError(
             f"cannot share the GPU memory of {what} through CUDA IPC ({exc.message})",
             code=ErrorCode.INVALID,

@@ -185,3 +185,34 @@ def test_daemon_offers_an_fd_socket_and_refuses_bad_remaps(daemon: LocalCluster)
             assert "region 12345" in err.value.message
     with DaemonConnection(sock) as again:  # still serving
         again.request(Hello(protocol=PROTOCOL_VERSION, role="admin"))
+
+
+def test_sglang_release_and_resume_hooks_reach_the_workers_engine() -> None:
+    """The plugin's hooks on SGLang's release/resume_memory_occupation call the engine of
+    the manager's model, only when the request covers the weights (no tags: all kinds)."""
+    from types import SimpleNamespace
+
+    from weightwire.adapters.sglang import plugin
+
+    calls: list[str] = []
+    engine = SimpleNamespace(
+        release_gpu_memory=lambda: calls.append("release"),
+        resume_gpu_memory=lambda: calls.append("resume"),
+    )
+    model = object()
+    manager = SimpleNamespace(tp_worker=SimpleNamespace(model_runner=SimpleNamespace(model=model)))
+    plugin._BINDINGS[id(model)] = plugin.Binding(
+        engine=engine, model=model, mode="rules", rank=0, world_size=1, key="tp0of1", registered={}
+    )
+    try:
+        for tags, hit in ((None, True), ([], True), (["weights"], True), (["kv_cache"], False)):
+            calls.clear()
+            req = SimpleNamespace(tags=tags)
+            plugin.before_release_memory(manager, req)
+            plugin.after_resume_memory(None, manager, req)
+            assert calls == (["release", "resume"] if hit else []), tags
+        other = SimpleNamespace(tp_worker=SimpleNamespace(model_runner=SimpleNamespace(model=1)))
+        plugin.before_release_memory(other, SimpleNamespace(tags=None))  # not ours: nothing
+        assert calls == []
+    finally:
+        plugin._BINDINGS.pop(id(model))
