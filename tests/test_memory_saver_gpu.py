@@ -143,7 +143,7 @@ def test_vmm_memory_without_a_shareable_handle_is_refused_naming_the_parameter(
     the daemon keeps serving."""
     drv = driver()
     drv.use(0)
-    owned = vmm.create(drv, 16 * MB, 0, 0)
+    owned = vmm.create(drv, 32 * MB, 0, 0)
     sock = daemon.daemons[0].socket
     try:
         eng = Engine(0, 1, socket=sock, job="unshareable", timeout_s=30, device=0)
@@ -165,9 +165,12 @@ def test_torch_memory_saver_weights_are_refused_saying_what_to_set(daemon: Local
         from torch_memory_saver import torch_memory_saver as tms
     except Exception as exc:  # not installed, or built for another torch / CUDA
         pytest.skip(f"torch_memory_saver does not import here: {exc!r}")
-    tms.hook_mode = "torch"
-    with tms.region():
-        w = torch.full((4 * MB,), 7, dtype=torch.uint8, device="cuda:0")
+    try:
+        tms.hook_mode = "torch"
+        with tms.region():
+            w = torch.full((4 * MB,), 7, dtype=torch.uint8, device="cuda:0")
+    except Exception as exc:  # e.g. its allocator built for another torch
+        pytest.skip(f"torch_memory_saver does not allocate here: {exc!r}")
     drv = driver()
     drv.use(0)
     chunk = vmm.chunk_at(drv, w.data_ptr())
@@ -188,6 +191,7 @@ def test_torch_memory_saver_weights_are_refused_saying_what_to_set(daemon: Local
 def test_expandable_segments_engine_memory_lands_bitwise(daemon: LocalCluster) -> None:
     """PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: PyTorch's VMM segments, one
     tensor across several of them; registered through fds (CUDA IPC cannot take them)."""
+    torch.cuda.empty_cache()  # no cached plain segment may serve the tensors below
     torch.cuda.memory._set_allocator_settings("expandable_segments:True")
     sock = daemon.daemons[0].socket
     tr = eng = None
