@@ -69,15 +69,19 @@ def spans(
     return groups
 
 
-def region_at(device: int, base: int, size: int, fd_socket: str, what: str) -> CudaRegion:
+def region_at(
+    device: int, base: int, size: int, fd_socket: str, what: str, *, prefer_ipc: bool = False
+) -> CudaRegion:
     """The CudaRegion of [base, base + size) on `device`: its IPC handle, or its VMM
     allocations passed as fds to `fd_socket` (RegistrationError naming `what` where they
-    cannot be shared)."""
+    cannot be shared). VMM memory that allows fds goes as fds (a range of several
+    allocations, and a daemon that can let go of it), unless `prefer_ipc` and one IPC
+    handle covers it (any daemon of the host can then open it)."""
     drv = driver()
     drv.use(device)
     chunks = vmm.chunks_over(drv, base, base + size)
     uuid = drv.devices[device].uuid
-    if chunks and all(c.posix_fd_ok for c in chunks):
+    if chunks and all(c.posix_fd_ok for c in chunks) and not (prefer_ipc and len(chunks) == 1):
         return _vmm_region(chunks, uuid, base, fd_socket, what)
     alloc, _ = drv.address_range(base)
     try:
@@ -148,12 +152,19 @@ def _vmm_region(
 
 
 def region_of(
-    t: torch.Tensor, base: int | None = None, *, fd_socket: str = "", what: str = "a tensor"
+    t: torch.Tensor,
+    base: int | None = None,
+    *,
+    fd_socket: str = "",
+    what: str = "a tensor",
+    prefer_ipc: bool = False,
 ) -> CudaRegion:
     """The CudaRegion starting at `base` (default: at `t` itself) of the memory `t` is in."""
     first, size = span_of(t)
     start = t.data_ptr() if base is None else base
-    return region_at(_device(t), start, first + size - start, fd_socket, what)
+    return region_at(
+        _device(t), start, first + size - start, fd_socket, what, prefer_ipc=prefer_ipc
+    )
 
 
 def gpu_uuid(device: int | None) -> str:

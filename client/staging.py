@@ -46,12 +46,14 @@ class Staging:
                 rc = cudart.cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)
                 self._pinned = int(rc) == 0
 
-    def request(self) -> RegisterRegion:
+    def request(self, fd_socket: str = "") -> RegisterRegion:
+        """What registers it (made anew each time: VMM memory's fds go with one request)."""
         if self.shared is not None:
             return RegisterRegion(path=self.shared.path, length=self.nbytes, purpose="staging")
-        return RegisterRegion(
-            length=self.nbytes, purpose="staging", kind="gpu", cuda=cuda.region_of(self.tensor)
+        info = cuda.region_of(
+            self.tensor, fd_socket=fd_socket, what="the staging buffer", prefer_ipc=True
         )
+        return RegisterRegion(length=self.nbytes, purpose="staging", kind="gpu", cuda=info)
 
     def close(self) -> None:
         if self._pinned:
