@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterable
+from typing import TypeVar
 
 import torch
 
@@ -15,6 +16,8 @@ from weightwire.memory import fdpass, vmm
 from weightwire.memory.cudadrv import CudaError, driver
 from weightwire.protocol.errors import ErrorCode, RegistrationError
 from weightwire.protocol.local import CudaRegion
+
+T = TypeVar("T")
 
 EXPORTED: dict[bytes, int] = {}
 """IPC handles this process made (for its own allocations) -> the allocation's base: a
@@ -58,14 +61,19 @@ def spans(
 ) -> list[tuple[int, int, list[tuple[str, torch.Tensor]]]]:
     """The tensors grouped by the memory they are in: (base, size, members), one per
     allocation (cudaMalloc) or per run of overlapping VMM allocations, by address."""
-    found = sorted(((*span_of(t), name, t) for name, t in tensors), key=lambda s: s[0])
-    groups: list[tuple[int, int, list[tuple[str, torch.Tensor]]]] = []
-    for base, size, name, t in found:
+    return merge([(*span_of(t), (name, t)) for name, t in tensors])
+
+
+def merge(found: list[tuple[int, int, T]]) -> list[tuple[int, int, list[T]]]:
+    """(base, size, item) spans grouped where they overlap: (base, size, items), by base.
+    Spans that only touch stay apart (two allocations mapped back to back by chance)."""
+    groups: list[tuple[int, int, list[T]]] = []
+    for base, size, item in sorted(found, key=lambda s: s[0]):
         if groups and base < groups[-1][0] + groups[-1][1]:  # overlaps the last one
             gbase, gsize, members = groups[-1]
-            groups[-1] = (gbase, max(gsize, base + size - gbase), [*members, (name, t)])
+            groups[-1] = (gbase, max(gsize, base + size - gbase), [*members, item])
         else:
-            groups.append((base, size, [(name, t)]))
+            groups.append((base, size, [item]))
     return groups
 
 

@@ -216,3 +216,24 @@ def test_sglang_release_and_resume_hooks_reach_the_workers_engine() -> None:
         assert calls == []
     finally:
         plugin._BINDINGS.pop(id(model))
+
+
+def test_engine_regions_are_the_overlapping_spans_of_its_tensors() -> None:
+    """One region per allocation (cudaMalloc) or per run of VMM allocations that tensors
+    straddle; allocations that merely touch stay separate regions."""
+    pytest.importorskip("torch")
+    from weightwire.client.cuda import merge
+
+    a, b = 1 << 30, 1 << 31
+    spans = [
+        (a, 40, "a1"),  # allocation a, twice (two tensors in it)
+        (b, 80, "b-straddler"),  # a tensor over two VMM chunks, [b, b+20) and [b+20, b+80)
+        (a, 40, "a2"),
+        (b, 20, "b-first-chunk"),
+        (b + 80, 10, "touching"),  # starts where the run before it ends: its own region
+    ]
+    assert merge(spans) == [
+        (a, 40, ["a1", "a2"]),
+        (b, 80, ["b-straddler", "b-first-chunk"]),
+        (b + 80, 10, ["touching"]),
+    ]
