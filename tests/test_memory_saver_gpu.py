@@ -127,7 +127,8 @@ def test_vmm_engine_memory_published_released_resumed_bitwise(daemon: LocalClust
         eng.wait(3, timeout_s=60)
         for n in src:
             assert torch.equal(dst[n].view(torch.uint8), src[n].view(torch.uint8)), n
-        assert fetch(sock)["node"] == status["node"]  # the same daemon throughout
+        assert daemon.daemons[0].proc.poll() is None  # the same daemon process throughout
+        assert fetch(sock)["node"] == status["node"]
     finally:
         for client in (tr, eng):
             if client is not None:
