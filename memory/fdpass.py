@@ -5,7 +5,8 @@ The local socket is ZeroMQ, which cannot carry descriptors, so a rank that must 
 daemon some (GPU memory exported as POSIX fds: `memory.vmm`) first sends them here with
 `send`, then names the token in its request; the daemon `claim`s them. A datagram that
 `send` returned from is already in the daemon's queue, so a claim made after the request
-arrives finds it. Descriptors nobody claims are closed after `ttl_s`.
+arrives finds it. Descriptors nobody claims are closed after `ttl_s`, and the oldest
+beyond MAX_PENDING_FDS at once (a rank cannot run the daemon out of descriptors).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Callable
 
 TOKEN_BYTES = 16
 MAX_FDS = 250  # SCM_MAX_FD is 253
-MAX_PENDING = 4096  # batches waiting to be claimed; beyond it the oldest are closed
+MAX_PENDING_FDS = 1024  # descriptors waiting to be claimed; beyond it the oldest are closed
 
 
 class FdPassError(Exception):
@@ -104,9 +105,11 @@ class Inbox:
                 _close(fds)  # not ours, or a replayed token: never mix batches
                 continue
             self._pending[msg] = (now, fds)
-        for token, (at, fds) in list(self._pending.items()):
-            if now - at > self.ttl_s or len(self._pending) > MAX_PENDING:
+        held = sum(len(fds) for _, fds in self._pending.values())
+        for token, (at, fds) in list(self._pending.items()):  # oldest first
+            if now - at > self.ttl_s or held > MAX_PENDING_FDS:
                 del self._pending[token]
+                held -= len(fds)
                 _close(fds)
 
     def pending(self) -> int:

@@ -237,3 +237,23 @@ def test_engine_regions_are_the_overlapping_spans_of_its_tensors() -> None:
         (b, 80, ["b-straddler", "b-first-chunk"]),
         (b + 80, 10, ["touching"]),
     ]
+
+
+def test_a_flood_of_unclaimed_fds_is_bounded(inbox: fdpass.Inbox) -> None:
+    """A rank that passes descriptors and never claims them cannot run the daemon out of
+    them: beyond MAX_PENDING_FDS the oldest batches are closed, the newest kept."""
+    fd = _file(b"f")
+    before = len(os.listdir("/proc/self/fd"))
+    tokens = [fdpass.new_token() for _ in range(fdpass.MAX_PENDING_FDS // 100 + 3)]
+    for token in tokens:
+        fdpass.send(inbox.path, token, [fd] * 100)
+        inbox.pending()  # the daemon drains as requests come
+    held = len(os.listdir("/proc/self/fd")) - before
+    assert held <= fdpass.MAX_PENDING_FDS
+    got = inbox.claim(tokens[-1])
+    assert len(got) == 100
+    with pytest.raises(fdpass.FdPassError):
+        inbox.claim(tokens[0])  # the oldest were closed
+    for g in got:
+        os.close(g)
+    os.close(fd)
