@@ -126,7 +126,9 @@ class Direct:
         at = (desc.node, desc.id)
         if at not in self._regions:
             key = desc.keys.cuda
-            assert key is not None
+            if key is None:  # VMM memory: only its own daemon maps it (README, memory saver)
+                self._regions[at] = None
+                return None
             base = self._opened.get(key.ipc_handle) or EXPORTED.get(key.ipc_handle)
             if base is None:
                 drv = driver()

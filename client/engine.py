@@ -19,11 +19,13 @@ from weightwire.protocol.errors import (
 from weightwire.protocol.local import (
     Applied,
     ApplyVersion,
+    CudaRegion,
     DeclareDestinations,
     EngineLayout,
     LocalMessage,
     RegionRegistered,
     RegisterRegion,
+    RemapRegion,
     VersionComplete,
     VersionFailed,
     WaitVersion,
@@ -58,6 +60,26 @@ class Recipe:
 
 
 Source = Rows | Recipe
+
+
+@dataclass(frozen=True)
+class _GpuSpan:
+    """GPU memory registered as one region: device, [base, base + size), what it holds."""
+
+    device: int
+    base: int
+    size: int
+    what: str
+
+
+def _device_of(t: torch.Tensor) -> int:
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+
+
+def _what(members: list[tuple[str, torch.Tensor]]) -> str:
+    names = [n for n, _ in members]
+    shown = ", ".join(names[:3]) + (f" (and {len(names) - 3} more)" if len(names) > 3 else "")
+    return f"parameter{'s' if len(names) > 1 else ''} {shown}"
 
 
 @dataclass(frozen=True)
@@ -114,6 +136,8 @@ class Engine(RankClient):
         )
         self._regions: list[SharedFile] = []
         self._buffers: list[torch.Tensor] = []
+        # GPU memory registered, by index in _declared (-1: the delta area): its span
+        self._gpu_spans: dict[int, _GpuSpan] = {}
         self._declared: list[
             tuple[RegisterRegion, tuple[DestTensor, ...], EngineLayout | None]
         ] = []
@@ -160,8 +184,12 @@ class Engine(RankClient):
             from . import cuda
 
             area = torch.zeros(nbytes, dtype=torch.uint8, device=gpu.device)
+            base, size = cuda.span_of(area)
+            start = area.data_ptr()
+            span = _GpuSpan(_device_of(area), start, base + size - start, "the delta area")
+            self._gpu_spans[-1] = span
             request = RegisterRegion(
-                length=nbytes, purpose="delta", kind="gpu", cuda=cuda.region_of(area)
+                length=nbytes, purpose="delta", kind="gpu", cuda=self._cuda_region(span)
             )
         else:
             shared = create_shared(nbytes, purpose=f"delta-r{self.rank}", gid=self._conn.socket_gid)
@@ -258,21 +286,60 @@ class Engine(RankClient):
     ) -> list[DestTensor]:
         from . import cuda
 
-        groups: dict[tuple[int, int], list[tuple[str, torch.Tensor]]] = {}
-        for name, t in tensors.items():
-            base, size = cuda.allocation_of(t)
-            groups.setdefault((base, size), []).append((name, t))
         specs: list[DestTensor] = []
-        for (base, size), members in sorted(groups.items()):
+        for base, size, members in cuda.spans(tensors.items()):
             placed = [(name, t, t.data_ptr() - base) for name, t in members]
-            request = RegisterRegion(
-                length=size, kind="gpu", cuda=cuda.region_of(members[0][1], base=base)
-            )
+            span = _GpuSpan(_device_of(members[0][1]), base, size, _what(members))
+            request = RegisterRegion(length=size, kind="gpu", cuda=self._cuda_region(span))
             declared = self._declare(request, placed, sources, layout)
+            self._gpu_spans[len(self._declared) - 1] = span
             if declared:
                 self._targets(placed, declared[0].region)
             specs += declared
         return specs
+
+    def _cuda_region(self, span: _GpuSpan) -> CudaRegion:
+        from . import cuda
+
+        return cuda.region_at(span.device, span.base, span.size, self._conn.fd_socket, span.what)
+
+    # --- SGLang's memory saver: GPU memory released and resumed --------------------
+
+    def release_gpu_memory(self) -> None:
+        """Before the GPU memory of the registered tensors is released (SGLang's
+        `release_memory_occupation`, torch_memory_saver's `pause`): the daemon drops its
+        mapping of every registered GPU region, so that releasing it gives the memory back
+        (a mapping elsewhere would keep it allocated). Until `resume_gpu_memory`, writes
+        into these regions fail, and so do the versions that make them: none is reported
+        complete with bytes missing."""
+        for i in sorted(self._gpu_spans):
+            region = self._gpu_region(i)
+            self._conn.request(RemapRegion(region=region))
+
+    def resume_gpu_memory(self) -> None:
+        """After the GPU memory is back at the same addresses (SGLang's
+        `resume_memory_occupation`, torch_memory_saver's `resume`: new physical memory,
+        same virtual addresses): hand every registered GPU region's memory to the daemon
+        again (new IPC handles, or VMM allocations as new fds). The regions keep their ids
+        and the tensors their places, so the daemon is not restarted and nothing is
+        declared again; the next version lands in the new memory."""
+        for i in sorted(self._gpu_spans):
+            region = self._gpu_region(i)
+            info = self._cuda_region(self._gpu_spans[i])
+            self._conn.request(RemapRegion(region=region, cuda=info))
+            if i < 0:
+                assert self._delta_request is not None
+                self._delta_request = msgspec.structs.replace(self._delta_request, cuda=info)
+            else:
+                request, specs, layout = self._declared[i]
+                self._declared[i] = (msgspec.structs.replace(request, cuda=info), specs, layout)
+
+    def _gpu_region(self, i: int) -> int:
+        """The daemon's id of gpu span `i` (-1: the delta area)."""
+        if i < 0:
+            assert self._delta is not None
+            return self._delta.region
+        return self._declared[i][1][0].region
 
     @staticmethod
     def _pieces(
@@ -342,6 +409,14 @@ class Engine(RankClient):
         """The daemon restarted: register the same memory again, on a fresh session."""
         self._conn.fail_pending(PeerLostError("the daemon restarted; wait again"))
         super()._replay()
+        for i, span in self._gpu_spans.items():  # exported again: fds go with one request
+            if i < 0 and self._delta_request is not None:
+                info = self._cuda_region(span)
+                self._delta_request = msgspec.structs.replace(self._delta_request, cuda=info)
+            elif i >= 0:
+                request, specs, layout = self._declared[i]
+                info = self._cuda_region(span)
+                self._declared[i] = (msgspec.structs.replace(request, cuda=info), specs, layout)
         if self._delta is not None and self._delta_request is not None:
             self._delta.held = -1
             self._delta.region = expect(

@@ -78,7 +78,16 @@ class SourceRegions:
         known = self._gpu.get(base)
         if known is None:
             request = RegisterRegion(
-                length=size, purpose="sources", kind="gpu", cuda=cuda.region_of(t, base=base)
+                length=size,
+                purpose="sources",
+                kind="gpu",
+                cuda=cuda.region_of(
+                    t,
+                    base=base,
+                    fd_socket=self._conn.fd_socket,
+                    what="a zero-copy source tensor",
+                    prefer_ipc=True,
+                ),
             )
             region = expect(self._conn.request(request), RegionRegistered).region
             known = self._gpu[base] = (region, size, request)

@@ -43,6 +43,7 @@ class Staging:
         if placement == "gpu":
             total = self.fence_offset + 4 * self.fence_slots if self.fence_slots else nbytes
             self.tensor = torch.zeros(total, dtype=torch.uint8, device=device)
+            self._whole = self.tensor  # what registers: the ring's bytes and its counters
             if self.fence_slots:
                 self.counters = self.tensor[self.fence_offset :].view(torch.int32)
                 self.tensor = self.tensor[:nbytes]
@@ -57,13 +58,15 @@ class Staging:
                 rc = cudart.cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)
                 self._pinned = int(rc) == 0
 
-    def request(self) -> RegisterRegion:
+    def request(self, fd_socket: str = "") -> RegisterRegion:
+        """What registers it (made anew each time: VMM memory's fds go with one request)."""
         if self.shared is not None:
             return RegisterRegion(path=self.shared.path, length=self.nbytes, purpose="staging")
         length = self.fence_offset + 4 * self.fence_slots if self.fence_slots else self.nbytes
-        return RegisterRegion(
-            length=length, purpose="staging", kind="gpu", cuda=cuda.region_of(self.tensor)
+        info = cuda.region_of(
+            self._whole, fd_socket=fd_socket, what="the staging buffer", prefer_ipc=True
         )
+        return RegisterRegion(length=length, purpose="staging", kind="gpu", cuda=info)
 
     def close(self) -> None:
         if self._pinned:

@@ -344,7 +344,7 @@ class Trainer(RankClient):
             if staging.counters is not None:
                 self._slots.fresh(staging.counters)
             try:
-                expect(self._conn.request(staging.request()), RegionRegistered)
+                expect(self._conn.request(staging.request(self._conn.fd_socket)), RegionRegistered)
             except BaseException:
                 staging.close()
                 raise
@@ -394,9 +394,8 @@ class Trainer(RankClient):
             self._delta_out = out
         return self._delta_out.tensor
 
-    @staticmethod
-    def _delta_request(out: Staging) -> RegisterRegion:
-        return msgspec.structs.replace(out.request(), purpose="delta")
+    def _delta_request(self, out: Staging) -> RegisterRegion:
+        return msgspec.structs.replace(out.request(self._conn.fd_socket), purpose="delta")
 
     @property
     def delta(self) -> DeltaSender:
@@ -673,7 +672,7 @@ class Trainer(RankClient):
                 DeclareSources(tensors=tuple(r.spec for r in self._tensors.values()))
             )
         if self._staging is not None:
-            self._conn.request(self._staging.request())
+            self._conn.request(self._staging.request(self._conn.fd_socket))
         if self._delta_out is not None:
             self._conn.request(self._delta_request(self._delta_out))
         self._plan = None

@@ -22,6 +22,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from weightwire.memory.fdpass import FdPassError, Inbox
 from weightwire.protocol import PROTOCOL_VERSION, check_protocol
 from weightwire.protocol.errors import ErrorCode, ProtocolError, WeightwireError
 from weightwire.protocol.frames import HARD_LIMIT_FACTOR, Codec, request_id
@@ -44,6 +45,7 @@ from weightwire.protocol.local import (
     Pong,
     RegionRegistered,
     RegisterRegion,
+    RemapRegion,
     StatusReply,
     StatusRequest,
     TrailersReady,
@@ -87,6 +89,8 @@ class Requests(Protocol):
     async def register(
         self, session: Session, msg: RegisterRegion, alive: Callable[[], bool]
     ) -> RegionRegistered: ...
+
+    async def remap(self, session: Session, msg: RemapRegion) -> Ok: ...
 
     async def plan_for(self, session: Session, req: int, timeout_s: float) -> PlanReply: ...
 
@@ -151,6 +155,7 @@ class LocalServer:
         self._sock: zmq.asyncio.Socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._bad = Throttled()  # a rank can send garbage in a loop: one line per interval
+        self.inbox: Inbox | None = None  # file descriptors from ranks (VMM GPU memory)
 
     def bind(self, ctx: zmq.asyncio.Context) -> None:
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
@@ -166,6 +171,16 @@ class LocalServer:
             os.umask(old)
         os.chmod(self.path, self.mode)
         self._sock = sock
+        try:
+            self.inbox = Inbox(self.path + ".fds", self.mode)
+        except OSError as exc:  # e.g. a path too long for a socket: VMM memory is refused
+            log.warning("no fd socket: VMM GPU memory cannot be registered", error=str(exc))
+
+    def claim_fds(self, token: bytes) -> list[int]:
+        """The file descriptors a rank passed under `token` (memory.fdpass)."""
+        if self.inbox is None:
+            raise FdPassError(f"this daemon has no fd socket next to {self.path}")
+        return self.inbox.claim(token)
 
     def send(self, identity: bytes, msg: LocalMsg) -> None:
         assert self._sock is not None
@@ -253,6 +268,8 @@ class LocalServer:
             case RegisterRegion():
                 alive = functools.partial(self._alive, session)
                 self._spawn(identity, msg.req, d.register(session, msg, alive))
+            case RemapRegion():
+                self._spawn(identity, msg.req, d.remap(session, msg))
             case DeclareSources(tensors=tensors):
                 d.declare_sources(session, msg)
                 self.send(identity, Ok(req=msg.req, detail=f"{len(tensors)} tensors"))
@@ -337,6 +354,7 @@ class LocalServer:
                 daemon_version=self.identity.version,
                 region_dir=self.identity.region_dir,
                 max_message_bytes=self.codec.max_bytes,
+                fd_socket=self.inbox.path if self.inbox is not None else "",
             ),
         )
 
@@ -372,5 +390,7 @@ class LocalServer:
             t.cancel()
         if self._sock is not None:
             self._sock.close(linger=0)
+        if self.inbox is not None:
+            self.inbox.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)

@@ -122,6 +122,7 @@ class Daemon:
             lambda: self.status(),  # built last, from every part
             lambda: self.status.whole_cluster(),
         )
+        self.registry.claim_fds = self.local.claim_fds
         engines = EngineOutbox(node, self.local, self.mesh)
         self.completions = Completions(
             notify=engines.notify,

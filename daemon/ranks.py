@@ -22,6 +22,7 @@ from weightwire.protocol.local import (
     PlanReply,
     RegionRegistered,
     RegisterRegion,
+    RemapRegion,
     TrailersReady,
     VersionComplete,
 )
@@ -80,6 +81,17 @@ class Ranks:
             raise ProtocolError("the session ended during registration", code=ErrorCode.NO_SESSION)
         self._region_added(session, region)
         return RegionRegistered(req=msg.req, region=region.local.id)
+
+    async def remap(self, session: Session, msg: RemapRegion) -> Ok:
+        """The rank's GPU memory behind a region was released or replaced (SGLang's
+        memory saver): writes into it stop now, on the loop; the old mapping is dropped
+        and the new one made off it; peers learn the region's new keys."""
+        region = self._registry.detach(msg.region, session.id)
+        await asyncio.to_thread(self._registry.remap_cuda, region, msg.cuda)
+        if msg.cuda is None:
+            return Ok(req=msg.req, detail=f"region {msg.region} released")
+        self._region_added(session, region)
+        return Ok(req=msg.req, detail=f"region {msg.region} remapped")
 
     def _region_added(self, session: Session, region: Region) -> None:
         if session.role == "trainer" and region.purpose == "staging":

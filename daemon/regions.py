@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 
@@ -24,6 +28,7 @@ class Region:
     purpose: str
     session: str
     file: SharedFile | None = None
+    released: bool = False  # gpu memory its rank released (RemapRegion): no mapping here
 
 
 @dataclass
@@ -36,6 +41,9 @@ class RegionRegistry:
     _closing: list[SharedFile] = field(default_factory=list)
     _ipc: dict[bytes, tuple[int, int]] = field(default_factory=dict)  # handle -> (base, refs)
     _lock: threading.Lock = field(default_factory=threading.Lock)  # adds run on worker threads
+    # the descriptors a rank passed under a token (the local server's fd inbox)
+    claim_fds: Callable[[bytes], list[int]] | None = None
+    _vmm: Any = None  # memory.vmm.Imports, made on first use
 
     def add_shared(self, path: str, length: int, purpose: str, session: str, owner: str) -> Region:
         file = open_shared(path, length, self.directory)
@@ -58,43 +66,152 @@ class RegionRegistry:
     def add_cuda(
         self, info: CudaRegion, length: int, purpose: str, session: str, owner: str
     ) -> Region:
-        """GPU memory of a rank, through its CUDA IPC handle (opened once per allocation)."""
+        """GPU memory of a rank: through its CUDA IPC handle (opened once per allocation),
+        or VMM memory through the fds it passed (`CudaRegion.vmm_token`)."""
+        local = self._map_cuda(info, length, self._next_id(), owner)
+        try:
+            keys = self._register(local)
+        except BaseException:
+            self._unmap(local)
+            raise
+        return self._store(local, keys, purpose, session, kind="gpu", device=info.device_uuid)
+
+    def _map_cuda(self, info: CudaRegion, length: int, region_id: int, owner: str) -> LocalRegion:
         from weightwire.memory.cudadrv import driver
 
         drv = driver()
         ordinal = drv.ordinal_of(info.device_uuid)
         drv.use(ordinal)
-        with self._lock:
-            base, refs = self._ipc.get(info.ipc_handle, (0, 0))
-            if not refs:
-                base = drv.ipc_open(info.ipc_handle)
-            self._ipc[info.ipc_handle] = (base, refs + 1)
-        try:
-            _, size = drv.address_range(base)
-            if info.offset + length > size:
-                raise RegistrationError(
-                    f"GPU region of {length} bytes at offset {info.offset} overruns its "
-                    f"{size}-byte allocation",
-                    code=ErrorCode.OUT_OF_BOUNDS,
-                )
-            local = LocalRegion(
-                id=self._next_id(),
-                kind="gpu",
-                length=length,
-                address=base + info.offset,
-                device=ordinal,
-                owner=owner,
-                extra={
-                    "ipc_handle": info.ipc_handle,
-                    "ipc_offset": info.offset,
-                    "device_uuid": info.device_uuid,
-                },
+        extra: dict[str, object] = {"ipc_offset": info.offset, "device_uuid": info.device_uuid}
+        if info.vmm_sizes:
+            base = self._import_vmm(info, ordinal)
+            size = sum(info.vmm_sizes)
+            extra["vmm_base"] = base
+        else:
+            if info.vmm_token:
+                raise RegistrationError("a vmm_token without vmm_sizes", code=ErrorCode.INVALID)
+            with self._lock:
+                base, refs = self._ipc.get(info.ipc_handle, (0, 0))
+                if not refs:
+                    base = drv.ipc_open(info.ipc_handle)
+                self._ipc[info.ipc_handle] = (base, refs + 1)
+            extra["ipc_handle"] = info.ipc_handle
+            try:
+                _, size = drv.address_range(base)
+            except BaseException:
+                self._release_ipc(info.ipc_handle)
+                raise
+        local = LocalRegion(
+            id=region_id,
+            kind="gpu",
+            length=length,
+            address=base + info.offset,
+            device=ordinal,
+            owner=owner,
+            extra=extra,
+        )
+        if info.offset + length > size:
+            self._unmap(local)
+            raise RegistrationError(
+                f"GPU region of {length} bytes at offset {info.offset} overruns its "
+                f"{size}-byte allocation",
+                code=ErrorCode.OUT_OF_BOUNDS,
             )
+        return local
+
+    def _import_vmm(self, info: CudaRegion, ordinal: int) -> int:
+        """Map the VMM allocations the rank passed as fds; their base here."""
+        from weightwire.memory import vmm
+        from weightwire.memory.cudadrv import CudaError, driver
+        from weightwire.memory.fdpass import FdPassError
+
+        if self.claim_fds is None:
+            raise RegistrationError(
+                "this daemon takes no file descriptors (no fd socket)", code=ErrorCode.INVALID
+            )
+        try:
+            fds = self.claim_fds(info.vmm_token)
+        except FdPassError as exc:
+            raise RegistrationError(f"VMM region: {exc}", code=ErrorCode.INVALID) from None
+        try:
+            if len(fds) != len(info.vmm_sizes):
+                raise RegistrationError(
+                    f"VMM region of {len(info.vmm_sizes)} allocations came with {len(fds)} "
+                    "file descriptors",
+                    code=ErrorCode.INVALID,
+                )
+            with self._lock:
+                if self._vmm is None:
+                    self._vmm = vmm.Imports(driver())
+                imports = self._vmm
+            try:
+                return int(imports.open(fds, list(info.vmm_sizes), ordinal))
+            except CudaError as exc:
+                raise RegistrationError(
+                    f"could not map the rank's VMM memory: {exc.message}", code=ErrorCode.INVALID
+                ) from None
+        finally:
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+    def _unmap(self, local: LocalRegion) -> None:
+        """Drop this daemon's mapping of a gpu region's memory."""
+        from weightwire.memory.cudadrv import CudaError
+
+        handle = local.extra.get("ipc_handle")
+        if isinstance(handle, bytes):
+            self._release_ipc(handle)
+        base = local.extra.get("vmm_base")
+        if isinstance(base, int) and self._vmm is not None:
+            try:
+                self._vmm.close(base)
+            except CudaError as exc:
+                log.warning("could not unmap VMM memory", region=local.id, error=exc.message)
+            local.extra.pop("vmm_base", None)
+
+    def detach(self, region_id: int, session: str) -> Region:
+        """First half of a remap, on the loop: the rank's gpu region leaves every
+        transport, so that no copy into it is issued from now on (writes into it fail)."""
+        region = self.regions.get(region_id)
+        if region is None or region.session != session or region.local.kind != "gpu":
+            raise RegistrationError(
+                f"region {region_id} is not a GPU region this rank registered",
+                code=ErrorCode.UNKNOWN_REGION,
+            )
+        if not region.released:
+            for t in self.transports:
+                t.deregister(region_id)
+        return region
+
+    def remap_cuda(self, region: Region, info: CudaRegion | None) -> None:
+        """Second half, off the loop: once the copies already issued are done, drop the old
+        mapping (the rank's release then frees the GPU memory), and map the new memory
+        (`info`; None: none until the next remap) under the same id, with new keys."""
+        from weightwire.memory.cudadrv import driver
+
+        old = region.local
+        if not region.released:
+            driver().synchronize_all()  # copies issued before `detach` may still be running
+            self._unmap(old)
+            region.released = True
+        if info is None:
+            log.info("region released by its rank", region=old.id, owner=old.owner)
+            return
+        local = self._map_cuda(info, old.length, old.id, old.owner)
+        if region.descriptor.keys.tcp is not None:  # writers elsewhere keep their key
+            local.extra["tcp_rkey"] = region.descriptor.keys.tcp.rkey
+        try:
             keys = self._register(local)
         except BaseException:
-            self._release_ipc(info.ipc_handle)
+            self._unmap(local)
             raise
-        return self._store(local, keys, purpose, session, kind="gpu", device=info.device_uuid)
+        region.local = local
+        region.released = False
+        region.descriptor = RegionDescriptor(
+            id=old.id, node=self.node, kind="gpu", length=old.length, keys=keys
+        )
+        log.info("region remapped", region=old.id, owner=old.owner, vmm=bool(info.vmm_sizes))
 
     def _next_id(self) -> int:
         with self._lock:
@@ -164,13 +281,13 @@ class RegionRegistry:
         region = self.regions.pop(region_id, None)
         if region is None:
             return
-        for t in self.transports:
-            t.deregister(region_id)
+        if not region.released:
+            for t in self.transports:
+                t.deregister(region_id)
         if region.file is not None:
             self._closing.append(region.file)
-        handle = region.local.extra.get("ipc_handle")
-        if isinstance(handle, bytes):
-            self._release_ipc(handle)
+        if region.local.kind == "gpu" and not region.released:
+            self._unmap(region.local)
         self.reap()
         log.info("region released", region=region_id, owner=region.local.owner)
 
@@ -184,3 +301,5 @@ class RegionRegistry:
     def close(self) -> None:
         for region_id in list(self.regions):
             self.remove(region_id)
+        if self._vmm is not None:
+            self._vmm.close_all()

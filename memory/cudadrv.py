@@ -124,6 +124,14 @@ class Driver:
         if rc != 0:
             raise CudaError(f"{fn} failed: {self.error_name(rc)}")
 
+    def call(self, fn: str, *args: object) -> None:
+        """Any driver call by name (ctypes arguments), CudaError naming it if it fails."""
+        self._call(fn, *args)
+
+    def try_call(self, fn: str, *args: object) -> int:
+        """A driver call whose failure is an answer, not an error: its result code."""
+        return int(getattr(self._lib, fn)(*args))
+
     def error_name(self, rc: int) -> str:
         out = ctypes.c_char_p()
         if self._lib.cuGetErrorName(ctypes.c_int(rc), ctypes.byref(out)) != 0 or not out.value:
@@ -352,6 +360,14 @@ class Driver:
 
     def destroy_event(self, event: int) -> None:
         self._call("cuEventDestroy_v2", ctypes.c_void_p(event))
+
+    def synchronize_all(self) -> None:
+        """Wait for all work this process issued, on every device it has used."""
+        with self._lock:
+            used = list(self._ctx)
+        for ordinal in used:
+            self.use(ordinal)
+            self._call("cuCtxSynchronize")
 
     def synchronize(self, stream: int) -> None:
         self._call("cuStreamSynchronize", ctypes.c_void_p(stream))

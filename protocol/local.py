@@ -50,17 +50,27 @@ class Welcome(LocalMsg, frozen=True, tag="welcome"):
     daemon_version: str = ""
     region_dir: str = ""  # where the rank makes its shared region files ("": /dev/shm)
     max_message_bytes: int = 0  # the largest request the daemon takes (0: not said)
+    fd_socket: str = ""  # where the rank passes file descriptors (memory.fdpass; "": nowhere)
 
 
 # --- registration ----------------------------------------------------------
 
 
 class CudaRegion(msgspec.Struct, frozen=True, kw_only=True):
-    """GPU memory of a rank: its allocation's CUDA IPC handle and where the region starts."""
+    """GPU memory of a rank: its allocation's CUDA IPC handle and where the region starts.
+
+    VMM memory (cuMemCreate: SGLang's memory saver, expandable segments) has no IPC handle
+    (`ipc_handle` empty): its allocations, `vmm_sizes` bytes each and mapped back to back
+    from the first one's base, were passed to the daemon's `fd_socket` as POSIX fds, in
+    that order, under `vmm_token`; `offset` counts from the first one's base."""
 
     device_uuid: str
     ipc_handle: bytes
     offset: NonNeg = 0
+    vmm_token: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
+    vmm_sizes: Annotated[
+        tuple[Annotated[int, msgspec.Meta(gt=0)], ...], msgspec.Meta(max_length=250)
+    ] = ()
 
 
 class RegisterRegion(LocalMsg, frozen=True, tag="register_region"):
@@ -76,6 +86,17 @@ class RegisterRegion(LocalMsg, frozen=True, tag="register_region"):
 
 class RegionRegistered(LocalMsg, frozen=True, tag="region_registered"):
     region: NonNeg
+
+
+class RemapRegion(LocalMsg, frozen=True, tag="remap_region"):
+    """The GPU memory behind a registered region of this rank changed, its id and layout
+    kept (SGLang's release_memory_occupation / resume_memory_occupation). `cuda` None: it
+    is released; the daemon drops its mapping, and writes into the region fail (their
+    version with them) until it is remapped. `cuda` given: the daemon maps that memory
+    instead of what it had. Replied to with `Ok`."""
+
+    region: NonNeg
+    cuda: CudaRegion | None = None
 
 
 class DeclareSources(LocalMsg, frozen=True, tag="declare_sources"):
@@ -312,6 +333,7 @@ LocalMessage = (
     | Welcome
     | RegisterRegion
     | RegionRegistered
+    | RemapRegion
     | DeclareSources
     | DeclareDestinations
     | Ok

@@ -9,7 +9,8 @@
 # No network there: pyzmq, msgspec and structlog come from the carried .whl/ (git-ignored,
 # see results/README.md); weightwire itself is imported from this working tree.
 #
-# SUITE_TESTS_S caps the GPU tests stage (default 170 s). SUITE_STAGES picks stages (default:
+# SUITE_TESTS_S caps the GPU tests stage (default 170 s); SUITE_TEST_FILES (space-separated)
+# runs only those test files. SUITE_STAGES picks stages (default:
 # probe,tests,colocated,2x2,2x2-zero-copy,1x1,replica,fp8; e.g. SUITE_STAGES=2x2; `rings`, not
 # in the default, compares staging rings of 2 and 4 slots with the whole send, slots waited
 # for on GPU counters and by the daemon's IPC events). `colocated`:
@@ -142,7 +143,11 @@ fi
 
 # --- the GPU tests ---------------------------------------------------------------------
 if wanted tests; then
-    mapfile -t GPU_TESTS < <(grep -l 'mark.gpu' tests/test_*.py)
+    if [[ -n ${SUITE_TEST_FILES:-} ]]; then  # e.g. SUITE_TEST_FILES=tests/test_memory_saver_gpu.py
+        read -ra GPU_TESTS <<<"$SUITE_TEST_FILES"
+    else
+        mapfile -t GPU_TESTS < <(grep -l 'mark.gpu' tests/test_*.py)
+    fi
     T=${SUITE_TESTS_S:-$(cap 170 240)}
     echo "== pytest -m gpu ${GPU_TESTS[*]} (at most ${T} s)"
     timeout -k 15 "$T" "$PY" -m pytest -m gpu -ra -p no:cacheprovider --timeout 150 \

@@ -94,6 +94,11 @@ LOCAL_SAMPLES = [
     L.Welcome(protocol=1, node="n", session="s", req=1),
     L.RegisterRegion(path="/dev/shm/x", length=10, purpose="staging", req=2),
     L.RegionRegistered(region=5, req=2),
+    L.RemapRegion(
+        region=5,
+        cuda=L.CudaRegion(device_uuid="GPU-u", ipc_handle=b"", vmm_token=b"t" * 16, vmm_sizes=(2,)),
+        req=2,
+    ),
     L.DeclareSources(tensors=(SRC,), req=3),
     L.DeclareDestinations(tensors=(DST,), layout=L.EngineLayout(family="qwen3", tp_size=2), req=4),
     L.Ok(req=5, detail="x"),

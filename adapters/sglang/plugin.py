@@ -11,7 +11,11 @@ adds
   registers the model's parameters, in place, under SGLang's own names;
 - an AFTER hook on ``WeightUpdater.end_weight_update`` (what ``/end_weight_update`` runs in
   the worker): it checks that post-processing kept every registered parameter in its
-  registered memory, and raises naming those it moved (writes would miss them).
+  registered memory, and raises naming those it moved (writes would miss them);
+- with ``--enable-memory-saver``, a BEFORE hook on ``release_memory_occupation`` and an
+  AFTER hook on ``resume_memory_occupation`` (the scheduler's weight updater): the daemon
+  lets go of the weights before they are released, and maps them again once resumed
+  (``Engine.release_gpu_memory`` / ``Engine.resume_gpu_memory``).
 
 Otherwise it does nothing: installing weightwire changes no SGLang server by itself.
 
@@ -54,6 +58,15 @@ END_WEIGHT_UPDATE = (
     "sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater"
     ".end_weight_update"
 )
+RELEASE_MEMORY = (
+    "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
+    ".release_memory_occupation"
+)
+RESUME_MEMORY = (
+    "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
+    ".resume_memory_occupation"
+)
+WEIGHTS_TAG = "weights"  # sglang.srt.constants.GPU_MEMORY_TYPE_WEIGHTS
 MODES = ("rules", "replica")
 
 
@@ -133,6 +146,38 @@ def register() -> None:
 
     HookRegistry.register(LOAD_MODEL, after_load_model, HookType.AFTER)
     HookRegistry.register(END_WEIGHT_UPDATE, after_end_weight_update, HookType.AFTER)
+    HookRegistry.register(RELEASE_MEMORY, before_release_memory, HookType.BEFORE)
+    HookRegistry.register(RESUME_MEMORY, after_resume_memory, HookType.AFTER)
+
+
+def weights_in(recv_req: Any) -> bool:
+    """Whether a release/resume request covers the weights (no tags: every kind)."""
+    tags = getattr(recv_req, "tags", None)
+    return not tags or WEIGHTS_TAG in tags
+
+
+def _manager_binding(manager: Any) -> Binding | None:
+    worker = getattr(manager, "tp_worker", None)
+    runner = getattr(worker, "model_runner", None)
+    return _BINDINGS.get(id(getattr(runner, "model", None)))
+
+
+def before_release_memory(manager: Any, recv_req: Any, *args: Any, **kwargs: Any) -> None:
+    """BEFORE hook of release_memory_occupation (--enable-memory-saver): the daemon drops
+    its mapping of the weights first, so that the release gives their memory back."""
+    binding = _manager_binding(manager)
+    if binding is not None and weights_in(recv_req):
+        binding.engine.release_gpu_memory()
+        log.info("weightwire: engine rank %d: weights released", binding.rank)
+
+
+def after_resume_memory(result: Any, manager: Any, recv_req: Any, *a: Any, **k: Any) -> None:
+    """AFTER hook of resume_memory_occupation: the weights are back at the same addresses,
+    in new memory; the daemon maps it again (no restart, nothing declared again)."""
+    binding = _manager_binding(manager)
+    if binding is not None and weights_in(recv_req):
+        binding.engine.resume_gpu_memory()
+        log.info("weightwire: engine rank %d: weights resumed and registered again", binding.rank)
 
 
 def after_load_model(result: Any, runner: Any, *args: Any, **kwargs: Any) -> None:

@@ -176,9 +176,15 @@ class CudaTransport(Transport):
                         error=exc.message,
                     )
             return RegionKeys()
-        handle = region.extra.get("ipc_handle")
         offset = region.extra.get("ipc_offset", 0)
         uuid = region.extra.get("device_uuid")
+        if isinstance(region.extra.get("vmm_base"), int) and isinstance(offset, int):
+            # VMM memory the daemon mapped from the rank's fds, reachable by every device:
+            # written here, by this daemon's lanes; no key another process could open
+            self._regions[region.id] = _Local(region, b"", offset)
+            Epoch.bump()
+            return RegionKeys()
+        handle = region.extra.get("ipc_handle")
         if (
             not isinstance(handle, bytes)
             or not isinstance(offset, int)
@@ -286,6 +292,8 @@ class CudaTransport(Transport):
         assert self._ipc is not None
         owner = self if dst.node == self.node else _INSTANCES.get(dst.node)
         local = owner._regions.get(dst.id) if owner is not None else None
+        if local is not None and not local.handle:  # VMM: mapped for every device already
+            return ptr
         if local is not None:
             handle, base = local.handle, local.region.address - local.offset
         elif dst.keys.cuda is not None:

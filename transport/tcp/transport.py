@@ -199,7 +199,8 @@ class TcpTransport(Transport):
     def register(self, region: LocalRegion) -> RegionKeys:
         if region.view is None and region.kind != "gpu":
             raise RegionError(f"tcp cannot reach region {region.id}: no host view, not a GPU")
-        rkey = secrets.randbits(64)
+        kept = region.extra.get("tcp_rkey")  # a region remapped keeps its key (regions.py)
+        rkey = kept if isinstance(kept, int) else secrets.randbits(64)
         self._table.add(region, rkey)
         return RegionKeys(tcp=TcpKey(rkey=rkey))
 
