@@ -126,7 +126,7 @@ def rollout_engines(
             }
             eng = Engine(
                 i * tp + r, ENGINES * tp, socket=cluster.daemons[1].socket, job=job,
-                timeout_s=60,
+                timeout_s=60, replica=i, replica_size=tp,
             )  # fmt: skip
             eng.register(ts, layout=lay)
             engs.append(eng)
