@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -139,12 +140,27 @@ def rollout_engines(
     return out
 
 
+def outcome(p: Rank, timeout: float = 120) -> dict[str, Any]:
+    """The rank's next `updated` or `update_failed` event."""
+    deadline = time.monotonic() + timeout
+    with p._cv:
+        while True:
+            for e in p.events:
+                if e["event"] in ("updated", "update_failed", "error") and not e.get("seen"):
+                    e["seen"] = True
+                    return e
+            left = deadline - time.monotonic()
+            assert left > 0 and p.p.poll() is None, (
+                f"no update: {p.events}\n{''.join(p.err)[-3000:]}"
+            )
+            p._cv.wait(min(left, 0.2))
+
+
 def update(ranks: list[Rank], train: bool) -> list[dict[str, Any]]:
     for p in ranks:
         p.cmd(cmd="update", train=train)
-    got = []
-    for p in ranks:
-        got.append(p.wait_for("updated", timeout=120))
+    got = [outcome(p) for p in ranks]
+    assert all(e["event"] == "updated" for e in got), got
     return got
 
 
@@ -223,8 +239,8 @@ def test_slime_update_weights_lands_bitwise(
         engines[1].server.fail["/begin_weight_update"] = (400, {"success": False, "message": "no"})
         for p in ranks:
             p.cmd(cmd="update", train=True)
-        failed = [p.wait_for("update_failed", timeout=120) for p in ranks]
-        assert all(f["version"] == 3 for f in failed)
+        failed = [outcome(p) for p in ranks]
+        assert all(f["event"] == "update_failed" and f["version"] == 3 for f in failed), failed
         assert "begin_weight_update" in failed[0]["message"], failed[0]
         assert all("rank 0" in f["message"] for f in failed[1:]), failed
         tails = [steps(e.server)[-3:] for e in engines]  # engine 0's open session closed

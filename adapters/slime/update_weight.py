@@ -78,8 +78,9 @@ class UpdateWeightFromWeightwire:
     ("abort", as slime's /pause_generation), `api_key` (the engines'). `hf_config`: see
     `hf_config_of`. `skip(name)`: Megatron parameters to leave out (e.g. MTP layers).
     `group`: a gloo group of every trainer rank for the small handshakes (default: a new
-    one). `weights_getter` is accepted and unused: parameters are read in place, as slime's
-    UpdateWeightFromDistributed reads `model`."""
+    one). miles (radixark/miles, slime's fork) makes its updaters the same way, with an
+    `is_lora` flag: LoRA is refused. `weights_getter` is accepted and unused: parameters
+    are read in place, as slime's UpdateWeightFromDistributed reads `model`."""
 
     def __init__(
         self,
@@ -97,7 +98,15 @@ class UpdateWeightFromWeightwire:
         api_key: str | None = None,
         skip: Callable[[str], bool] | None = None,
         group: Any = None,
+        is_lora: bool = False,
     ) -> None:
+        if is_lora:
+            raise RegistrationError(
+                "LoRA weight sync (miles' is_lora) is not supported by the weightwire recipe: "
+                "it registers the base model's Megatron parameters",
+                code=ErrorCode.INVALID,
+            )
+
         def setting(name: str, given: Any, default: Any) -> Any:
             if given is not None:
                 return given
