@@ -263,3 +263,71 @@ def test_slime_update_weights_lands_bitwise(
             loop.run(e.server.stop())
             for eng in e.ranks:
                 eng.close()
+
+
+def test_engine_env_makes_each_engine_a_replica_of_the_job() -> None:
+    from weightwire.adapters.slime import engine_env
+
+    assert engine_env(1, 4, job="rl", socket="/run/ww.sock") == {
+        "SGLANG_PLUGINS": "weightwire",
+        "WEIGHTWIRE_SGLANG": "rules",
+        "WEIGHTWIRE_JOB": "rl",
+        "WEIGHTWIRE_ENGINE_REPLICA": "1",
+        "WEIGHTWIRE_ENGINE_REPLICAS": "4",
+        "WEIGHTWIRE_SOCKET": "/run/ww.sock",
+    }
+    with pytest.raises(ValueError, match="engine 4 of 4"):
+        engine_env(4, 4)
+    with pytest.raises(ValueError, match="mode='fast'"):
+        engine_env(0, 1, mode="fast")
+
+
+def test_hf_config_comes_from_the_argument_or_slimes_hf_checkpoint(tmp_path: Any) -> None:
+    """A dict or a transformers-style config (`to_dict`), else `<hf_checkpoint>/config.json`;
+    neither, or an unreadable file, is a RegistrationError that says what to set."""
+    import argparse
+    import json
+
+    from weightwire.adapters.slime import hf_config_of
+    from weightwire.protocol.errors import RegistrationError
+
+    hf = CONFIGS["qwen3"]
+
+    class Config:
+        def to_dict(self) -> dict[str, Any]:
+            return dict(hf)
+
+    none = argparse.Namespace()
+    assert hf_config_of(none, hf) == hf
+    assert hf_config_of(none, Config()) == hf
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    assert hf_config_of(argparse.Namespace(hf_checkpoint=str(tmp_path))) == hf
+    with pytest.raises(RegistrationError, match="hf_checkpoint"):
+        hf_config_of(none)
+    missing = argparse.Namespace(hf_checkpoint=str(tmp_path / "nothing"))
+    with pytest.raises(RegistrationError, match=r"nothing/config\.json"):
+        hf_config_of(missing)
+
+
+def test_call_all_calls_plain_engine_objects_and_skips_urls_of_later_nodes() -> None:
+    """Engines that are not ray actors are called directly; an engine spanning nodes
+    answers get_url on its first node only (None from the others, left out)."""
+    from weightwire.adapters.slime import call_all, engine_urls
+
+    class Handle:
+        def __init__(self, url: str | None) -> None:
+            self.url = url
+
+        def get_url(self) -> str | None:
+            return self.url
+
+        def echo(self, x: int, *, y: int) -> tuple[str | None, int, int]:
+            return self.url, x, y
+
+    handles = [Handle("http://a:1"), Handle(None), Handle("http://b:2")]
+    assert engine_urls(handles) == ["http://a:1", "http://b:2"]
+    assert call_all(handles, "echo", 1, y=2) == [
+        ("http://a:1", 1, 2),
+        (None, 1, 2),
+        ("http://b:2", 1, 2),
+    ]
