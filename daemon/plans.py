@@ -14,6 +14,7 @@ import structlog
 from weightwire.protocol.errors import PlanError
 from weightwire.protocol.peer import Advertise, RankAdvert
 from weightwire.protocol.plan import MAX_SLOTS, NodePlan, RankPlan
+from weightwire.protocol.regions import RegionDescriptor
 from weightwire.transport.tcp.auth import scoped
 
 from . import heap
@@ -212,20 +213,36 @@ class PlanBook:
 
 def _scoped(plan: NodePlan) -> NodePlan:
     """The plan with its destinations' tcp keys rotated for it (`auth.plan_rkey`): by the
-    plan's hash, or in an elastic job by the hash of the replica on the region's node (what
-    that node's engine ranks expect, `Expect.plan_hash`)."""
+    plan's hash, or in an elastic job by the hash of the replica whose engine rank owns the
+    region (what that rank expects, `Expect.plan_hash`). Several replicas may share a node
+    (one SGLang server per GPU pair of an 8-GPU node), so the region's rank decides, not
+    its node."""
 
-    def scope(rp: RankPlan, node: str) -> str:
+    def owners(rp: RankPlan) -> dict[tuple[str, int], int]:
+        """(node, region) -> the engine rank this rank's writes into it are counted at."""
+        out: dict[tuple[str, int], int] = {}
+        for b in rp.buckets:
+            for w in b.writes:
+                out.setdefault((w.dst_node, w.dst_region), w.dst_rank)
+            for d in b.deltas:
+                out.setdefault((d.dst_node, d.dst_region), d.dst_rank)
+        for t in rp.trailers:
+            out.setdefault((t.dst_node, t.dst_region), t.dst_rank)
+        return out
+
+    def scope(rp: RankPlan, owner: dict[tuple[str, int], int], r: RegionDescriptor) -> str:
+        rank = owner.get((r.node, r.id))
         for part in rp.replicas:
-            if node in part.nodes:
+            if (rank in part.ranks) if rank is not None else (r.node in part.nodes):
                 return part.plan_hash
         return plan.plan_hash
 
-    sends = tuple(
-        msgspec.structs.replace(rp, regions=tuple(scoped(r, scope(rp, r.node)) for r in rp.regions))
-        for rp in plan.sends
-    )
-    return msgspec.structs.replace(plan, sends=sends)
+    sends = []
+    for rp in plan.sends:
+        owner = owners(rp) if rp.replicas else {}
+        regions = tuple(scoped(r, scope(rp, owner, r)) for r in rp.regions)
+        sends.append(msgspec.structs.replace(rp, regions=regions))
+    return msgspec.structs.replace(plan, sends=tuple(sends))
 
 
 def elastic_engine_node(plan: NodePlan, node: str) -> bool:

@@ -275,3 +275,36 @@ def test_garbage_before_the_handshake_is_refused(data: bytes, step: int) -> None
     with contextlib.suppress(wire.FrameViolation):
         r.feed(data, step)
     assert not any(r.mem) and r.m.peer is None
+
+
+def test_elastic_replicas_sharing_a_node_get_each_their_own_replicas_key() -> None:
+    """Two engine replicas on one node (two SGLang servers of one host, as slime runs them):
+    the sender keys each destination region by the plan of the replica whose engine rank
+    owns it (what that rank's node grants it under, `Expect.plan_hash`), not by the node.
+    Keyed by node, replica 1's regions got replica 0's key and every write was refused."""
+    from weightwire.daemon.plans import _scoped
+    from weightwire.protocol.plan import Bucket, NodePlan, RankPlan, ReplicaPart, WriteOp
+    from weightwire.protocol.regions import RegionDescriptor, RegionKeys, TcpKey
+
+    regions = tuple(
+        RegionDescriptor(
+            id=i, node="host1", kind="cpu", length=64, keys=RegionKeys(tcp=TcpKey(rkey=RKEY + i))
+        )
+        for i in range(4)
+    )
+    writes = tuple(
+        WriteOp(src_offset=0, length=8, dst_node="host1", dst_region=i, dst_offset=0, slot=0,
+                dst_rank=i)
+        for i in range(4)
+    )  # fmt: skip
+    parts = (
+        ReplicaPart(replica=0, plan_hash="replica-0", ranks=(0, 1), nodes=("host1",)),
+        ReplicaPart(replica=1, plan_hash="replica-1", ranks=(2, 3), nodes=("host1",)),
+    )
+    send = RankPlan(
+        plan_hash="packs", rank=0, staging_bytes=8, buckets=(Bucket(index=0, writes=writes),),
+        regions=regions, replicas=parts,
+    )  # fmt: skip
+    got = _scoped(NodePlan(plan_hash="node", job="j", sends=(send,))).sends[0].regions
+    want = [auth.plan_rkey(RKEY + i, f"replica-{i // 2}") for i in range(4)]
+    assert [r.keys.tcp.rkey for r in got if r.keys.tcp is not None] == want
