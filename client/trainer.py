@@ -47,7 +47,7 @@ from .modules import Rename, local_of, module_shards
 from .pack import Packer
 from .posting import BucketTimes, Poster, PublishStats
 from .rank import RankClient
-from .ring import Landed, SlotOps
+from .ring import Landed, SlotOps, slot_wait
 from .sources import SourceRegions
 from .staging import Placement, Staging
 
@@ -418,8 +418,10 @@ class Trainer(RankClient):
         self._delta.begin(version, plan, staging)
         try:
             try:
+                in_place: set[int] = set()  # buckets of this version packed in place
                 for bucket in plan.buckets:
-                    reuse = ring.reuse[bucket.index]
+                    direct = self._direct.targets(plan, bucket, device) if self._direct else None
+                    reuse = -1 if direct else slot_wait(ring, bucket.index, in_place)
                     if reuse >= 0:  # wait until the bucket packed in this slot has landed,
                         poster.flush(reuse)  # or its copies are issued (GPU waits on them)
                         freed = self._slot_free(poster, landed, reuse, device, ring, what)
@@ -429,8 +431,8 @@ class Trainer(RankClient):
                         by_landing += freed == "landed"
                     p0 = time.perf_counter()
                     started = time.time()
-                    direct = self._direct.targets(plan, bucket, device) if self._direct else None
                     if direct:  # colocated: packing is the transfer
+                        in_place.add(bucket.index)
                         for region, ops in direct:
                             self._packer.pack_bucket(ops, current, region)
                     elif bucket.packs:
