@@ -98,7 +98,11 @@ class Fp8Batch:
     queues the launch on the current stream. The boxes' memory must stay where it was.
     """
 
-    def __init__(self, boxes: Sequence[Fp8Box], staging: torch.Tensor, block: int) -> None:
+    def __init__(
+        self, boxes: Sequence[Fp8Box], staging: torch.Tensor, block: int, vectors: bool = True
+    ) -> None:
+        """`vectors`: aligned boxes take the aligned launch (False: all the generic one,
+        for comparisons)."""
         if triton is None:
             raise RuntimeError("Triton is not installed")
         dtypes = {b.src.dtype for b in boxes}
@@ -113,7 +117,7 @@ class Fp8Batch:
         item = self.base.element_size()
         self.vec = 16 // item  # elements in 16 bytes
         base_ptr = self.base.data_ptr()
-        aligned_bases = base_ptr % 16 == 0 and staging.data_ptr() % 16 == 0
+        aligned_bases = vectors and base_ptr % 16 == 0 and staging.data_ptr() % 16 == 0
         parts: dict[bool, tuple[list[int], list[int]]] = {}
         for b in boxes:
             rows, cols = b.src.shape

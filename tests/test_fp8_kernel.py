@@ -213,6 +213,7 @@ def test_bucket_pack_runs_the_kernel_bitwise() -> None:
     (entry,) = p._buckets.values()
     assert len(entry.kernel) == 1 and not entry.fp8
     assert entry.kernel[0].ntiles == 6 * (2 * 3 + 1 * 3)
+    assert entry.plain is not None and len(entry.plain.pairs) == 6  # the contiguous copies
 
 
 @INTERP
