@@ -11,8 +11,8 @@ so it is captured in the bucket's CUDA graph with the copies.
 
 Bit for bit what `weightwire.client.fp8.quantize_blocks` gives on the same device:
 
-- amax: max |float32(x)| over the tile (exact in any order); a tile holding a NaN has a
-  NaN amax (torch's aminmax propagates it; Triton's max is not asked to);
+- amax: max |float32(x)| over the tile (exact in any order), taken as the integer max of
+  |x|'s bits, so that a tile holding a NaN has a NaN amax (torch's aminmax propagates it);
 - scale = max(amax, 1e-4) / 448, an IEEE division (`div_rn`; Triton's `/` is not);
 - code = e4m3fn(float32(x) / scale), the division IEEE again and the conversion done with
   integers exactly as c10's `fp8e4m3fn_from_fp32_value` does (round to nearest even,
@@ -237,11 +237,13 @@ if triton is not None:
             s1 = tl.load(at + 4)
             x = tl.load(src + off + r[:, None] * s0 + c[None, :] * s1, mask=inside, other=0.0)
         xf = x.to(tl.float32)
-        nans = tl.sum(tl.sum((xf != xf).to(tl.int32), axis=1), axis=0)
-        amax = tl.max(tl.max(tl.abs(xf), axis=1), axis=0)
+        # one reduction for the amax and the NaN test: |x|'s bits order as integers as
+        # the values do, and a NaN's bits are above +inf's (0x7F800000)
+        amax_bits = tl.max(tl.max(xf.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1), axis=0)
+        amax = amax_bits.to(tl.float32, bitcast=True)
         floor = tl.full((), 1e-4, tl.float32)
         scale = tl.math.div_rn(tl.maximum(amax, floor), tl.full((), 448.0, tl.float32))
-        scale = tl.where(nans > 0, float("nan"), scale)
+        scale = tl.where(amax_bits > 0x7F800000, float("nan"), scale)
         if scales_at >= 0:  # four bytes: a scale's offset is only 4-aligned in staging
             sbits = scale.to(tl.int32, bitcast=True)
             k = tl.arange(0, 4)
