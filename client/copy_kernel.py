@@ -12,8 +12,9 @@ packed in place).
 
 Pairs whose offsets and lengths are multiples of 16 bytes (all of them, as the planner
 aligns) go to an aligned launch: the table stores them in 16-byte units and the kernel
-multiplies back by a constant, so Triton moves 16 bytes per access; the rest to a
-byte-by-byte one. Captured in the bucket's CUDA graph with its other launches.
+multiplies back by a constant, so Triton moves 16 bytes per access, as int32 words (one
+program per CHUNK bytes); the rest to a byte-by-byte one (BYTE_CHUNK bytes per program).
+Captured in the bucket's CUDA graph with its other launches.
 
 Runs where `fp8_kernel` runs (CUDA compiled; CPU tensors under TRITON_INTERPRET=1);
 `WEIGHTWIRE_COPY_TRITON=0` turns it off (copies go back to torch's multi-tensor copy).
@@ -35,7 +36,8 @@ except ImportError:  # no Triton: torch's copies
     triton = None
 
 ENABLED = os.environ.get("WEIGHTWIRE_COPY_TRITON", "1") != "0"
-CHUNK = 32768  # bytes per program
+CHUNK = 32768  # bytes per program (aligned launch)
+BYTE_CHUNK = 4096  # bytes per program of the byte-by-byte launch
 _NUM_WARPS = 8
 
 
@@ -70,11 +72,17 @@ class CopyBatch:
                 raise ValueError("copy pairs must be contiguous")
             if src.nbytes != dst.nbytes:
                 raise ValueError(f"copy pair of {src.nbytes} and {dst.nbytes} bytes")
-        # the bases: a 16-byte aligned tensor of each side where there is one
-        self.src = _bytes(next((s for s, _ in pairs if s.data_ptr() % 16 == 0), pairs[0][0]))
-        self.dst = _bytes(next((d for _, d in pairs if d.data_ptr() % 16 == 0), pairs[0][1]))
+
+        # the bases: a tensor of each side at a 16-byte boundary, a multiple of 16 bytes
+        # long (its bytes also seen as int32 words: the aligned launch's) where there is one
+        def base(ts: list[torch.Tensor]) -> torch.Tensor:
+            good = (t for t in ts if t.data_ptr() % 16 == 0 and t.nbytes % 16 == 0 and t.nbytes)
+            return _bytes(next(good, ts[0]))
+
+        self.src = base([s for s, _ in pairs])
+        self.dst = base([d for _, d in pairs])
         s0, d0 = self.src.data_ptr(), self.dst.data_ptr()
-        bases = s0 % 16 == 0 and d0 % 16 == 0
+        bases = s0 % 16 == 0 and d0 % 16 == 0 and self.src.nbytes % 16 == self.dst.nbytes % 16 == 0
         parts: dict[bool, tuple[list[int], list[int]]] = {}
         for src, dst in pairs:
             so, do, n = src.data_ptr() - s0, dst.data_ptr() - d0, src.nbytes
@@ -84,7 +92,7 @@ class CopyBatch:
             desc, tiles = parts.setdefault(aligned, ([], []))
             i = len(desc) // 3
             desc += [so // 16, do // 16, n // 16] if aligned else [so, do, n]
-            for k in range(-(-n // CHUNK)):
+            for k in range(-(-n // (CHUNK if aligned else BYTE_CHUNK))):
                 tiles += [i, k]
         device = self.dst.device
         self.launches: list[tuple[bool, torch.Tensor, torch.Tensor, int]] = []
@@ -99,8 +107,12 @@ class CopyBatch:
 
     def run(self) -> None:
         for aligned, desc, tiles, n in self.launches:
+            if aligned:  # in int32 words: registers hold the data packed
+                src, dst, chunk = self.src.view(torch.int32), self.dst.view(torch.int32), CHUNK // 4
+            else:
+                src, dst, chunk = self.src, self.dst, BYTE_CHUNK
             _kernel()[(n,)](
-                self.src, self.dst, desc, tiles, CHUNK=CHUNK, ALIGNED=aligned, num_warps=_NUM_WARPS
+                src, dst, desc, tiles, CHUNK=chunk, ALIGNED=aligned, num_warps=_NUM_WARPS
             )
 
 
@@ -118,14 +130,14 @@ if triton is not None:
     import triton.language as tl
 
     def _copy(src, dst, desc, tiles, CHUNK: tl.constexpr, ALIGNED: tl.constexpr):  # type: ignore[no-untyped-def]
-        """One program per chunk: its pair's offsets, its bytes."""
+        """One program per chunk (CHUNK elements: int32 words aligned, else bytes)."""
         pid = tl.program_id(0)
         p = tl.load(tiles + pid * 2).to(tl.int64)
         k = tl.load(tiles + pid * 2 + 1).to(tl.int64)
-        if ALIGNED:  # stored in 16-byte units: Triton sees the alignment
-            so = tl.load(desc + p * 3) * 16
-            do = tl.load(desc + p * 3 + 1) * 16
-            n = tl.load(desc + p * 3 + 2) * 16
+        if ALIGNED:  # stored in 16-byte units, moved in words: Triton sees the alignment
+            so = tl.load(desc + p * 3) * 4
+            do = tl.load(desc + p * 3 + 1) * 4
+            n = tl.load(desc + p * 3 + 2) * 4
         else:
             so = tl.load(desc + p * 3)
             do = tl.load(desc + p * 3 + 1)
