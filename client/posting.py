@@ -138,6 +138,7 @@ class PublishStats:
     replicas: tuple[ReplicaOutcome, ...] = ()  # elastic jobs: each engine replica's outcome
     slot_events: int = 0  # ring slots reused once the GPU waits on the copies' events
     slot_landings: int = 0  # ring slots reused once the copies landed (waited for on the CPU)
+    begin_seconds: float = 0.0  # from the publish call until the daemon accepted the version
 
 
 @dataclass(frozen=True)

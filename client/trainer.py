@@ -400,6 +400,7 @@ class Trainer(RankClient):
                         slot_events=self._events_on(device, ring),
                     )
                 )
+                begun = time.perf_counter() - t0
                 break
             except PlanError as exc:  # a new plan is coming (a peer restarted, ranks changed)
                 if exc.code not in (ErrorCode.PLAN_CHANGED, ErrorCode.NOT_READY) or attempt == 2:
@@ -501,6 +502,7 @@ class Trainer(RankClient):
             replicas=result.replicas,
             slot_events=by_event,
             slot_landings=by_landing,
+            begin_seconds=begun,
         )
 
     def _events_on(self, device: torch.device, ring: StagingRing) -> bool:

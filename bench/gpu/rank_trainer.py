@@ -99,6 +99,7 @@ class TrainerRank(Rank):
             "total_seconds": s.total_seconds,
             "slot_events": s.slot_events,  # ring slots freed by the daemon's IPC events
             "slot_landings": s.slot_landings,  # ring slots freed by landings
+            "begin_seconds": s.begin_seconds,  # publish call -> version accepted
             "buckets": [
                 [b.index, b.nbytes, b.prepare_start, b.prepared, b.posted, b.landed]
                 for b in s.buckets
