@@ -420,6 +420,7 @@ class Trainer(RankClient):
         try:
             try:
                 in_place: set[int] = set()  # buckets of this version packed in place
+                gpu_regions = _gpu_regions(plan)  # once per version, not per bucket
                 for bucket in plan.buckets:
                     direct = self._direct.targets(plan, bucket, device) if self._direct else None
                     reuse = -1 if direct else slot_wait(ring, bucket.index, in_place)
@@ -446,7 +447,7 @@ class Trainer(RankClient):
                         ring.shift[bucket.index],
                         out,
                         self._source_regions.host_bytes,
-                        _gpu_regions(plan),
+                        gpu_regions,
                     )
                     self._post_bucket(
                         poster, bucket.index, device, started, delta, in_place=bool(direct)
