@@ -10,7 +10,8 @@ of the bucket's bytes from one contiguous buffer (torch copy_), as `weightwire b
 measures the link rate. Reported per variant: ms per bucket, GB/s of destination bytes,
 that over the baseline's rate (the bench's "of the rate" for a bucket alone, no daemon),
 and, for launches, the host time of a replay and the GPU time of an empty-ish launch
-(one 16-byte copy): the per-bucket and per-launch costs.
+(one 16-byte copy): the per-bucket and per-launch costs; and the host microseconds of a
+whole `Packer.pack_bucket` per bucket (bf16 and FP8).
 
 bf16 (the pack is a copy): torch's multi-tensor copy (before), one copy_ per tensor, the
 Triton copy kernel (`client/copy_kernel.py`). FP8 (codes + scales in destination layout,
@@ -59,6 +60,50 @@ def _timed(fn: Callable[[], None], reps: int) -> dict[str, float]:
         b.synchronize()
         times.append(a.elapsed_time(b))
     return {"ms": statistics.median(times), "host_us": 1e6 * statistics.mean(host)}
+
+
+def _host_costs(experts: list[torch.Tensor], dst: torch.Tensor, reps: int) -> dict[str, float]:
+    """Host microseconds per bucket of what the trainer does around the GPU work: a whole
+    `Packer.pack_bucket` of the bf16 and of the FP8 bucket (the batch's identity check and
+    its graph replay), and a CUDA event made and recorded (the Poster's, per bucket)."""
+    from weightwire.client.pack import Packer
+    from weightwire.protocol.plan import PackOp
+    from weightwire.protocol.tensors import Box, Copy, Fp8BlockQuant, Fp8BlockScale
+
+    tensors = {f"e{i}": e for i, e in enumerate(experts)}
+    box = Box.full((ROWS, COLS))
+    copies, fp8, at = [], [], 0
+    tiles = -(-ROWS // 128) * -(-COLS // 128)
+    for name, e in tensors.items():
+        copies.append(PackOp(source=name, box=box, transform=Copy(), staging_offset=at,
+                             nbytes=e.nbytes))  # fmt: skip
+        fp8.append(PackOp(source=name, box=box, transform=Fp8BlockQuant(block=128),
+                          staging_offset=at // 2, nbytes=e.numel()))  # fmt: skip
+        fp8.append(PackOp(source=name, box=box, transform=Fp8BlockScale(block=128),
+                          staging_offset=dst.numel() - (len(fp8) // 2 + 1) * tiles * 4,
+                          nbytes=tiles * 4))  # fmt: skip
+        at += e.nbytes
+    got: dict[str, float] = {}
+    for label, ops in (("pack_bucket bf16", tuple(copies)), ("pack_bucket fp8", tuple(fp8))):
+        p = Packer()
+        p.pack_bucket(ops, tensors, dst)  # made, run eagerly, captured
+        p.pack_bucket(ops, tensors, dst)
+        if dst.is_cuda:
+            torch.cuda.synchronize()
+        host = []
+        for _ in range(reps):
+            h = time.perf_counter()
+            p.pack_bucket(ops, tensors, dst)
+            host.append(time.perf_counter() - h)
+            if dst.is_cuda:
+                torch.cuda.synchronize()
+        got[f"{label} us"] = 1e6 * statistics.median(host)
+    if dst.is_cuda:
+        h = time.perf_counter()
+        for _ in range(reps):
+            torch.cuda.Event().record()  # type: ignore[no-untyped-call]
+        got["event made and recorded us"] = 1e6 * (time.perf_counter() - h) / reps
+    return got
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         stacked = torch.stack(experts)
         add("fp8: torch quantize_blocks of the stack (no copy out)",
             lambda: quantize_blocks(stacked, block) and None, fp8_bytes)  # fmt: skip
+    out["host"] = _host_costs(experts, dst, args.reps)
     for r in rows:
         r["of_rate"] = r["gbps"] / rate
     if args.json:
@@ -166,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         bit = {True: "ok", False: "DIFFERS"}.get(r.get("bitwise"), "")  # type: ignore[call-overload]
         print(f"  {r['what']:<{w}}  {r['ms']:7.3f}  {r['gbps']:7.1f}  {r['of_rate']:7.2f}  "
               f"{r['host_us']:7.1f}  {bit}", file=sys.stderr)  # fmt: skip
+    print("  host per bucket: " + ", ".join(f"{k} {v:.1f}" for k, v in out["host"].items()),
+          file=sys.stderr)  # fmt: skip
     return 0 if all(r.get("bitwise", True) for r in rows) else 1
 
 
