@@ -157,6 +157,18 @@ class Fp8Batch:
         self.hw_cvt = hw_cvt(staging.device)
 
     def run(self) -> None:
+        """Queue the launches. If the hardware rounding does not compile here, the integer
+        formula takes over (for this process), and the launches are queued with it."""
+        global HW_CVT
+        try:
+            self._launch()
+        except Exception:
+            if not self.hw_cvt:
+                raise
+            HW_CVT = self.hw_cvt = False
+            self._launch()
+
+    def _launch(self) -> None:
         for aligned, desc, tiles, ntiles in self.launches:
             _kernel()[(ntiles,)](
                 self.base,

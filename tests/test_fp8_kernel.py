@@ -148,6 +148,36 @@ def test_aligned_boxes_take_the_vector_launch_bitwise() -> None:
 
 
 @INTERP
+def test_hardware_rounding_that_fails_falls_back_to_integers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A GPU whose Triton cannot compile the e4m3fn convert: the batch relaunches with the
+    integer formula (and so does every later one), bitwise."""
+    real = fp8_kernel._kernel()
+
+    class NoCvt:
+        def __getitem__(self, grid: tuple[int]) -> object:
+            def launch(*args: object, **kw: object) -> object:
+                if kw["HW_CVT"]:
+                    raise RuntimeError("no e4m3fn convert here")
+                return real[grid](*args, **kw)
+
+            return launch
+
+    monkeypatch.setattr(fp8_kernel, "_kernel", NoCvt)
+    monkeypatch.setattr(fp8_kernel, "HW_CVT", True)
+    x = sample((130, 256), torch.bfloat16, seed=14)
+    staging = torch.zeros(x.numel() + 16 + 2 * 2 * 4, dtype=torch.uint8)
+    batch = fp8_kernel.Fp8Batch([Fp8Box(x, 0, x.numel() + 16)], staging, 128)
+    batch.hw_cvt = True  # as on an sm_90 GPU
+    batch.run()
+    assert not batch.hw_cvt and not fp8_kernel.HW_CVT
+    codes, scales = quantize_blocks(x, 128)
+    assert torch.equal(staging[: x.numel()], codes.view(torch.uint8).flatten())
+    _same_scales(staging[x.numel() + 16 :], scales.flatten())
+
+
+@INTERP
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape", [(1, 1), (5, 7), (128, 128), (130, 257), (129, 127)])
 def test_ragged_shapes(shape: tuple[int, int], dtype: torch.dtype) -> None:
