@@ -1,13 +1,15 @@
 """A bucket's pack ops made once into batched work and run every version.
 
-Plain copies and casts are grouped by dtypes and by whether the source is contiguous:
-torch copies a group of contiguous pairs in one fused kernel, and falls back to one copy
-per pair for the whole group if any pair is strided. FP8 boxes of one shape, block size
-and dtype are stacked and quantized in one pass, or, where Triton runs (`fp8_kernel`),
-every FP8 box of the bucket goes through one kernel launch per source dtype that writes
-codes and scales straight into staging. On the GPU the copies (thousands of small strided
-ones for a layer of experts) and those FP8 launches are captured once as a CUDA graph, so
-a version replays them with one launch per bucket instead of one per copy.
+Plain copies (same dtype, contiguous source) go, where Triton runs, through one launch of
+`copy_kernel` per bucket. Casts and the rest are grouped by dtypes and by whether the
+source is contiguous: torch copies a group of contiguous pairs in one fused kernel, and
+falls back to one copy per pair for the whole group if any pair is strided. FP8 boxes
+of one shape, block size and dtype are stacked and quantized in one pass, or, where Triton
+runs (`fp8_kernel`), every FP8 box of the bucket goes through one kernel launch per source
+dtype (and alignment class) that writes codes and scales straight into staging. On the
+GPU the copies (thousands of small strided ones for a layer of experts) and those launches
+are captured once as a CUDA graph, so a version replays them with one launch per bucket
+instead of one per copy.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import torch
 from weightwire.protocol.plan import PackOp
 from weightwire.protocol.tensors import Box, Cast, Copy, Fp8BlockQuant, Fp8BlockScale
 
-from . import fp8_kernel
+from . import copy_kernel, fp8_kernel
+from .copy_kernel import CopyBatch
 from .dtypes import TORCH
 from .fp8 import quantize_blocks
 from .fp8_kernel import Fp8Batch, Fp8Box
@@ -32,6 +35,7 @@ log = structlog.get_logger("weightwire.client.pack")
 GRAPHS = os.environ.get("WEIGHTWIRE_PACK_GRAPHS", "1") != "0"
 _graph_failure_logged = False
 _kernel_failed = False  # the FP8 kernel failed once in this process: the torch path only
+_copy_failed = False  # the copy kernel failed once in this process: torch's copies only
 
 
 def box_of(t: torch.Tensor, op: PackOp) -> torch.Tensor:
@@ -139,6 +143,7 @@ class BucketPack:
         self.copies: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
         self.fp8: list[Fp8Group] = []  # quantized by torch, stacked by shape
         self.kernel: list[Fp8Batch] = []  # quantized by the kernel, one launch each
+        self.plain: CopyBatch | None = None  # same-dtype contiguous copies, one launch
         self.rest: list[PackOp] = []
         self.graph: torch.cuda.CUDAGraph | None = None
         self._graphs = graphs and GRAPHS and staging.is_cuda
@@ -164,14 +169,35 @@ class BucketPack:
         if self.graph is not None:
             self.graph.replay()
         else:
+            self._run_plain()
             for outs, srcs in self.copies:
                 torch._foreach_copy_(outs, srcs)
             self._run_kernel()
-            if self._graphs and (self.copies or self.kernel):
+            if self._graphs and (self.copies or self.kernel or self.plain):
                 self.graph = self._capture()
                 self._graphs = False
         for group in self.fp8:
             group.run()
+
+    def _run_plain(self) -> None:
+        """The copy kernel, eagerly (the first run compiles it). If it fails its pairs go
+        to torch's copies, for this bucket and every later one."""
+        global _copy_failed
+        if self.plain is None:
+            return
+        try:
+            self.plain.run()
+        except Exception as exc:
+            if not _copy_failed:
+                log.warning(
+                    "pack copies run through torch: the copy kernel failed", error=repr(exc)
+                )
+            _copy_failed = True
+            outs = [dst.view(src.dtype).view(src.shape) for src, dst in self.plain.pairs]
+            srcs = [src for src, _ in self.plain.pairs]
+            self.plain = None
+            self.copies.append((outs, srcs))
+            torch._foreach_copy_(outs, srcs)
 
     def _run_kernel(self) -> None:
         """The FP8 launches, eagerly (the first run compiles them). A kernel that fails
@@ -199,6 +225,8 @@ class BucketPack:
             with torch.cuda.stream(side):
                 graph.capture_begin(capture_error_mode="thread_local")
                 try:
+                    if self.plain is not None:
+                        self.plain.run()
                     for outs, srcs in self.copies:
                         torch._foreach_copy_(outs, srcs)
                     for batch in self.kernel:
@@ -218,6 +246,8 @@ class BucketPack:
         copies: dict[tuple[Any, ...], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         fp8: dict[tuple[Any, ...], Fp8Group] = {}
         fp8_at: dict[tuple[Any, ...], tuple[Fp8Group, int]] = {}  # (source, box, block) -> slot
+        plain: list[tuple[torch.Tensor, torch.Tensor]] = []  # (source, staging bytes)
+        kernel_copies = not _copy_failed and copy_kernel.available([staging])
         for op in self.ops:
             out = staging[op.staging_offset : op.staging_offset + op.nbytes]
             match op.transform:
@@ -238,6 +268,13 @@ class BucketPack:
                         src.dtype if isinstance(op.transform, Copy) else TORCH[op.transform.dtype]
                     )
                     key = (src.dtype, dtype, src.is_contiguous())
+                    if (
+                        kernel_copies
+                        and key == (dtype, dtype, True)
+                        and src.device == staging.device
+                    ):
+                        plain.append((src, out))
+                        continue
                     outs, srcs = copies.setdefault(key, ([], []))
                     outs.append(out.view(dtype).view(src.shape))
                     srcs.append(src)
@@ -264,6 +301,8 @@ class BucketPack:
                 case _:
                     self.rest.append(op)
         self.copies = list(copies.values())
+        if plain:
+            self.plain = CopyBatch(plain)
         self._kernel_groups: list[Fp8Group] = []
         by_kind: dict[tuple[int, torch.dtype], list[Fp8Box]] = {}
         for (block, dtype, _), group in fp8.items():

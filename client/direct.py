@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import ctypes
 from typing import Any
 
 import msgspec
@@ -119,7 +120,7 @@ class Direct:
             if mem is None:
                 return None
             out.append((mem, tuple(ops)))
-        return out
+        return _one_target(out, device)
 
     def _region(self, desc: RegionDescriptor, device: torch.device) -> torch.Tensor | None:
         """The destination region's bytes, mapped into this process once."""
@@ -154,6 +155,32 @@ class Direct:
                 assert drv is not None
                 drv.ipc_close(base)
         self._opened.clear()
+
+
+def _one_target(targets: list[Target], device: torch.device) -> list[Target]:
+    """Targets in several regions as one: the bytes from the lowest region's start to the
+    highest one's end (one virtual range of this GPU's address space, touched only at the
+    ops' offsets), the ops moved to their offsets in it. The bucket is then packed by one
+    batch (one copy launch, one FP8 launch per dtype, one CUDA graph), not one per region:
+    an engine whose parameters are separate allocations gives a bucket dozens of them."""
+    if len(targets) < 2:
+        return targets
+    lo = min(mem.data_ptr() for mem, _ in targets)
+    hi = max(mem.data_ptr() + mem.numel() for mem, _ in targets)
+    span = _span(lo, hi - lo, device)
+    ops = tuple(
+        msgspec.structs.replace(op, staging_offset=op.staging_offset + mem.data_ptr() - lo)
+        for mem, moved in targets
+        for op in moved
+    )
+    return [(span, ops)]
+
+
+def _span(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """A flat uint8 tensor over `nbytes` at `ptr` (GPU memory; host memory in the tests)."""
+    if device.type == "cuda":
+        return torch.as_tensor(_Mem(ptr, nbytes), device=device)
+    return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=torch.uint8)
 
 
 def _merged(

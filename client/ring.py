@@ -90,6 +90,16 @@ class Landed:
         return True
 
 
+def slot_wait(ring: StagingRing, bucket: int, in_place: set[int]) -> int:
+    """The bucket whose writes must finish before `bucket` is packed into its slot (-1:
+    none): the last one before it that really packed in that slot. Buckets packed in place
+    (`in_place`, colocated) never touched their slot, so the wait goes back past them."""
+    reuse = ring.reuse[bucket]
+    while reuse in in_place:
+        reuse = ring.reuse[reuse]
+    return reuse
+
+
 class SlotOps:
     """Each bucket's pack ops moved into its ring slot: made once per (plan, bucket, shift)
     and then the same tuple every version, so the packer's batched work (and its CUDA

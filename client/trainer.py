@@ -47,7 +47,7 @@ from .modules import Rename, local_of, module_shards
 from .pack import Packer
 from .posting import BucketTimes, Poster, PublishStats
 from .rank import RankClient
-from .ring import Landed, SlotOps
+from .ring import Landed, SlotOps, slot_wait
 from .slotwait import SlotWaits
 from .sources import SourceRegions
 from .staging import Placement, Staging
@@ -359,6 +359,7 @@ class Trainer(RankClient):
             and ring.slots > 0
             and placement == "gpu"
             and not plan.delta_bytes
+            and self._direct is None  # in-place buckets land out of their slots' order
             and self._slots.usable()
         )
 
@@ -445,6 +446,7 @@ class Trainer(RankClient):
                         fence_base=self._slots.base,
                     )
                 )
+                begun = time.perf_counter() - t0
                 break
             except PlanError as exc:  # a new plan is coming (a peer restarted, ranks changed)
                 if exc.code not in (ErrorCode.PLAN_CHANGED, ErrorCode.NOT_READY) or attempt == 2:
@@ -463,8 +465,11 @@ class Trainer(RankClient):
         self._delta.begin(version, plan, staging)
         try:
             try:
+                in_place: set[int] = set()  # buckets of this version packed in place
+                gpu_regions = _gpu_regions(plan)  # once per version, not per bucket
                 for bucket in plan.buckets:
-                    reuse = ring.reuse[bucket.index]
+                    direct = self._direct.targets(plan, bucket, device) if self._direct else None
+                    reuse = -1 if direct else slot_wait(ring, bucket.index, in_place)
                     if reuse >= 0 and counters is not None:  # the GPU waits for the slot
                         if not poster.await_posted(landed, reuse, self.timeout_s, what):
                             break  # the version failed: its result says why
@@ -479,8 +484,8 @@ class Trainer(RankClient):
                         by_landing += freed == "landed"
                     p0 = time.perf_counter()
                     started = time.time()
-                    direct = self._direct.targets(plan, bucket, device) if self._direct else None
                     if direct:  # colocated: packing is the transfer
+                        in_place.add(bucket.index)
                         for region, ops in direct:
                             self._packer.pack_bucket(ops, current, region)
                     elif bucket.packs:
@@ -493,7 +498,7 @@ class Trainer(RankClient):
                         ring.shift[bucket.index],
                         out,
                         self._source_regions.host_bytes,
-                        _gpu_regions(plan),
+                        gpu_regions,
                     )
                     self._post_bucket(
                         poster, bucket.index, device, started, delta, in_place=bool(direct)
@@ -557,6 +562,7 @@ class Trainer(RankClient):
             slot_events=by_event,
             slot_landings=by_landing,
             slot_counters=by_counter,
+            begin_seconds=begun,
         )
 
     def _events_on(self, device: torch.device, ring: StagingRing) -> bool:

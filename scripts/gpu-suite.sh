@@ -17,7 +17,8 @@
 # trainer and engine on GPU 0 (--place 0:0): bf16 through staging (bench-colocated-bf16),
 # then packed in place (--direct) with bf16 and FP8 engines (bench-colocated-bf16-direct,
 # bench-colocated-fp8-direct); the summary's "busiest link 0->0 at X of its rate" is the
-# fraction of the same-GPU copy rate.
+# fraction of the same-GPU copy rate. Before them, `weightwire.bench.packrate` times the
+# packing kernels for one bucket ($TAG-packrate.json; its table in the suite log).
 # WW_SUITE_CPU=1 runs the same stages without a GPU (tiny model, --device cpu, GPU tests
 # skipped): a self-test of this script, never a measurement.
 set -uo pipefail
@@ -182,6 +183,13 @@ bench() {
     find "$work" -name '*.log' -exec cp {} "$OUT/$TAG-logs-$name/" \; 2>/dev/null
     if ((brc == 0)); then note "ok: bench $name"; else note "FAIL: bench $name (rc $brc)"; rc=1; fi
 }
+if ((NGPU >= 1 && !SELFTEST)) && wanted colocated; then
+    # the packing kernels alone, one bucket, against the same-GPU copy rate (every FP8
+    # variant checked bitwise): per-bucket and per-launch costs for the runs below
+    echo "== packing variants, one bucket (python -m weightwire.bench.packrate)"
+    timeout -k 5 120 "$PY" -m weightwire.bench.packrate --json >"$OUT/$TAG-packrate.json" ||
+        { note "FAIL: packrate"; rc=1; }
+fi
 if ((NGPU >= 1)); then
     # colocated: trainer and engine share GPU 0. Through staging and the cuda transport (as
     # before), then --direct: packed straight into the engine's memory (packing is the

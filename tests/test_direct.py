@@ -118,6 +118,30 @@ def test_strided_experts_and_fp8_in_place_bitwise(monkeypatch) -> None:  # type:
         assert torch.equal(got[rank], region), f"engine rank {rank}"
 
 
+def test_a_bucket_into_several_regions_is_packed_as_one_batch(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A bucket written to three engine ranks' regions is one target (one BucketPack: one
+    launch per kernel, one graph), spanning the regions; still bitwise."""
+    seen: list[tuple[int, int]] = []
+    one = directmod._one_target
+
+    def counted(targets, device):  # type: ignore[no-untyped-def]
+        out = one(targets, device)
+        seen.append((len(targets), len(out)))
+        return out
+
+    monkeypatch.setattr(directmod, "_one_target", counted)
+    g = model()
+    ts = [trainer("T", 0, g, fsdp(0, 1, g))]
+    es = [engine("E", r, tp_pieces(g, r, 3)) for r in range(3)]
+    plans = plan("job", ts, es, PlanOptions())
+    want = execute(plans, ts, es, g)
+    got, (direct, staged) = _in_place(plans, ts, es, g, monkeypatch)
+    assert direct and not staged
+    assert max(n for n, _ in seen) == 3 and {m for _, m in seen} == {1}, seen
+    for rank, region in want.items():
+        assert torch.equal(got[rank], region), f"engine rank {rank}"
+
+
 def test_buckets_not_all_on_this_gpu_stay_on_staging(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     g = model()
     ts = [trainer("T", r, g, fsdp(r, 2, g)) for r in range(2)]

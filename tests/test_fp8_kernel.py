@@ -93,6 +93,90 @@ def _check(
     assert (got[~touched] == 0xA5).all()
 
 
+def _aligned(
+    xs: list[torch.Tensor], block: int = 128, device: str = "cpu"
+) -> tuple[fp8_kernel.Fp8Batch, torch.Tensor, list[tuple[int, int, int]]]:
+    """The boxes laid out as the planner does (16-byte aligned codes, then scales), in
+    one batch run once; (batch, staging, (codes, scales, scale bytes) per box)."""
+    layout, off = [], 256
+    for x in xs:
+        codes_at = off
+        off = -(-(off + x.numel()) // 16) * 16
+        n_scales = -(-x.shape[0] // block) * -(-x.shape[1] // block) * 4
+        layout.append((codes_at, off, n_scales))
+        off = -(-(off + n_scales) // 16) * 16 + 16
+    staging = torch.full((off,), 0xA5, dtype=torch.uint8, device=device)
+    batch = fp8_kernel.Fp8Batch(
+        [Fp8Box(x, c, s) for x, (c, s, _) in zip(xs, layout, strict=True)], staging, block
+    )
+    batch.run()
+    return batch, staging, layout
+
+
+def _check_aligned(xs: list[torch.Tensor], block: int = 128, device: str = "cpu") -> list[bool]:
+    """As `_check`, for boxes laid out as planned; returns which launches ran (aligned?)."""
+    batch, staging, layout = _aligned(xs, block, device)
+    got = staging.cpu()
+    touched = torch.zeros_like(got, dtype=torch.bool)
+    for x, (codes_at, scales_at, n_scales) in zip(xs, layout, strict=True):
+        codes, scales = quantize_blocks(x, block)
+        assert torch.equal(
+            got[codes_at : codes_at + x.numel()], codes.cpu().view(torch.uint8).flatten()
+        )
+        _same_scales(got[scales_at : scales_at + n_scales], scales.cpu().flatten())
+        touched[codes_at : codes_at + x.numel()] = True
+        touched[scales_at : scales_at + n_scales] = True
+    assert (got[~touched] == 0xA5).all()
+    return [a for a, *_ in batch.launches]
+
+
+@INTERP
+def test_aligned_boxes_take_the_vector_launch_bitwise() -> None:
+    """Contiguous rows of whole 16-byte vectors (stacked experts, row and column ranges of
+    them) go to the aligned launch, the rest (a transposed view, odd widths) to the
+    generic one, in one batch; both bitwise, ragged edges and odd values included."""
+    e = sample((4, 200, 272), torch.bfloat16, seed=11)
+    e[1, :128, :128] = 0
+    e[2, 3, 5] = float("nan")
+    e[2, 150, 260] = float("-inf")
+    e[3, 199, 271] = float("inf")
+    e[0, 130:, :] = 448 * 2**-9
+    xs = [e[0], e[1], e[2], e[3], e[1, 8:100], e[2, :, 16:48], e[3, :, :40], e[0, :64, :64].t()]
+    assert _check_aligned(xs) == [False, True]
+    assert _check_aligned([e[0].float(), e[1].half()[:, :256]][:1]) == [True]
+    assert _check_aligned([e[1, 8:100]]) == [True]
+
+
+@INTERP
+def test_hardware_rounding_that_fails_falls_back_to_integers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A GPU whose Triton cannot compile the e4m3fn convert: the batch relaunches with the
+    integer formula (and so does every later one), bitwise."""
+    real = fp8_kernel._kernel()
+
+    class NoCvt:
+        def __getitem__(self, grid: tuple[int]) -> object:
+            def launch(*args: object, **kw: object) -> object:
+                if kw["HW_CVT"]:
+                    raise RuntimeError("no e4m3fn convert here")
+                return real[grid](*args, **kw)
+
+            return launch
+
+    monkeypatch.setattr(fp8_kernel, "_kernel", NoCvt)
+    monkeypatch.setattr(fp8_kernel, "HW_CVT", True)
+    x = sample((130, 256), torch.bfloat16, seed=14)
+    staging = torch.zeros(x.numel() + 16 + 2 * 2 * 4, dtype=torch.uint8)
+    batch = fp8_kernel.Fp8Batch([Fp8Box(x, 0, x.numel() + 16)], staging, 128)
+    batch.hw_cvt = True  # as on an sm_90 GPU
+    batch.run()
+    assert not batch.hw_cvt and not fp8_kernel.HW_CVT
+    codes, scales = quantize_blocks(x, 128)
+    assert torch.equal(staging[: x.numel()], codes.view(torch.uint8).flatten())
+    _same_scales(staging[x.numel() + 16 :], scales.flatten())
+
+
 @INTERP
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape", [(1, 1), (5, 7), (128, 128), (130, 257), (129, 127)])
@@ -159,6 +243,7 @@ def test_bucket_pack_runs_the_kernel_bitwise() -> None:
     (entry,) = p._buckets.values()
     assert len(entry.kernel) == 1 and not entry.fp8
     assert entry.kernel[0].ntiles == 6 * (2 * 3 + 1 * 3)
+    assert entry.plain is not None and len(entry.plain.pairs) == 6  # the contiguous copies
 
 
 @INTERP
@@ -217,6 +302,32 @@ def test_cuda_kernel_bitwise() -> None:
     got = staging.cpu()
     assert torch.equal(got[: x.numel()], codes.view(torch.uint8).flatten())
     _same_scales(got[x.numel() :], scales.flatten())
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("cvt", [True, False])
+def test_cuda_aligned_launch_bitwise(cvt: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Expert-shaped boxes (the colocated bench's) through the aligned launch, rounding
+    by the hardware's convert (sm_89 on) and by the integer formula: bitwise, edge values
+    in a tile each (zero, NaN, +-inf, e4m3fn subnormals, a wide range)."""
+    monkeypatch.setattr(fp8_kernel, "HW_CVT", cvt)
+    e = sample((6, 768, 2048), torch.bfloat16, seed=12).cuda()
+    e[0, :128, :128] = 0
+    e[1, 5, 7] = float("nan")
+    e[1, 300, 1000] = -float("nan")
+    e[2, 140, 140] = float("inf")
+    e[2, 400, 400] = float("-inf")
+    e[3, 128:256, :128] = 448 * 2**-9
+    g = torch.Generator().manual_seed(13)
+    wide = torch.randn((768, 2048), generator=g) * torch.exp(
+        torch.randn((768, 2048), generator=g) * 6
+    )
+    e[4] = wide.to(torch.bfloat16).cuda()
+    assert _check_aligned([*e, e[5, 64:700, 256:1024]], device="cuda") == [True]
+    assert _check_aligned([e[4].float(), e[1].float()], device="cuda") == [True]
+    batch, *_ = _aligned([e[0]], device="cuda")
+    assert batch.hw_cvt == (cvt and torch.cuda.get_device_capability() >= (8, 9))
 
 
 @pytest.mark.gpu

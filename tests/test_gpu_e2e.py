@@ -380,6 +380,19 @@ def test_gpu_colocated_packs_in_place(gpu_cluster: LocalCluster, dest: str) -> N
     assert got["in_place"] == got["writes"] > 0, got
 
 
+@pytest.mark.parametrize("dest", ["", "fp8"])
+def test_gpu_colocated_in_place_waits_for_no_slot(small_buckets: LocalCluster, dest: str) -> None:
+    """Packed in place, a bucket uses no staging slot: with more buckets than ring slots,
+    the trainer never waits for a slot (no landing, no event), so the GPU gets every
+    bucket's packing queued at once; all bitwise, three versions."""
+    job = f"colocated-noslot-{dest or 'bf16'}"
+    got = sync(small_buckets, job, dest, "gpu", trainer_host=0, staging_buckets=2,
+               direct=True, versions=(1, 2, 3))  # fmt: skip
+    assert got["slots"] == 2 and got["reuses"] > 0, got
+    assert got["by_event"] == got["by_landing"] == 0, got
+    assert got["cuda"] == 0 and got["in_place"] == got["writes"] > 0, got
+
+
 def test_gpu_zero_copy_sources(gpu_cluster: LocalCluster) -> None:
     """Trainers' own GPU tensors registered zero-copy: their contiguous parts go straight
     from the tensors' memory (less staging than bytes), the rest is packed, all bitwise."""

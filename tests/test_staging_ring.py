@@ -20,6 +20,7 @@ import torch
 
 from weightwire.cli.status import render
 from weightwire.client import Engine, Trainer
+from weightwire.client.ring import slot_wait
 from weightwire.client.status import fetch
 from weightwire.harness.localcluster import LocalCluster
 from weightwire.protocol.errors import ErrorCode, TimeoutError_, WeightwireError
@@ -73,6 +74,17 @@ def test_ring_geometry() -> None:
         assert whole.slots == 0 and whole.nbytes == plan.staging_bytes
         assert set(whole.shift) == {0} and set(whole.reuse) == {-1}
     assert staging_ring(_plan([[], []]), 1).nbytes == 0  # all zero-copy: no staging at all
+
+
+def test_a_slot_waits_past_buckets_packed_in_place() -> None:
+    # six buckets in a ring of 2: slots 0 1 0 1 0 1, each reusing the one two before
+    plan = _plan([[(i * 1024, 1000)] for i in range(6)])
+    ring = staging_ring(plan, 2)
+    assert ring.reuse == (-1, -1, 0, 1, 2, 3)
+    assert [slot_wait(ring, b, set()) for b in range(6)] == [-1, -1, 0, 1, 2, 3]
+    # 2 and 3 packed in place (colocated) never touched their slots: 4 waits for 0, 5 for 1
+    assert [slot_wait(ring, b, {2, 3}) for b in (4, 5)] == [0, 1]
+    assert slot_wait(ring, 4, {0, 2}) == -1  # nothing staged in its slot before it
 
 
 @pytest.fixture(scope="module")

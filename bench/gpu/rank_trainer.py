@@ -102,6 +102,7 @@ class TrainerRank(Rank):
             "slot_events": s.slot_events,  # ring slots freed by the daemon's IPC events
             "slot_landings": s.slot_landings,  # ring slots freed by landings
             "slot_counters": s.slot_counters,  # ring slots waited for on GPU counters
+            "begin_seconds": s.begin_seconds,  # publish call -> version accepted
             "buckets": [
                 [b.index, b.nbytes, b.prepare_start, b.prepared, b.posted, b.landed]
                 for b in s.buckets
