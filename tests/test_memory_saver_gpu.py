@@ -13,6 +13,9 @@ skipped elsewhere, saying why. torch_memory_saver comes from the carried .whl/ i
 from __future__ import annotations
 
 import gc
+import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -159,34 +162,65 @@ def test_vmm_memory_without_a_shareable_handle_is_refused_naming_the_parameter(
     assert fetch(sock)["node"] == "host0"
 
 
+_TMS_CHILD = r"""
+import json, os, sys
+import torch
+def out(**kw):
+    print("RESULT " + json.dumps(kw), flush=True)
+    os._exit(0)  # torch_memory_saver aborts in its own teardown (tms_torch_free): skip it
+try:
+    from torch_memory_saver import torch_memory_saver as tms
+except Exception as exc:
+    out(skip=f"torch_memory_saver does not import here: {exc!r}")
+try:
+    tms.hook_mode = "torch"
+    with tms.region():
+        w = torch.full((4 << 20,), 7, dtype=torch.uint8, device="cuda:0")
+except Exception as exc:
+    out(skip=f"torch_memory_saver does not allocate here: {exc!r}")
+from weightwire.client import Engine
+from weightwire.memory import vmm
+from weightwire.memory.cudadrv import driver
+from weightwire.protocol.errors import WeightwireError
+drv = driver()
+drv.use(0)
+chunk = vmm.chunk_at(drv, w.data_ptr())
+if chunk is None:
+    out(vmm=False)
+eng = Engine(0, 1, socket=sys.argv[1], job="tms", timeout_s=30, device=0)
+try:
+    eng.register({"model.w": w})
+    out(vmm=True, fd_ok=chunk.posix_fd_ok, registered=True)
+except WeightwireError as exc:
+    out(vmm=True, fd_ok=chunk.posix_fd_ok, registered=False,
+        error=type(exc).__name__, message=exc.message)
+"""
+
+
 def test_torch_memory_saver_weights_are_refused_saying_what_to_set(daemon: LocalCluster) -> None:
     """The real torch_memory_saver (from PyPI, carried in .whl/), as SGLang's
-    --enable-memory-saver uses it: its memory is VMM without a shareable handle type."""
-    try:
-        from torch_memory_saver import torch_memory_saver as tms
-    except Exception as exc:  # not installed, or built for another torch / CUDA
-        pytest.skip(f"torch_memory_saver does not import here: {exc!r}")
-    try:
-        tms.hook_mode = "torch"
-        with tms.region():
-            w = torch.full((4 * MB,), 7, dtype=torch.uint8, device="cuda:0")
-    except Exception as exc:  # e.g. its allocator built for another torch
-        pytest.skip(f"torch_memory_saver does not allocate here: {exc!r}")
-    drv = driver()
-    drv.use(0)
-    chunk = vmm.chunk_at(drv, w.data_ptr())
-    assert chunk is not None, "torch_memory_saver memory is not VMM memory?"
-    eng = Engine(0, 1, socket=daemon.daemons[0].socket, job="tms", timeout_s=30, device=0)
-    try:
-        if chunk.posix_fd_ok:  # a torch_memory_saver that allows fds: it must just work
-            eng.register({"model.w": w})
-            return
-        with pytest.raises(RegistrationError) as err:
-            eng.register({"model.w": w})
-        assert "parameter model.w" in err.value.message
-        assert "--enable-memory-saver" in err.value.message
-    finally:
-        eng.close()
+    --enable-memory-saver uses it: its memory is VMM without a shareable handle type. In a
+    child process: its hooked allocator stays in the process that loaded it (and aborts in
+    its own teardown), so it must not share one with the other tests."""
+    done = subprocess.run(
+        [sys.executable, "-c", _TMS_CHILD, daemon.daemons[0].socket],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, f"the child printed no result (rc {done.returncode}): {done.stderr[-2000:]}"
+    res = json.loads(lines[-1][len("RESULT ") :])
+    if "skip" in res:
+        pytest.skip(res["skip"])
+    assert res["vmm"], "torch_memory_saver memory is not VMM memory?"
+    if res["fd_ok"]:  # a torch_memory_saver that allows fds: it must just work
+        assert res["registered"], res
+        return
+    assert not res["registered"], "memory without a shareable handle was accepted"
+    assert res["error"] == "RegistrationError", res
+    assert "parameter model.w" in res["message"]
+    assert "--enable-memory-saver" in res["message"]
 
 
 def test_expandable_segments_engine_memory_lands_bitwise(daemon: LocalCluster) -> None:
