@@ -99,9 +99,10 @@ def aligned(new: np.ndarray, old: np.ndarray, width: int) -> bool:
     return new.ctypes.data % width == 0 and old.ctypes.data % width == 0
 
 
-def scan(new: np.ndarray, old: np.ndarray, acc: Changes, base: int, hasher: Any | None) -> bool:
+def scan(new: np.ndarray, old: np.ndarray, acc: Changes, base: int, hasher: Any) -> bool:
     """Block `new` (uint8) against `old` (the shadow: left equal to `new`), hashing `new`
-    into `hasher`, its changes added to `acc` at element `base` of the payload's stream.
+    into `hasher` (an xxh3, a list of them, or None), its changes added to `acc` at
+    element `base` of the payload's stream.
     False when the payload cannot fit: more than `acc.limit` changes, or a block whose
     first part projects well past it (the shadow is moved on and the hash fed all the
     same). Both must be aligned to the width."""
@@ -125,10 +126,19 @@ def scan(new: np.ndarray, old: np.ndarray, acc: Changes, base: int, hasher: Any 
                 np.copyto(b[done:], a[done:])
         else:
             np.copyto(b, a)
-        if hasher is not None:
-            hasher.update(a)
+        _feed(hasher, a)
         at = end
     return not bail
+
+
+def _feed(hasher: Any, data: np.ndarray) -> None:
+    if hasher is None:
+        return
+    if isinstance(hasher, list | tuple):
+        for h in hasher:
+            h.update(data)
+    else:
+        hasher.update(data)
 
 
 def _scan_chunk(a: np.ndarray, b: np.ndarray, acc: Changes, base: int) -> int:
@@ -160,15 +170,16 @@ def _scan_chunk(a: np.ndarray, b: np.ndarray, acc: Changes, base: int) -> int:
     return a.size
 
 
-def copy(new: np.ndarray, old: np.ndarray, hasher: Any | None) -> None:
-    """The shadow takes a block whole (no compare), hashed on the way."""
-    if hasher is None:
+def copy(new: np.ndarray, old: np.ndarray, hasher: Any) -> None:
+    """The shadow takes a block whole (no compare), hashed on the way (`hasher`: an xxh3,
+    a list of them, or None)."""
+    if hasher is None or (isinstance(hasher, list | tuple) and not hasher):
         np.copyto(old, new)
         return
     for at in range(0, new.size, CHUNK):
         a = new[at : at + CHUNK]
         np.copyto(old[at : at + CHUNK], a)
-        hasher.update(a)
+        _feed(hasher, a)
 
 
 def sample(new: np.ndarray, old: np.ndarray, width: int) -> tuple[int, int]:

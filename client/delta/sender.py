@@ -24,7 +24,7 @@ import xxhash
 from weightwire.protocol.local import PublishResult
 from weightwire.protocol.plan import Bucket, DeltaSlot, RankPlan, WriteOp
 
-from . import codec, digest, frames, scan
+from . import codec, digest, frames, hostpass, scan
 
 Mode = Literal["off", "auto", "on"]
 SAMPLE_MARGIN = 1.0
@@ -142,58 +142,53 @@ class DeltaSender:
         source_bytes: SourceBytes,
         gpu_region: Callable[[str, int], bool],
     ) -> list[tuple[int, int, int]]:
-        """`bucket` for host staging and shadow: each staging block is read once (compared
-        where a payload may go, copied into the shadow elsewhere) and hashed on the way;
-        a payload's compare stops as soon as it could not fit (or, by a sampled estimate,
-        before it starts)."""
+        """`bucket` for host staging and shadow: one pass over the staging the bucket
+        reads (`hostpass`): each byte compared once where a payload may go (copied into
+        the shadow elsewhere) and hashed on the way; a payload's compare stops as soon as
+        it could not fit (or, by a sampled estimate, before it starts)."""
         assert self.shadow is not None
         shadow = self.shadow.numpy()
-        claims: dict[tuple[int, int], tuple[int, int]] = {}  # block -> (delta slot, start)
-        jobs: dict[int, _Job] = {}
         t0 = time.perf_counter()
+        jobs: dict[int, hostpass.Job] = {}
         for index, ds in enumerate(b.deltas):
             if self._wants_delta(ds):
-                job = self._claim(b, index, ds, new, shadow, claims)
+                job = self._claim(b, ds, new, shadow)
                 if job is not None:
                     jobs[index] = job
         self._tick("sample", t0)
-        done: dict[tuple[int, int], None] = {}
-        for wr in b.writes:
+        hashed = [(wr.dst_node, wr.slot) in self._dsts for wr in b.writes]
+        gpu = [
+            h and gpu_region(wr.dst_node, wr.dst_region)
+            for h, wr in zip(hashed, b.writes, strict=True)
+        ]
+        hashers = {
+            i: xxhash.xxh3_64()
+            for i, wr in enumerate(b.writes)
+            if hashed[i] and not gpu[i] and wr.src_region < 0
+        }
+        done = hostpass.run(b, new, shadow, list(jobs.values()), hashers)
+        self._changed += done.changed
+        self._compared += done.compared
+        self.phases["scan"] += done.scan_s
+        self.phases["copy"] += done.copy_s
+        for i, wr in enumerate(b.writes):
+            if not hashed[i]:
+                continue
             dst = (wr.dst_node, wr.slot)
-            hashed = dst in self._dsts
-            gpu = hashed and gpu_region(wr.dst_node, wr.dst_region)
-            hasher = xxhash.xxh3_64() if hashed and not gpu else None
-            blocks: list[torch.Tensor] = []
-            for off, length in src_blocks(wr):
-                if wr.src_region >= 0:
-                    data = source_bytes(wr.src_region, off, length) if hashed else None
-                    if data is not None:
-                        _feed(hasher, blocks, data)
-                    continue
-                fresh = new[off : off + length]
-                if (off, length) in done:  # already scanned for another write
-                    if hashed:
-                        _feed(hasher, blocks, fresh)
-                    continue
-                done[(off, length)] = None
-                a, old = fresh.numpy(), shadow[off : off + length]
-                claim = claims.get((off, length))
-                job = jobs.get(claim[0]) if claim is not None else None
-                t0 = time.perf_counter()
-                if job is None or job.dense:
-                    scan.copy(a, old, hasher)
-                    self._tick("copy", t0)
-                else:
-                    self._scan(job, claim[1], a, old, hasher)  # type: ignore[index]  # job: claim
-                    self._tick("scan", t0)
-                if gpu:
-                    blocks.append(fresh)
-            if hashed:
-                part = digest.tdigest(blocks) if gpu else hasher.intdigest()  # type: ignore[union-attr]
-                self._parts.setdefault(dst, []).append(part)
-                self._ranges.setdefault(dst, []).append(
-                    (wr.dst_region, wr.dst_offset, wr.length, wr.count, wr.dst_stride)
-                )
+            if i in hashers:
+                part = hashers[i].intdigest()
+            else:  # a GPU destination (tdigest) or a zero-copy source
+                blocks = [
+                    source_bytes(wr.src_region, off, length)
+                    if wr.src_region >= 0
+                    else new[off : off + length]
+                    for off, length in src_blocks(wr)
+                ]
+                part = digest.range_digest(blocks, gpu[i])
+            self._parts.setdefault(dst, []).append(part)
+            self._ranges.setdefault(dst, []).append(
+                (wr.dst_region, wr.dst_offset, wr.length, wr.count, wr.dst_stride)
+            )
         sent: list[tuple[int, int, int]] = []
         for index, job in jobs.items():
             t0 = time.perf_counter()
@@ -209,28 +204,20 @@ class DeltaSender:
         self.phases[phase] = self.phases.get(phase, 0.0) + time.perf_counter() - since
 
     def _claim(
-        self,
-        b: Bucket,
-        index: int,
-        ds: DeltaSlot,
-        new: _Planned,
-        shadow: np.ndarray,
-        claims: dict[tuple[int, int], tuple[int, int]],
-    ) -> _Job | None:
-        """A compare job for delta slot `ds`, its blocks claimed; None when it goes dense:
-        blocks another slot compares, misaligned, or a sampled density that would not fit."""
+        self, b: Bucket, ds: DeltaSlot, new: _Planned, shadow: np.ndarray
+    ) -> hostpass.Job | None:
+        """A compare job for delta slot `ds`; None when it goes dense: misaligned, or a
+        sampled density that would not fit."""
         w = ds.width
-        blocks = [blk for i in ds.writes for blk in src_blocks(b.writes[i])]
-        if any(blk in claims for blk in blocks):
-            return None
+        blocks = [(off, length, i) for i in ds.writes for off, length in src_blocks(b.writes[i])]
         changed = compared = 0
-        for off, length in blocks:
+        for off, length, _ in blocks:
             a, old = new[off : off + length].numpy(), shadow[off : off + length]
             if not scan.aligned(a, old, w):
                 return None
             c, m = scan.sample(a, old, w)
             changed, compared = changed + c, compared + m
-        n = sum(length for _, length in blocks) // w
+        n = sum(length for _, length, _ in blocks) // w
         room = ds.capacity - frames.body_offset(len(ds.writes))
         limit = codec.max_changes(n, w, room)  # more changes than this cannot fit
         if limit < 0:
@@ -244,21 +231,11 @@ class DeltaSender:
                 self._changed += changed
                 self._compared += compared
                 return None
-        start = 0
-        for blk in blocks:
-            claims[blk] = (index, start)
-            start += blk[1] // w
-        return _Job(ds, n, scan.Changes(n, w, limit))
-
-    def _scan(self, job: _Job, start: int, a: np.ndarray, old: np.ndarray, hasher: object) -> None:
-        acc = job.changes
-        k0 = acc.k
-        fits = scan.scan(a, old, acc, start, hasher)
-        self._compared += a.size // acc.width
-        self._changed += min(acc.k, acc.limit + 1) - k0
-        if not fits:  # cannot fit: the slot goes dense (the shadow is moved on anyway)
-            job.dense = True
-            job.changes = scan.Changes(0, acc.width, 0)  # let the buffers go
+        starts, start = [], 0
+        for off, length, i in blocks:
+            starts.append((off, length, start, i))
+            start += length // w
+        return hostpass.Job(ds, n, scan.Changes(n, w, limit), starts)
 
     def _head(self, b: Bucket, ds: DeltaSlot, n: int, k: int) -> frames.PayloadHead | None:
         """The head of the payload of `k` changed of `n` elements for `ds`; None when it goes
@@ -275,7 +252,7 @@ class DeltaSender:
             return None
         return head
 
-    def _payload(self, b: Bucket, job: _Job, out: torch.Tensor) -> int:
+    def _payload(self, b: Bucket, job: hostpass.Job, out: torch.Tensor) -> int:
         """Encode a job's changes into `out`; its bytes (0: it goes dense)."""
         ds, n = job.slot, job.elements
         pos = job.changes.positions
@@ -415,25 +392,6 @@ class DeltaSender:
     def abandon(self) -> None:
         """The version failed on this side: the shadow may be half moved on."""
         self.shadow_version, self.held = -1, {}
-
-
-@dataclass
-class _Job:
-    """One delta slot's compare in progress (host path)."""
-
-    slot: DeltaSlot
-    elements: int
-    changes: scan.Changes
-    dense: bool = False
-
-
-def _feed(hasher: object, blocks: list[torch.Tensor], data: torch.Tensor) -> None:
-    """A range's next block: into its xxh3, or kept for its tdigest."""
-    if hasher is None:
-        blocks.append(data)
-        return
-    if data.numel():
-        hasher.update(memoryview(data.contiguous().cpu().numpy()))  # type: ignore[attr-defined, arg-type]
 
 
 def _cat(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
