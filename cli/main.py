@@ -31,9 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--delta",
         choices=["auto", "on", "off"],
-        default="off",
-        help="sparse delta sync after the first (dense) version (experimental: a delta version "
-        "can fail its checksum and is then resent dense); off: every version dense",
+        default="auto",
+        help="sparse delta sync after the first (dense) version; off: every version dense",
     )
     demo.add_argument(
         "--delta-density", type=float, default=0.02, help="fraction of elements each step changes"
