@@ -7,6 +7,8 @@ in a failed version and a dense resend, never in a wrong version reported comple
 from __future__ import annotations
 
 import itertools
+import signal
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -192,3 +194,92 @@ def test_restarted_engine_gets_dense(pair: Pair) -> None:
     pair.eng.wait(v)
     assert stats.delta_bytes < 4096  # dense: the new engine holds nothing
     assert bitwise(pair.dst, pair.w)
+
+
+class GarblesAPayload(Trainer):
+    """Flips one byte of the first delta payload of version `at` after it was encoded and
+    before it is sent (bytes lost or garbled on their way: the transport and the counts
+    all say fine)."""
+
+    at = -1
+    where = "value"  # or "head": the payload's header, so that it does not even decode
+
+    def _post_bucket(self, poster, index, device, started, delta, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if poster.version == self.at and delta:
+            _, slot, nbytes = delta[0]
+            ds = self.plan().buckets[index].deltas[slot]
+            assert self._delta_out is not None
+            at = ds.src_offset + (nbytes - 1 if self.where == "value" else 8)
+            self._delta_out.tensor[at] ^= 0x10
+            self.at = -1
+        super()._post_bucket(poster, index, device, started, delta, *args, **kwargs)
+
+
+@pytest.mark.parametrize("where", ["value", "head"])
+def test_garbled_payload_fails_never_completes(cluster: LocalCluster, where: str) -> None:
+    p = Pair(cluster, trainer_cls=GarblesAPayload)
+    p.tr.where = where  # type: ignore[attr-defined]
+    try:
+        p.tr.publish(0)
+        p.eng.wait(0)
+        step(p.w, 0.02, 1)
+        p.tr.at = 1  # type: ignore[attr-defined]
+        with pytest.raises(WeightwireError, match="checksum"):
+            p.tr.publish(1)
+        with pytest.raises(WeightwireError, match="checksum"):
+            p.eng.wait(1)
+        assert p.eng.delta is not None and p.eng.delta.held == -1
+        step(p.w, 0.02, 2)
+        stats = p.tr.publish(2)  # dense: the engine holds no verified version
+        p.eng.wait(2)
+        assert stats.delta_bytes < 4096
+        assert bitwise(p.dst, p.w)
+        step(p.w, 0.02, 3)
+        assert p.tr.publish(3).delta_bytes > 4096
+        p.eng.wait(3)
+        assert bitwise(p.dst, p.w)
+    finally:
+        p.close()
+
+
+def test_restarted_engine_daemon_gets_dense() -> None:
+    """The engine's daemon restarts (the engine process and its bytes stay): the engine
+    registers again holding no verified version, the plan is made anew, and the next
+    version that lands is dense, then deltas again."""
+    c = LocalCluster(hosts=2, use_netns=NETNS, extra={**FAST, **SMALL})
+    c.start()
+    try:
+        c.wait_joined()
+        p = Pair(c)
+        try:
+            p.tr.publish(0)
+            p.eng.wait(0)
+            step(p.w, 0.02, 1)
+            assert p.tr.publish(1).delta_bytes > 4096
+            p.eng.wait(1)
+            old = c.daemons[1]
+            old.proc.send_signal(signal.SIGKILL)
+            old.proc.wait(10)
+            c.start_daemon(1, node=old.node, coordinator_endpoint=c.daemons[0].endpoint)
+            c.wait_joined()
+            step(p.w, 0.02, 2)
+            for attempt in range(40):  # until the engine re-registered and the plan is new
+                try:
+                    stats = p.tr.publish(2 + attempt)
+                    break
+                except WeightwireError:
+                    time.sleep(0.25)
+            else:
+                raise AssertionError("never published to the engine after its daemon restarted")
+            v = 2 + attempt
+            p.eng.wait(v)
+            assert stats.delta_bytes < 4096  # dense: nothing is known about its bytes
+            assert bitwise(p.dst, p.w)
+            step(p.w, 0.02, 99)
+            assert p.tr.publish(v + 1).delta_bytes > 4096
+            p.eng.wait(v + 1)
+            assert bitwise(p.dst, p.w)
+        finally:
+            p.close()
+    finally:
+        c.stop()
