@@ -15,6 +15,12 @@ packing to verified at the engine) and their ratios, medians over the steps; the
 density is counted exactly here (the sender's own figure, `sender_densities`, is
 estimated from samples where a bucket went dense without a full compare), and
 `delta_phases_s` splits the sender's delta work by phase (sample, scan, copy, encode).
+
+The link is veth by default: memory speed on one machine, so a dense publish is bound by
+memory, not by a network. `--link-gbps R ...` runs every learning rate again with the
+trainer host's veth shaped to R Gbit/s by `tc` (a token bucket), as a NIC of that rate
+would send; each run says its link (`link_gbps`: null for unshaped veth). The unshaped
+runs always come first, in the same process.
 """
 
 from __future__ import annotations
@@ -168,15 +174,26 @@ def run(args: Any) -> int:
     cluster = LocalCluster(hosts=2, use_netns=use_netns, extra=flags)
     runs = []
     params = args.layers * args.width * args.width
+    links: list[float | None] = [None, *args.link_gbps]
+    if args.link_gbps and not use_netns:
+        raise SystemExit(f"--link-gbps shapes the namespaces' veth with tc: {why}")
     try:
         cluster.start()
         cluster.wait_joined()
-        for i, lr in enumerate(args.lr):
-            runs.append(run_lr(cluster, lr, args, f"delta-bench-{i}"))
-            if not args.json:
-                r = runs[-1]
+        for link in links:
+            if link is not None:
+                assert cluster.net is not None
+                cluster.net.shape(0, link)
+            for lr in args.lr:
+                r = run_lr(cluster, lr, args, f"delta-bench-{len(runs)}")
+                r["link_gbps"] = link
+                runs.append(r)
+                if args.json:
+                    continue
+                where = "veth" if link is None else f"veth shaped to {link:g} Gbit/s"
                 print(
-                    f"lr {lr:g}: density {r['density']:.4f}, bytes {r['delta_bytes'] / 1e6:.1f} MB "
+                    f"{where}, lr {lr:g}: density {r['density']:.4f}, "
+                    f"bytes {r['delta_bytes'] / 1e6:.1f} MB "
                     f"vs {r['dense_bytes'] / 1e6:.1f} MB (ratio {r['bytes_ratio']:.4f}), "
                     f"publish {r['delta_s']:.3f} s vs {r['dense_s']:.3f} s "
                     f"(speedup {r['speedup']:.2f}), verified {r['verified']}",
@@ -188,6 +205,7 @@ def run(args: Any) -> int:
         "params": params,
         "dtype": "bfloat16 (fp32 master weights, AdamW)",
         "link": "veth between two network namespaces" if use_netns else f"loopback ({why})",
+        "link_gbps": args.link_gbps,  # shaped runs (tc tbf on the trainer host's veth)
         "transport": "tcp",
         "streams": args.streams,
         "runs": runs,
@@ -207,3 +225,12 @@ def add_arguments(p: Any) -> None:
     )
     p.add_argument("--steps", type=int, default=3, help="AdamW steps (versions) per learning rate")
     p.add_argument("--streams", type=int, default=4, help="tcp streams per peer")
+    p.add_argument(
+        "--link-gbps",
+        type=float,
+        nargs="+",
+        default=[],
+        metavar="GBPS",
+        help="also run with the trainer host's veth shaped to each rate (Gbit/s) by tc, as a "
+        "NIC of that rate (needs root); the unshaped runs always come first",
+    )

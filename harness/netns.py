@@ -101,6 +101,23 @@ class Hosts:
             "100ms",
         )
 
+    def shape(self, i: int, gbps: float) -> None:
+        """Limit what host i sends to `gbps` Gbit/s, as a NIC of that rate would: a token
+        bucket whose burst is 2 ms at that rate (a smaller one caps high rates at burst x
+        the kernel's tick rate)."""
+        burst = max(256 << 10, int(gbps * 1e9 / 8 * 0.002))
+        _ip(
+            "netns", "exec", self.names[i], "tc", "qdisc", "replace", "dev", "eth0", "root",
+            "tbf", "rate", f"{round(gbps * 1000)}mbit", "burst", str(burst), "latency", "50ms",
+        )  # fmt: skip
+
+    def unshape(self, i: int) -> None:
+        """Host i sends at whatever speed veth gives again."""
+        subprocess.run(
+            ["ip", "netns", "exec", self.names[i], "tc", "qdisc", "del", "dev", "eth0", "root"],
+            capture_output=True,
+        )
+
     def prefix(self, i: int) -> list[str]:
         """The command prefix that runs a program on host i."""
         return ["ip", "netns", "exec", self.names[i]]

@@ -1,0 +1,33 @@
+"""`weightwire bench delta --json` on a small model: every field of issue 17's item 6, the
+unshaped run first and a run on veth shaped by tc; every version verified. Speed is never
+asserted (only that each ratio is the ratio of its own figures)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import NETNS, NETNS_WHY
+
+
+@pytest.mark.skipif(not NETNS, reason=f"--link-gbps shapes veth in namespaces: {NETNS_WHY}")
+def test_bench_delta_reports_unshaped_and_shaped_runs() -> None:
+    cmd = [
+        sys.executable, "-m", "weightwire.cli.main", "bench", "delta", "--json",
+        "--layers", "2", "--width", "1024", "--steps", "1", "--lr", "1e-6", "--link-gbps", "1",
+    ]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["verified"] is True and report["link_gbps"] == [1.0]
+    runs = report["runs"]
+    assert [r["link_gbps"] for r in runs] == [None, 1.0]
+    for r in runs:
+        assert r["verified"] is True
+        assert 0 < r["density"] < 1
+        assert r["delta_bytes"] < r["dense_bytes"]
+        assert r["bytes_ratio"] == pytest.approx(r["delta_bytes"] / r["dense_bytes"], abs=1e-5)
+        assert r["speedup"] == pytest.approx(r["dense_s"] / r["delta_s"], rel=0.01)
