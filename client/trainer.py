@@ -39,6 +39,7 @@ from weightwire.protocol.plan import RankPlan, StagingRing, staging_ring
 from weightwire.protocol.tensors import SourceTensor
 
 from .connection import expect
+from .delta.inplace import needs_staging
 from .delta.sender import DeltaSender, Mode
 from .direct import Direct
 from .dtypes import name_of
@@ -484,6 +485,7 @@ class Trainer(RankClient):
                         by_landing += freed == "landed"
                     p0 = time.perf_counter()
                     started = time.time()
+                    unpacked = None  # compared in place, packed only if staging is read
                     if direct:  # colocated: packing is the transfer
                         in_place.add(bucket.index)
                         for region, ops in direct:
@@ -491,7 +493,9 @@ class Trainer(RankClient):
                     elif bucket.packs:
                         assert staging is not None
                         ops = self._slot_ops.of(plan, ring, bucket)
-                        self._packer.pack_bucket(ops, current, staging)
+                        unpacked = self._delta.in_place(bucket, staging, current)
+                        if unpacked is None:
+                            self._packer.pack_bucket(ops, current, staging)
                     delta = self._delta.bucket(
                         bucket,
                         staging,
@@ -499,7 +503,11 @@ class Trainer(RankClient):
                         out,
                         self._source_regions.host_bytes,
                         gpu_regions,
+                        unpacked,
                     )
+                    if unpacked is not None and needs_staging(bucket, delta):
+                        assert staging is not None  # `in_place` gives None without it
+                        self._packer.pack_bucket(ops, current, staging)
                     self._post_bucket(
                         poster, bucket.index, device, started, delta, in_place=bool(direct)
                     )

@@ -224,7 +224,9 @@ def test_garbled_payload_fails_never_completes(cluster: LocalCluster, where: str
         p.eng.wait(0)
         step(p.w, 0.02, 1)
         p.tr.at = 1  # type: ignore[attr-defined]
-        with pytest.raises(WeightwireError, match="checksum"):
+        # the trainer hears the verdict, or (a race seen under load, in the older tests
+        # too) the engine daemon's fence closing its connection first; never success
+        with pytest.raises(WeightwireError, match=r"checksum|connection closed"):
             p.tr.publish(1)
         with pytest.raises(WeightwireError, match="checksum"):
             p.eng.wait(1)

@@ -5,13 +5,16 @@ real daemons: tests/test_delta_tp.py.)"""
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 import torch
 import xxhash
 
 from weightwire.client.delta import hostpass, scan
-from weightwire.protocol.plan import Bucket, DeltaSlot, WriteOp
+from weightwire.client.delta.inplace import InPlace
+from weightwire.protocol.plan import Bucket, DeltaSlot, PackOp, WriteOp
+from weightwire.protocol.tensors import Box, Cast, Copy
 
 SIZE = 1 << 16
 
@@ -99,3 +102,29 @@ def test_shared_and_overlapping_blocks(layout: str) -> None:
         for k in range(wr.count):
             h.update(new[wr.src_offset + k * wr.src_stride :][: wr.length])
         assert hashers[i].intdigest() == h.intdigest()
+
+
+def _pack(source: str, offsets: tuple[int, ...], sizes: tuple[int, ...], at: int) -> PackOp:
+    n = 2 * int(np.prod(sizes))
+    return PackOp(
+        source=source, box=Box(offsets=offsets, sizes=sizes), transform=Copy(),
+        staging_offset=at, nbytes=n,
+    )  # fmt: skip
+
+
+def test_in_place_reads_the_tensors_and_refuses_what_packing_must_make() -> None:
+    t = {"a": torch.arange(64 * 32, dtype=torch.int16).view(torch.bfloat16).view(64, 32)}
+    rows = _pack("a", (8, 0), (4, 32), 0)  # 4 whole rows: contiguous
+    more = _pack("a", (20, 0), (2, 32), 256)
+    b = Bucket(index=0, packs=(rows, more), writes=(write(0, 384, 0),))
+    got = InPlace.of(b, t)
+    assert got is not None and got.cuts == (0, 256, 384)
+    want = torch.cat([t["a"][8:12].reshape(-1), t["a"][20:22].reshape(-1)]).view(torch.uint8)
+    assert torch.equal(got[0:384], want)  # across both sources
+    assert [(at, p.numel()) for at, p in got.pieces(200, 100)] == [(200, 56), (256, 44)]
+    cols = _pack("a", (0, 0), (4, 16), 0)  # half of each row: not contiguous
+    assert InPlace.of(Bucket(index=0, packs=(cols,), writes=(write(0, 128, 0),)), t) is None
+    gap = Bucket(index=0, packs=(rows,), writes=(write(0, 384, 0),))  # reads unpacked bytes
+    assert InPlace.of(gap, t) is None
+    cast = msgspec.structs.replace(rows, transform=Cast(dtype="float16"))
+    assert InPlace.of(Bucket(index=0, packs=(cast,), writes=(write(0, 256, 0),)), t) is None

@@ -86,10 +86,12 @@ class Pass:
     copy_s: float = 0.0
 
 
-def segments(blocks: list[tuple[int, int]]) -> list[tuple[int, int, list[int]]]:
+def segments(
+    blocks: list[tuple[int, int]], cuts: tuple[int, ...] = ()
+) -> list[tuple[int, int, list[int]]]:
     """(start, end, indices of the blocks that cover it) of each disjoint piece of the
-    bytes that `blocks` ((offset, length)) cover, in ascending order."""
-    edges = sorted({e for off, length in blocks for e in (off, off + length)})
+    bytes that `blocks` ((offset, length)) cover, in ascending order, also cut at `cuts`."""
+    edges = sorted({e for off, length in blocks for e in (off, off + length)} | set(cuts))
     cover: dict[int, list[int]] = {}
     for i, (off, length) in enumerate(blocks):
         lo = bisect.bisect_left(edges, off)
@@ -106,7 +108,8 @@ def run(
     jobs: list[Job],
     hashers: dict[int, Any],
 ) -> Pass:
-    """Compare bucket b's staging bytes (`new[lo:hi]`: planned offsets) with `shadow`,
+    """Compare bucket b's staging bytes (`new[lo:hi]`: planned offsets, never across one of
+    `new.cuts` where it has them: see `inplace`) with `shadow`,
     move the shadow on, feed `hashers` (write index -> xxh3 of its staging blocks) and
     fill each job's changes (or mark it dense)."""
     blocks: list[tuple[int, int, int]] = []  # (offset, length, write index)
@@ -119,7 +122,8 @@ def run(
             start_of[(i, off)] = (job, start)
     direct = {id(job): job.direct for job in jobs}
     stats = Pass()
-    for lo, hi, cover in segments([(off, length) for off, length, _ in blocks]):
+    cuts: tuple[int, ...] = getattr(new, "cuts", ())
+    for lo, hi, cover in segments([(off, length) for off, length, _ in blocks], cuts):
         a, old = new[lo:hi].numpy(), shadow[lo:hi]
         feed = [hashers[i] for _, _, i in (blocks[c] for c in cover) if i in hashers]
         need: list[tuple[Job, int]] = []

@@ -13,7 +13,7 @@ changes where a delta was computed, a copy elsewhere.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -25,6 +25,7 @@ from weightwire.protocol.local import PublishResult
 from weightwire.protocol.plan import Bucket, DeltaSlot, RankPlan, WriteOp
 
 from . import codec, digest, frames, hostpass, scan
+from .inplace import InPlace, Planned
 
 Mode = Literal["off", "auto", "on"]
 SAMPLE_MARGIN = 1.0
@@ -90,6 +91,18 @@ class DeltaSender:
         self._parts = {}  # per engine rank: range checksums so far
         self._ranges = {}
 
+    def in_place(
+        self, b: Bucket, staging: torch.Tensor | None, tensors: Mapping[str, torch.Tensor]
+    ) -> InPlace | None:
+        """Bucket b's bytes where its tensors hold them, when the host pass may compare
+        them there before (or instead of) packing: host staging and shadow, a delta
+        wanted for some destination, plain copies of contiguous boxes (`inplace`)."""
+        if staging is None or staging.device.type != "cpu" or self.shadow is None:
+            return None
+        if self.shadow.device.type != "cpu" or not any(self._wants_delta(d) for d in b.deltas):
+            return None
+        return InPlace.of(b, tensors)
+
     def _wants_delta(self, ds: DeltaSlot) -> bool:
         return (
             self.mode != "off"
@@ -105,11 +118,13 @@ class DeltaSender:
         out: torch.Tensor | None,
         source_bytes: SourceBytes,
         gpu_region: Callable[[str, int], bool],
+        in_place: InPlace | None = None,
     ) -> list[tuple[int, int, int]]:
-        """Bucket b is packed in `staging` at its planned offsets + `shift` (its ring slot):
-        checksum what it writes to engines with trailers, encode its payloads into `out`,
-        and move the shadow on (all before its slot is reused). Returns (bucket, delta
-        slot, payload bytes) of the payloads to send."""
+        """Bucket b is packed in `staging` at its planned offsets + `shift` (its ring slot),
+        or, with `in_place` (host staging and shadow), not yet: its bytes are read from
+        the tensors it is packed from. Checksum what it writes to engines with trailers,
+        encode its payloads into `out`, and move the shadow on (all before its slot is
+        reused). Returns (bucket, delta slot, payload bytes) of the payloads to send."""
         if out is None or self.shadow is None:
             return []
         if (
@@ -117,11 +132,12 @@ class DeltaSender:
             and staging.device.type == "cpu"
             and self.shadow.device.type == "cpu"
         ):
-            return self._bucket_host(b, _Planned(staging, shift), out, source_bytes, gpu_region)
+            new = in_place if in_place is not None else Planned(staging, shift)
+            return self._bucket_host(b, new, out, source_bytes, gpu_region)
         self._checksum(b, staging, shift, source_bytes, gpu_region)
         if staging is None:
             return []
-        new = _Planned(staging, shift)
+        new = Planned(staging, shift)
         found: dict[tuple[int, int, int], torch.Tensor] = {}  # (offset, length, width) -> pos
         sent: list[tuple[int, int, int]] = []
         for index, ds in enumerate(b.deltas):
@@ -137,7 +153,7 @@ class DeltaSender:
     def _bucket_host(
         self,
         b: Bucket,
-        new: _Planned,
+        new: Planned | InPlace,
         out: torch.Tensor,
         source_bytes: SourceBytes,
         gpu_region: Callable[[str, int], bool],
@@ -204,7 +220,7 @@ class DeltaSender:
         self.phases[phase] = self.phases.get(phase, 0.0) + time.perf_counter() - since
 
     def _claim(
-        self, b: Bucket, ds: DeltaSlot, new: _Planned, shadow: np.ndarray
+        self, b: Bucket, ds: DeltaSlot, new: Planned | InPlace, shadow: np.ndarray
     ) -> hostpass.Job | None:
         """A compare job for delta slot `ds`; None when it goes dense: misaligned, or a
         sampled density that would not fit."""
@@ -212,11 +228,12 @@ class DeltaSender:
         blocks = [(off, length, i) for i in ds.writes for off, length in src_blocks(b.writes[i])]
         changed = compared = 0
         for off, length, _ in blocks:
-            a, old = new[off : off + length].numpy(), shadow[off : off + length]
-            if not scan.aligned(a, old, w):
-                return None
-            c, m = scan.sample(a, old, w)
-            changed, compared = changed + c, compared + m
+            for at, piece in new.pieces(off, length):
+                a, old = piece.numpy(), shadow[at : at + piece.numel()]
+                if not scan.aligned(a, old, w):
+                    return None
+                c, m = scan.sample(a, old, w)
+                changed, compared = changed + c, compared + m
         n = sum(length for _, length, _ in blocks) // w
         room = ds.capacity - frames.body_offset(len(ds.writes))
         limit = codec.max_changes(n, w, room)  # more changes than this cannot fit
@@ -297,7 +314,7 @@ class DeltaSender:
         self,
         b: Bucket,
         ds: DeltaSlot,
-        staging: _Planned,
+        staging: Planned,
         out: torch.Tensor,
         found: dict[tuple[int, int, int], torch.Tensor],
     ) -> int:
@@ -334,7 +351,7 @@ class DeltaSender:
         return head.size
 
     def _advance(
-        self, b: Bucket, staging: _Planned, found: dict[tuple[int, int, int], torch.Tensor]
+        self, b: Bucket, staging: Planned, found: dict[tuple[int, int, int], torch.Tensor]
     ) -> None:
         """The shadow takes the bucket's new bytes."""
         assert self.shadow is not None
@@ -403,14 +420,3 @@ def _cat(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     if parts[0].device.type == "cpu":
         return torch.from_numpy(np.concatenate([p.numpy() for p in parts]))
     return torch.cat(parts)
-
-
-class _Planned:
-    """Staging addressed at planned offsets: bucket bytes at `offset` are at `offset +
-    shift` of the ring (shift 0 for a whole-send staging)."""
-
-    def __init__(self, staging: torch.Tensor, shift: int) -> None:
-        self.staging, self.shift = staging, shift
-
-    def __getitem__(self, s: slice) -> torch.Tensor:
-        return self.staging[s.start + self.shift : s.stop + self.shift]
