@@ -25,6 +25,7 @@ runs always come first, in the same process.
 
 from __future__ import annotations
 
+import gc
 import json
 import statistics
 import time
@@ -128,6 +129,7 @@ def run_lr(cluster: Any, lr: float, args: Any, job: str) -> dict[str, Any]:
         rows.append((delta, dense, loss, step_s))
     tr.close()
     eng.close()
+    del model, dst, tr, eng
     med = statistics.median
     density = med(exact)
     dense_bytes = med(n.nbytes for _, n, _, _ in rows)
@@ -186,6 +188,7 @@ def run(args: Any) -> int:
                 cluster.net.shape(0, link)
             for lr in args.lr:
                 r = run_lr(cluster, lr, args, f"delta-bench-{len(runs)}")
+                gc.collect()  # the last run's model, optimizer and regions, before the next
                 r["link_gbps"] = link
                 runs.append(r)
                 if args.json:

@@ -71,8 +71,14 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_shared_and_overlapping_blocks(layout: str) -> None:
+def test_shared_and_overlapping_blocks(
+    layout: str, threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With 2 threads, every segment from 1 KiB up is split between them."""
+    monkeypatch.setattr(hostpass, "THREADS", threads)
+    monkeypatch.setattr(hostpass, "SPLIT_BYTES", 1024)
     writes, slots = LAYOUTS[layout]
     b = Bucket(index=0, writes=writes, deltas=tuple(slot(r, w) for r, w in slots))
     rng = np.random.default_rng(7)

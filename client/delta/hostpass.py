@@ -25,7 +25,9 @@ shadow and the checksums are right either way.
 from __future__ import annotations
 
 import bisect
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +36,11 @@ import numpy as np
 from weightwire.protocol.plan import Bucket, DeltaSlot
 
 from . import scan
+
+THREADS = min(2, os.cpu_count() or 1)
+"""Threads one segment's compare may use (1: the caller's only; see `_scan_split`)."""
+SPLIT_BYTES = 4 << 20  # segments from this size up are split between two threads
+_pool: ThreadPoolExecutor | None = None
 
 
 @dataclass
@@ -148,7 +155,7 @@ def run(
         if len(need) == 1 and direct[id(first)]:
             acc = first.changes
             k0 = acc.k
-            fits = scan.scan(a, old, acc, base, feed)
+            fits = _scan_split(a, old, acc, base, feed)
             stats.changed += min(acc.k, acc.limit + 1) - k0
             if not fits:
                 first.give_up()
@@ -164,6 +171,39 @@ def run(
     for job in jobs:
         job.finish()
     return stats
+
+
+def _scan_split(new: np.ndarray, old: np.ndarray, acc: scan.Changes, base: int, feed: Any) -> bool:
+    """`scan.scan` of a segment, its second half on the helper thread (numba's loop runs
+    without the GIL) when the segment is large and a helper is allowed (`THREADS`); the
+    checksums are fed afterwards, in order. The second half's changes go after the first's
+    (both are in stream order). False when they do not fit."""
+    w = acc.width
+    size = new.size
+    if THREADS < 2 or size < SPLIT_BYTES or not scan.compiled():
+        return scan.scan(new, old, acc, base, feed)
+    half = size // 2 // 8 * 8  # both halves keep the 8-byte word alignment
+    room = acc.limit - acc.k
+    second = scan.Changes((size - half) // w, w, room)
+    later = _helper().submit(scan.scan, new[half:], old[half:], second, base + half // w, None)
+    fits = scan.scan(new[:half], old[:half], acc, base, None)
+    fits = later.result() and fits
+    for at in range(0, size, scan.CHUNK):
+        scan.feed(feed, new[at : at + scan.CHUNK])
+    if not fits or acc.k + second.k > acc.limit:
+        acc.k = max(acc.k, acc.limit + 1)  # past the limit: the caller sees it go dense
+        return False
+    acc.pos[acc.k : acc.k + second.k] = second.positions
+    acc.val[acc.k : acc.k + second.k] = second.val[: second.k]
+    acc.k += second.k
+    return True
+
+
+def _helper() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(1, thread_name_prefix="delta-scan")
+    return _pool
 
 
 def _take(job: Job, seg: scan.Changes, at: int, fits: bool, direct: bool) -> None:

@@ -126,12 +126,12 @@ def scan(new: np.ndarray, old: np.ndarray, acc: Changes, base: int, hasher: Any)
                 np.copyto(b[done:], a[done:])
         else:
             np.copyto(b, a)
-        _feed(hasher, a)
+        feed(hasher, a)
         at = end
     return not bail
 
 
-def _feed(hasher: Any, data: np.ndarray) -> None:
+def feed(hasher: Any, data: np.ndarray) -> None:
     if hasher is None:
         return
     if isinstance(hasher, list | tuple):
@@ -179,7 +179,7 @@ def copy(new: np.ndarray, old: np.ndarray, hasher: Any) -> None:
     for at in range(0, new.size, CHUNK):
         a = new[at : at + CHUNK]
         np.copyto(old[at : at + CHUNK], a)
-        _feed(hasher, a)
+        feed(hasher, a)
 
 
 def sample(new: np.ndarray, old: np.ndarray, width: int) -> tuple[int, int]:
