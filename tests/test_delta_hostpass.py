@@ -132,5 +132,12 @@ def test_in_place_reads_the_tensors_and_refuses_what_packing_must_make() -> None
     assert InPlace.of(Bucket(index=0, packs=(cols,), writes=(write(0, 128, 0),)), t) is None
     gap = Bucket(index=0, packs=(rows,), writes=(write(0, 384, 0),))  # reads unpacked bytes
     assert InPlace.of(gap, t) is None
+    param = {"a": torch.nn.Parameter(t["a"], requires_grad=False)}
+    assert InPlace.of(b, param) is not None  # parameters are plain tensors too
+
+    class Wrapped(torch.Tensor):  # a tensor subclass (a DTensor, say): packed as before
+        pass
+
+    assert InPlace.of(b, {"a": t["a"].as_subclass(Wrapped)}) is None
     cast = msgspec.structs.replace(rows, transform=Cast(dtype="float16"))
     assert InPlace.of(Bucket(index=0, packs=(cast,), writes=(write(0, 256, 0),)), t) is None

@@ -58,7 +58,7 @@ class InPlace:
             t = tensors.get(op.source)
             if not isinstance(op.transform, Copy) or t is None or t.device.type != "cpu":
                 return None
-            if merged(t, op.box):
+            if type(t) not in (torch.Tensor, torch.nn.Parameter) or merged(t, op.box):
                 return None
             view = slice_box(t, op.box)
             if not view.is_contiguous() or view.numel() * view.element_size() != op.nbytes:
