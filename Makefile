@@ -11,12 +11,13 @@ MCORE := megatron-core==0.16.1
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml scripts/verl-requirements.txt
 	@test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q "$(TORCH)"
 	$(VPY) -m pip install -q -e ".[client,sglang,metrics,dev]"
 	$(VPY) -m pip install -q --no-deps "$(MCORE)"  # its deps (numpy, packaging, torch) are here
+	$(VPY) -m pip install -q --no-deps -r scripts/verl-requirements.txt  # verl 0.9.1 for -m verl
 	@$(VPY) -m pip install -q atheris 2>/dev/null || echo "atheris did not install: fuzzing runs on hypothesis alone"
 	@touch $(STAMP)
 
