@@ -118,20 +118,28 @@ def test_the_documented_config() -> None:
     )
 
 
+def build_process_group(actors: list[Any], rollouts: list[Any]) -> None:
+    """What verl's CheckpointEngineManager does before every update: prepare on every
+    worker, the backend class's build_topology, init_process_group with each one's share."""
+    metadata = [e.prepare() for e in actors + rollouts]
+    actor_kw, rollout_kw = type(actors[0]).build_topology(len(actors), len(rollouts), metadata)
+    for group, kw in ((actors, actor_kw), (rollouts, rollout_kw)):
+        for k, v in kw.items():
+            assert len(v) == len(group), k  # verl's manager asserts this too
+        for i, e in enumerate(group):
+            e.init_process_group(**{k: v[i] for k, v in kw.items()})
+
+
 def backends(c: LocalCluster, job: str) -> tuple[list[Any], list[Any]]:
     """Actor and rollout engines made the way verl makes them (`new_engine`: the README's
-    config, verl's registry), then verl's manager's prepare / build_topology /
-    init_process_group."""
+    config, verl's registry), their first process group, and the rollout workers'
+    receive buffers."""
     cls = ce.CheckpointEngineRegistry.get("weightwire")
     assert issubclass(cls, ce.CheckpointEngine)
     opts = {"job": job, "timeout_s": 60, "destinations": "buffers"}
     actors = [new_engine(socket=c.daemons[0].socket, **opts) for _ in range(ACTORS)]
     rollouts = [new_engine(socket=c.daemons[1].socket, **opts) for _ in range(ROLLOUTS)]
-    metadata = [e.prepare() for e in actors + rollouts]
-    actor_kw, rollout_kw = cls.build_topology(ACTORS, ROLLOUTS, metadata)
-    for group, kw in ((actors, actor_kw), (rollouts, rollout_kw)):
-        for i, e in enumerate(group):
-            e.init_process_group(**{k: v[i] for k, v in kw.items()})
+    build_process_group(actors, rollouts)
     for r in rollouts:
         r.register_destinations({n: torch.zeros_like(t) for n, t in model(0).items()})
     return actors, rollouts
@@ -142,10 +150,16 @@ async def collect(gen: AsyncGenerator[tuple[str, torch.Tensor], None]) -> dict[s
 
 
 async def step(actors: list[Any], rollouts: list[Any], version: int, stream: Any) -> list[Any]:
-    return await asyncio.gather(
+    """One verl update_weights: the process group built again, send and receive on every
+    worker at once, then finalize on every worker."""
+    build_process_group(actors, rollouts)
+    out = await asyncio.gather(
         *(a.send_weights(stream(), global_steps=version) for a in actors),
         *(collect(r.receive_weights(global_steps=version)) for r in rollouts),
     )
+    for e in actors + rollouts:
+        e.finalize()
+    return out
 
 
 def check(received: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
@@ -163,7 +177,6 @@ def test_stream_of_named_tensors(cluster: LocalCluster) -> None:
             check(received, model(version))
         assert sum(o["weightwire/bytes"] for o in out[:ACTORS]) > 0
     for e in actors + rollouts:
-        e.finalize()
         e.close()
 
 
@@ -210,10 +223,6 @@ def test_in_place_destinations(cluster: LocalCluster) -> None:
     kw = {"job": job, "timeout_s": 60}
     actors = [new_engine(socket=cluster.daemons[0].socket, **kw) for _ in range(ACTORS)]
     rollout = new_engine(socket=cluster.daemons[1].socket, destinations="in_place", **kw)
-    actor_kw, rollout_kw = type(rollout).build_topology(ACTORS, 1, [])
-    for i, a in enumerate(actors):
-        a.init_process_group(**{k: v[i] for k, v in actor_kw.items()})
-    rollout.init_process_group(**{k: v[0] for k, v in rollout_kw.items()})
     for version in (1, 2):
         out = asyncio.run(
             step(actors, [rollout], version, lambda v=version: iter(model(v).items()))
