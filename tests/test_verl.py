@@ -232,3 +232,22 @@ def test_in_place_destinations(cluster: LocalCluster) -> None:
     for e in [*actors, rollout]:
         e.close()
     server.close()
+
+
+def test_a_changed_rollout_group_is_refused(cluster: LocalCluster) -> None:
+    """verl's add_replicas / remove_replicas renumber the rollout workers at the next
+    update's init_process_group; an engine already registered refuses a new rank or world
+    size with a typed error naming both (README, "verl": make new engines then)."""
+    from weightwire.protocol.errors import ErrorCode, RegistrationError
+
+    actors, rollouts = backends(cluster, "verl-regroup")
+    out = asyncio.run(step(actors, rollouts, 1, lambda: iter(model(1).items())))
+    check(out[ACTORS], model(1))
+    added = new_engine(socket=cluster.daemons[1].socket, job="verl-regroup", timeout_s=60)
+    with pytest.raises(
+        RegistrationError, match="engine rank 0 of 2, now asked to be engine rank 0 of 3"
+    ) as err:
+        build_process_group(actors, [*rollouts, added])
+    assert err.value.code == ErrorCode.INVALID
+    for e in [*actors, *rollouts, added]:
+        e.close()
