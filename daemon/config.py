@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import socket
 import tomllib
 from pathlib import Path
@@ -166,26 +165,3 @@ def load(path: str | None, overrides: dict[str, object]) -> DaemonConfig:
         return msgspec.convert(data, DaemonConfig)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"bad configuration ({file if path else 'flags'}): {exc}") from None
-
-
-def add_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per setting, named like the setting (`--tcp-streams` for tcp_streams), its
-    help the setting's documentation (configdoc)."""
-    from .configdoc import flag_help, settings
-
-    docs = {st.name: flag_help(st) for st in settings()}
-    for name, ftype in DaemonConfig.__annotations__.items():
-        flag = "--" + name.replace("_", "-")
-        helptext = docs[name]
-        if ftype.startswith("list"):
-            parser.add_argument(flag, dest=name, action="append", help=helptext + " (repeatable)")
-        elif ftype == "bool":
-            parser.add_argument(
-                flag, dest=name, action=argparse.BooleanOptionalAction, help=helptext
-            )
-        elif ftype == "int":
-            parser.add_argument(flag, dest=name, type=lambda v: int(v, 0), help=helptext)
-        elif ftype == "float":
-            parser.add_argument(flag, dest=name, type=float, help=helptext)
-        else:
-            parser.add_argument(flag, dest=name, help=helptext)

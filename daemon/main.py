@@ -14,6 +14,7 @@ from weightwire.protocol.errors import WeightwireError
 
 from . import config as config_mod
 from . import logs
+from .flags import add_flags
 
 GIL_SWITCH_S = 0.0005
 
@@ -29,7 +30,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=f"weightwired {weightwire.__version__}")
     p.add_argument("--config", "-c", help=f"TOML file (default {config_mod.DEFAULT_CONFIG})")
-    config_mod.add_flags(p)
+    add_flags(p)
     return p
 
 

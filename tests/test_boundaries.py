@@ -6,10 +6,12 @@ records live in results/, small, outside the packages."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
+from types import ModuleType
 
 from weightwire.harness.localcluster import LocalCluster
 
@@ -66,46 +68,64 @@ def test_protocol_is_a_leaf() -> None:
     assert _imports("protocol") <= allowed, _imports("protocol") - allowed
 
 
-def _package_edges() -> dict[str, set[str]]:
-    """Top-level package -> the other top-level packages it imports (`weightwire.X`)."""
-    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    folders = {k.split(".")[1]: v for k, v in cfg["package-dir"].items() if "." in k}
-    edges: dict[str, set[str]] = {pkg: set() for pkg in folders}
-    for pkg, folder in folders.items():
-        for path in (ROOT / folder).rglob("*.py"):
-            for node in ast.walk(ast.parse(path.read_text())):
-                names = []
-                if isinstance(node, ast.Import):
-                    names = [a.name for a in node.names]
-                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                    names = [node.module]
-                for name in names:
-                    parts = name.split(".")
-                    if parts[0] == "weightwire" and len(parts) > 1 and parts[1] in folders:
-                        edges[pkg].add(parts[1])
-        edges[pkg].discard(pkg)
-    return edges
+def _import_graph() -> ModuleType:
+    """scripts/import_graph.py (a script, not a package module), loaded from its file."""
+    spec = importlib.util.spec_from_file_location("import_graph", ROOT / "scripts/import_graph.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+GRAPH = _import_graph()
 
 
 def test_packages_import_each_other_without_cycles() -> None:
-    edges = _package_edges()
-    done: set[str] = set()
-
-    def visit(pkg: str, path: list[str]) -> None:
-        if pkg in path:
-            cycle = " -> ".join([*path[path.index(pkg) :], pkg])
-            raise AssertionError(f"import cycle between packages: {cycle}")
-        if pkg in done:
-            return
-        for dep in sorted(edges[pkg]):
-            visit(dep, [*path, pkg])
-        done.add(pkg)
-
-    for pkg in sorted(edges):
-        visit(pkg, [])
+    edges = GRAPH.edges(ROOT)
+    packages = GRAPH.package_graph(edges, ROOT)
+    assert GRAPH.cycles({p: set(d) for p, d in packages.items()}) == []
     # the local-cluster machinery serves the command line and the benchmarks: it is below both
-    assert not edges["harness"] & {"cli", "bench"}, edges["harness"]
-    assert "cli" not in edges["bench"], edges["bench"]
+    assert not set(packages["harness"]) & {"cli", "bench"}, packages["harness"]
+    assert "cli" not in packages["bench"], packages["bench"]
+
+
+def test_daemon_modules_import_each_other_without_cycles() -> None:
+    """A deferred import (inside a function) counts: it hides a cycle, it does not remove it."""
+    graph = GRAPH.module_graph(GRAPH.edges(ROOT), within="weightwire.daemon.")
+    assert GRAPH.cycles(graph) == []
+
+
+def test_no_package_imports_what_the_architecture_forbids() -> None:
+    """protocol a leaf; daemon, transport, memory and plan never import client or torch;
+    bench and cli meet in harness (cli loads a benchmark only inside its command)."""
+    assert GRAPH.violations(GRAPH.edges(ROOT)) == []
+
+
+def test_the_import_graph_sees_cycles_and_forbidden_imports(tmp_path: Path) -> None:
+    """The checks above can fail: a tree with a deferred cycle, a protocol module importing
+    numpy and a daemon module importing the client."""
+    (tmp_path / "pyproject.toml").write_text(
+        '[tool.setuptools]\npackage-dir = { "weightwire.daemon" = "d", "weightwire.protocol" = '
+        '"p", "weightwire.client" = "c" }\n'
+    )
+    for folder in "dpc":
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "__init__.py").write_text("")
+    (tmp_path / "d/a.py").write_text("from . import b\n")
+    (tmp_path / "d/b.py").write_text("def f():\n    from .a import x\n")
+    (tmp_path / "d/c.py").write_text("from weightwire.client import Engine\n")
+    (tmp_path / "p/m.py").write_text(
+        "from typing import TYPE_CHECKING\nimport numpy\nif TYPE_CHECKING:\n    import torch\n"
+    )
+    edges = GRAPH.edges(tmp_path)
+    assert GRAPH.cycles(GRAPH.module_graph(edges)) == [
+        ["weightwire.daemon.a", "weightwire.daemon.b", "weightwire.daemon.a"]
+    ]
+    assert [v.split(" ->")[0] for v in GRAPH.violations(edges)] == [
+        "weightwire.daemon.c:1",
+        "weightwire.protocol.m:2",
+    ]
 
 
 def test_every_package_folder_is_shipped() -> None:

@@ -102,7 +102,7 @@ def test_keys_starting_with_a_dash_reach_the_daemon_intact() -> None:
     argparse never mistakes for a flag (a CI run once failed on such a key)."""
     import argparse
 
-    from weightwire.daemon.config import add_flags
+    from weightwire.daemon.flags import add_flags
     from weightwire.harness.localcluster import daemon_argv
 
     parser = argparse.ArgumentParser()
