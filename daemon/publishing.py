@@ -17,8 +17,9 @@ from weightwire.protocol.plan import NodePlan
 from weightwire.transport.base import LocalRegion
 
 from .metrics import Recorder
-from .publisher import Publisher, Run
+from .publisher import Publisher
 from .regions import RegionRegistry
+from .runs import Run
 from .seams import PeerSend, PickTransport, RankLink
 from .sessions import Session
 

@@ -249,8 +249,8 @@ def test_a_staging_ring_writes_each_bucket_from_its_slot_prepared_once() -> None
             landed = [m for m in seen if isinstance(m, BucketsLanded) and m.version == version]
             assert sorted(b for m in landed for b in m.buckets) == [0, 1, 2, 3]
             assert kit.read(dst, 0, n) == data, f"version {version}"
-            assert set(pub._cache) == {(0, 0, ""), (1, 1, ""), (2, 0, ""), (3, 1, "")}
-            parts = {k: c.parts for k, c in pub._cache.items()}
+            assert set(pub.prepared.cache) == {(0, 0, ""), (1, 1, ""), (2, 0, ""), (3, 1, "")}
+            parts = {k: c.parts for k, c in pub.prepared.cache.items()}
             if prepared:  # the same prepared writes, posted again
                 assert all(parts[k] is prepared[k] for k in parts)
             prepared = parts
@@ -318,7 +318,7 @@ def test_buckets_whose_writes_all_fence_are_reported_issued_with_their_slots_eve
         cases = ((1, True, fencing), (2, False, fencing), (3, True, p.a.transport))
         for version, ask, transport in cases:
             use[0] = transport
-            pub._cache.clear()  # routes through the transport of this case
+            pub.prepared.cache.clear()  # routes through the transport of this case
             data = rand(n, version)
             pub.begin(version, "ring", 2, slot_events=ask)
             await _fill_ring(kit, pub, ring, staging, data, part, version, seen)
@@ -404,7 +404,7 @@ def test_slot_counters_are_signalled_once_per_bucket_on_the_gpu_or_at_landing() 
 
         for version, transport in ((1, fencing), (2, p.a.transport)):
             use[0] = transport
-            pub._cache.clear()
+            pub.prepared.cache.clear()
             log.clear()
             data = rand(n, version)
             pub.begin(version, "ring", 2, fence_offset=ring.nbytes, fence_base=10 * version)
