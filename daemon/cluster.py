@@ -29,7 +29,7 @@ from weightwire.protocol.peer import (
     VersionVerdict,
 )
 
-from .completion import Completions
+from .completions import Completions
 from .dataplane import DataPlane
 from .joining import JoinWatch
 from .membership import Membership as ClusterView

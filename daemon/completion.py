@@ -18,7 +18,7 @@ import structlog
 
 from weightwire.protocol.errors import ErrorCode, WeightwireError, error_from_code
 from weightwire.protocol.local import VersionComplete, VersionFailed
-from weightwire.protocol.plan import Expect, decode_imm, version_low
+from weightwire.protocol.plan import Expect, version_low
 
 from .metrics import Recorder
 from .versionlog import gbyte_s
@@ -344,74 +344,3 @@ class RankCompletion:
             ],
             "failed": sorted(self.failed)[-5:],
         }
-
-
-@dataclass
-class Completions:
-    """All engine ranks of this node, found by the slot an immediate carries."""
-
-    notify: Notify
-    apply: Apply | None = None
-    verdict: Verdict | None = None
-    fence: Fence | None = None
-    metrics: Recorder | None = None
-    ranks: dict[tuple[str, int], RankCompletion] = field(default_factory=dict)
-    by_slot: dict[int, RankCompletion] = field(default_factory=dict)
-
-    def install(self, job: str, plan_hash: str, expects: tuple[Expect, ...]) -> None:
-        fresh: dict[tuple[str, int], RankCompletion] = {}
-        whole = plan_hash
-        for e in expects:
-            plan_hash = e.plan_hash or whole  # elastic: the replica's own plan
-            old = self.ranks.get((job, e.rank))
-            if old is not None and old.plan_hash == plan_hash:
-                fresh[(job, e.rank)] = old
-                continue
-            rc = RankCompletion(
-                job=job,
-                rank=e.rank,
-                expect=e,
-                plan_hash=plan_hash,
-                notify=self.notify,
-                apply=self.apply,
-                verdict=self.verdict,
-                fence=self.fence,
-                metrics=self.metrics,
-            )
-            if old is not None:
-                old.fail_in_progress(ErrorCode.PLAN_CHANGED, "the plan changed mid-version")
-                rc.completed, rc.failed, rc.dead_lows = old.completed, old.failed, old.dead_lows
-                rc.waiters, rc._reports = old.waiters, old._reports
-            fresh[(job, e.rank)] = rc
-        for key, old in self.ranks.items():
-            if key[0] == job and key not in fresh:
-                old.fail_in_progress(ErrorCode.PLAN_CHANGED, "the rank left the plan")
-        self.ranks = {k: v for k, v in self.ranks.items() if k[0] != job} | fresh
-        self.by_slot = {rc.expect.slot: rc for rc in self.ranks.values()}
-
-    def drop_job(self, job: str, reason: str) -> None:
-        for key in [k for k in self.ranks if k[0] == job]:
-            self.ranks[key].fail_in_progress(ErrorCode.PLAN, reason)
-        self.ranks = {k: v for k, v in self.ranks.items() if k[0] != job}
-        self.by_slot = {rc.expect.slot: rc for rc in self.ranks.values()}
-
-    def on_imm(self, imm: int, source: str) -> None:
-        low, slot = decode_imm(imm)
-        rc = self.by_slot.get(slot)
-        if rc is None:
-            log.warning("immediate for an unknown slot", slot=slot, peer=source)
-            return
-        rc.on_imm(low)
-
-    def admit(self, source: str, imm: int) -> bool:
-        """False for a write of a version its destination rank has failed (tcp and cuda
-        ask before any of its bytes land)."""
-        low, slot = decode_imm(imm)
-        rc = self.by_slot.get(slot)
-        return rc is None or low not in rc.dead_lows
-
-    def of_job(self, job: str) -> list[RankCompletion]:
-        return [rc for (j, _), rc in self.ranks.items() if j == job]
-
-    def get(self, job: str, rank: int) -> RankCompletion | None:
-        return self.ranks.get((job, rank))

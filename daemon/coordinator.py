@@ -7,13 +7,10 @@ membership or layouts change; an unchanged input gives the same plan and hash.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
-from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-import msgspec
 import structlog
 
 from weightwire.plan.delta import add_delta
@@ -39,10 +36,8 @@ from weightwire.protocol.peer import (
     PlanProblem,
 )
 from weightwire.protocol.plan import NodePlan
-from weightwire.protocol.regions import RegionDescriptor
 
 from .elastic import (
-    Elastic,
     Replica,
     ReplicaPlan,
     is_elastic,
@@ -52,23 +47,12 @@ from .elastic import (
     replicas_of,
     trainers_digest,
 )
+from .jobs import Job, collect, delta_areas, digest
 from .lograte import Throttled
 
 log = structlog.get_logger("weightwire.daemon.coordinator")
 
 Send = Callable[[str, PeerMsg], None]
-
-
-@dataclass
-class Job:
-    name: str
-    adverts: dict[str, Advertise] = field(default_factory=dict)
-    inputs: str = ""  # digest of the adverts the current plan was made from
-    plan_hash: str = ""
-    assigned: dict[str, str] = field(default_factory=dict)  # node -> incarnation it was sent to
-    problem: str = ""
-    sent: dict[str, str] = field(default_factory=dict)  # elastic: node -> plan hash sent to it
-    elastic: Elastic = field(default_factory=Elastic)
 
 
 @dataclass
@@ -213,7 +197,7 @@ class Coordinator:
         if is_elastic(job.adverts):
             await self._plan_elastic(job)
             return
-        trainers, engines, missing, problems = self._collect(job)
+        trainers, engines, missing, problems = collect(job)
         if problems:
             self._problem(job, PlanError("; ".join(problems), code=ErrorCode.DUPLICATE))
             return
@@ -222,8 +206,8 @@ class Coordinator:
                 log.info("job incomplete; plan withdrawn", job=job.name, missing=missing)
             job.plan_hash, job.inputs, job.assigned = "", "", {}
             return
-        digest = _digest(job)
-        if digest == job.inputs and job.plan_hash:
+        inputs = digest(job)
+        if inputs == job.inputs and job.plan_hash:
             self._assign(job, None)  # only nodes whose incarnation changed get it again
             return
         t0 = time.monotonic()
@@ -233,11 +217,11 @@ class Coordinator:
             planned = await asyncio.to_thread(
                 plan, job.name, trainers, engines, self.options, slots
             )
-            plans = add_delta(planned, _delta_areas(job))
+            plans = add_delta(planned, delta_areas(job))
         except WeightwireError as exc:
             self._problem(job, exc)
             return
-        job.inputs, job.problem = digest, ""
+        job.inputs, job.problem = inputs, ""
         new_hash = plans.plan_hash
         if new_hash != job.plan_hash:
             job.assigned = {}
@@ -273,7 +257,7 @@ class Coordinator:
     async def _plan_elastic(self, job: Job) -> None:
         """Plan each complete engine replica on its own (only those not planned yet with
         these inputs), and send every node whose part changed its new plan."""
-        trainers, _, missing, problems = self._collect(job, elastic=True)
+        trainers, _, missing, problems = collect(job, elastic=True)
         replicas, more = replicas_of(job.adverts)
         if problems or more:
             self._problem(job, PlanError("; ".join(problems + more), code=ErrorCode.DUPLICATE))
@@ -391,52 +375,10 @@ class Coordinator:
         for node in job.adverts:
             self.send(node, PlanProblem(job=job.name, code=exc.code.value, message=exc.message))
 
-    def _collect(
-        self, job: Job, *, elastic: bool = False
-    ) -> tuple[list[TrainerRank], list[EngineRank], list[str], list[str]]:
-        """Trainer and engine ranks of a job, what is still missing, and what conflicts.
-        `elastic`: engine ranks come in replicas (elastic.replicas_of), and only trainer
-        ranks must all be there."""
-        trainers: dict[int, TrainerRank] = {}
-        engines: dict[int, EngineRank] = {}
-        worlds: dict[str, set[int]] = defaultdict(set)
-        dupes: list[str] = []
-        for node, adv in sorted(job.adverts.items()):
-            for r in adv.ranks:
-                worlds[r.role].add(r.world_size)
-                if r.role == "trainer":
-                    if r.rank in trainers:
-                        dupes.append(f"trainer rank {r.rank} on {trainers[r.rank].node} and {node}")
-                    trainers[r.rank] = TrainerRank(node, r.rank, r.sources, r.lanes)
-                else:
-                    if r.rank in engines:
-                        dupes.append(f"engine rank {r.rank} on {engines[r.rank].node} and {node}")
-                    engines[r.rank] = EngineRank(
-                        node, r.rank, r.destinations, r.regions, r.slot, r.layout, r.lanes
-                    )
-        problems = list(dupes)
-        if elastic:
-            worlds.pop("engine", None)
-            engines = {}
-        for role, sizes in worlds.items():
-            if len(sizes) > 1:
-                problems.append(f"{role} ranks disagree on world size: {sorted(sizes)}")
-        missing = []
-        for role, have in (("trainer", trainers), ("engine", engines)):
-            if elastic and role == "engine":
-                continue
-            size = next(iter(worlds.get(role, {0})))
-            absent = [r for r in range(size) if r not in have]
-            if not worlds.get(role):
-                missing.append(f"any {role} rank")
-            elif absent:
-                missing.append(f"{role} ranks {absent}")
-        return list(trainers.values()), list(engines.values()), missing, problems
-
     def missing(self, job: str) -> list[str] | None:
         """What a job still lacks before it can be planned (None: no such job)."""
         j = self.jobs.get(job)
-        return self._collect(j, elastic=is_elastic(j.adverts))[2] if j is not None else None
+        return collect(j, elastic=is_elastic(j.adverts))[2] if j is not None else None
 
     def status(self) -> dict[str, object]:
         return {
@@ -446,29 +388,9 @@ class Coordinator:
                     "plan": j.plan_hash or None,
                     "problem": j.problem or None,
                     "nodes": sorted(j.adverts),
-                    "missing": self._collect(j, elastic=is_elastic(j.adverts))[2],
+                    "missing": collect(j, elastic=is_elastic(j.adverts))[2],
                     "replicas": sorted(j.elastic.parts) if is_elastic(j.adverts) else None,
                 }
                 for j in self.jobs.values()
             },
         }
-
-
-def _delta_areas(job: Job) -> dict[tuple[str, int], RegionDescriptor]:
-    """(node, engine rank) -> the delta area that engine rank registered."""
-    areas = {}
-    for node, adv in job.adverts.items():
-        for r in adv.ranks:
-            if r.role == "engine" and r.delta_region >= 0:
-                area = next((g for g in r.regions if g.id == r.delta_region), None)
-                if area is not None:
-                    areas[(node, r.rank)] = area
-    return areas
-
-
-def _digest(job: Job) -> str:
-    h = hashlib.sha256()
-    enc = msgspec.msgpack.Encoder(order="deterministic")
-    for node, adv in sorted(job.adverts.items()):
-        h.update(enc.encode([node, adv.ranks]))
-    return h.hexdigest()

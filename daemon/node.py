@@ -28,7 +28,7 @@ from weightwire.protocol.peer import Member, PeerMessage
 from weightwire.protocol.plan import NodePlan
 
 from .cluster import Cluster
-from .completion import Completions
+from .completions import Completions
 from .config import DaemonConfig
 from .coordinator import Coordinator
 from .dataplane import DataPlane

@@ -18,7 +18,7 @@ from weightwire.protocol.regions import RegionDescriptor
 from weightwire.transport.tcp.auth import scoped
 
 from . import heap
-from .completion import Completions
+from .completions import Completions
 from .peers import COORDINATOR
 from .regions import RegionRegistry
 from .seams import Authorize, Joining, PeerSend, PlanUser

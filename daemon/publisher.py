@@ -234,7 +234,7 @@ class Publisher:
         """Buckets of `version` packed by the rank: their writes are posted together.
         `delta`: (bucket, delta slot, payload bytes) of those sent as delta payloads.
         `in_place`: those the rank packed straight into their destinations (colocated):
-        only their immediates are delivered (`_post_in_place`)."""
+        only their immediates are delivered (`Poster._post_in_place`)."""
         run = self.run
         if run is not None and version < run.version:
             raise VersionError(

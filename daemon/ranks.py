@@ -27,7 +27,7 @@ from weightwire.protocol.local import (
     VersionComplete,
 )
 
-from .completion import Completions
+from .completions import Completions
 from .plans import PlanBook
 from .publishing import Publishing
 from .regions import Region, RegionRegistry

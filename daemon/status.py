@@ -12,7 +12,7 @@ from typing import Any
 from weightwire.protocol.errors import WeightwireError
 from weightwire.protocol.peer import StatusAnswer, StatusQuery
 
-from .completion import Completions
+from .completions import Completions
 from .dataplane import DataPlane
 from .membership import Membership
 from .peers import PeerMesh

@@ -1,0 +1,93 @@
+"""The coordinator's jobs: what it knows of each (adverts, plan sent, problem), and what a
+job's adverts make of it without I/O: its trainer and engine ranks, what is still missing,
+what conflicts, the engines' delta areas, the digest of its planning inputs."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import msgspec
+
+from weightwire.plan.planner import EngineRank, TrainerRank
+from weightwire.protocol.peer import Advertise
+from weightwire.protocol.regions import RegionDescriptor
+
+from .elastic import Elastic
+
+
+@dataclass
+class Job:
+    name: str
+    adverts: dict[str, Advertise] = field(default_factory=dict)
+    inputs: str = ""  # digest of the adverts the current plan was made from
+    plan_hash: str = ""
+    assigned: dict[str, str] = field(default_factory=dict)  # node -> incarnation it was sent to
+    problem: str = ""
+    sent: dict[str, str] = field(default_factory=dict)  # elastic: node -> plan hash sent to it
+    elastic: Elastic = field(default_factory=Elastic)
+
+
+def collect(
+    job: Job, *, elastic: bool = False
+) -> tuple[list[TrainerRank], list[EngineRank], list[str], list[str]]:
+    """Trainer and engine ranks of a job, what is still missing, and what conflicts.
+    `elastic`: engine ranks come in replicas (elastic.replicas_of), and only trainer
+    ranks must all be there."""
+    trainers: dict[int, TrainerRank] = {}
+    engines: dict[int, EngineRank] = {}
+    worlds: dict[str, set[int]] = defaultdict(set)
+    dupes: list[str] = []
+    for node, adv in sorted(job.adverts.items()):
+        for r in adv.ranks:
+            worlds[r.role].add(r.world_size)
+            if r.role == "trainer":
+                if r.rank in trainers:
+                    dupes.append(f"trainer rank {r.rank} on {trainers[r.rank].node} and {node}")
+                trainers[r.rank] = TrainerRank(node, r.rank, r.sources, r.lanes)
+            else:
+                if r.rank in engines:
+                    dupes.append(f"engine rank {r.rank} on {engines[r.rank].node} and {node}")
+                engines[r.rank] = EngineRank(
+                    node, r.rank, r.destinations, r.regions, r.slot, r.layout, r.lanes
+                )
+    problems = list(dupes)
+    if elastic:
+        worlds.pop("engine", None)
+        engines = {}
+    for role, sizes in worlds.items():
+        if len(sizes) > 1:
+            problems.append(f"{role} ranks disagree on world size: {sorted(sizes)}")
+    missing = []
+    for role, have in (("trainer", trainers), ("engine", engines)):
+        if elastic and role == "engine":
+            continue
+        size = next(iter(worlds.get(role, {0})))
+        absent = [r for r in range(size) if r not in have]
+        if not worlds.get(role):
+            missing.append(f"any {role} rank")
+        elif absent:
+            missing.append(f"{role} ranks {absent}")
+    return list(trainers.values()), list(engines.values()), missing, problems
+
+
+def delta_areas(job: Job) -> dict[tuple[str, int], RegionDescriptor]:
+    """(node, engine rank) -> the delta area that engine rank registered."""
+    areas = {}
+    for node, adv in job.adverts.items():
+        for r in adv.ranks:
+            if r.role == "engine" and r.delta_region >= 0:
+                area = next((g for g in r.regions if g.id == r.delta_region), None)
+                if area is not None:
+                    areas[(node, r.rank)] = area
+    return areas
+
+
+def digest(job: Job) -> str:
+    """The job's planning inputs (every node's ranks), as one hash."""
+    h = hashlib.sha256()
+    enc = msgspec.msgpack.Encoder(order="deterministic")
+    for node, adv in sorted(job.adverts.items()):
+        h.update(enc.encode([node, adv.ranks]))
+    return h.hexdigest()
