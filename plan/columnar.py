@@ -22,7 +22,7 @@ from .choose import choose
 from .compact import Compact, PlanSet
 from .items import Chunker, Keys, Table
 from .options import PlanOptions
-from .planner import EngineRank, TrainerRank, _names
+from .ranks import EngineRank, TrainerRank, _names
 from .sources import SourceIndex
 from .staging import pack_layout
 from .writes import writes_of

@@ -23,7 +23,7 @@ from .staging import Packs
 from .writes import Writes
 
 if TYPE_CHECKING:
-    from .planner import EngineRank, TrainerRank
+    from .ranks import EngineRank, TrainerRank
 
 IntArray = npt.NDArray[np.int64]
 

@@ -19,7 +19,7 @@ from weightwire.protocol.tensors import Box, DestTensor, Piece, Transform
 from .boxes import SubPiece, cover, fmt_box, place, split_rows
 from .checks import check_pieces
 from .options import PlanOptions
-from .planner import is_expert
+from .ranks import is_expert
 from .sources import SourceIndex
 
 IntArray = npt.NDArray[np.int64]

@@ -8,43 +8,21 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from weightwire.protocol.errors import PlanError
-from weightwire.protocol.local import EngineLayout
 from weightwire.protocol.plan import MAX_SLOTS
-from weightwire.protocol.regions import RegionDescriptor
 from weightwire.protocol.tensors import (
     ITEMSIZE,
-    DestTensor,
-    SourceTensor,
     transformed_itemsize,
 )
 
 from .options import PlanOptions
+from .ranks import EngineRank, TrainerRank, is_expert
 
 if TYPE_CHECKING:
     from .compact import PlanSet
-
-
-@dataclass(frozen=True)
-class TrainerRank:
-    node: str
-    rank: int
-    tensors: tuple[SourceTensor, ...]
-    lanes: int = 1  # NICs its node has for it: writes are striped over them
-
-
-@dataclass(frozen=True)
-class EngineRank:
-    node: str
-    rank: int
-    tensors: tuple[DestTensor, ...]  # each with its pieces resolved
-    regions: tuple[RegionDescriptor, ...]
-    slot: int = -1  # its immediate counter on its node (-1: numbered here)
-    layout: EngineLayout | None = None  # for tensors whose recipes are left to the rules
-    lanes: int = 1
 
 
 def resolve_recipes(engines: list[EngineRank]) -> list[EngineRank]:
@@ -84,10 +62,6 @@ def caveats_of(engines: list[EngineRank]) -> list[str]:
     return list(out)
 
 
-def is_expert(name: str) -> bool:
-    return ".experts." in name
-
-
 def plan(
     job: str,
     trainers: list[TrainerRank],
@@ -121,11 +95,6 @@ def _slots(engines: list[EngineRank]) -> dict[int, int]:
         if slots[e.rank] >= MAX_SLOTS:
             raise PlanError(f"node {e.node} has more than {MAX_SLOTS} engine ranks")
     return slots
-
-
-def _names(names: list[str], limit: int = 20) -> str:
-    shown = ", ".join(names[:limit])
-    return shown + (f" … and {len(names) - limit} more" if len(names) > limit else "")
 
 
 __all__ = [

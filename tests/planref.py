@@ -15,7 +15,8 @@ import msgspec
 from weightwire.plan.boxes import SubPiece, cover, fmt_box, place, split_rows
 from weightwire.plan.checks import check_destination
 from weightwire.plan.options import PlanOptions
-from weightwire.plan.planner import EngineRank, TrainerRank, _names, _slots, is_expert
+from weightwire.plan.planner import EngineRank, TrainerRank, _slots, is_expert
+from weightwire.plan.ranks import _names
 from weightwire.plan.sources import SourceIndex
 from weightwire.protocol.errors import PlanError
 from weightwire.protocol.plan import Bucket, Expect, NodePlan, PackOp, RankPlan, WriteOp
