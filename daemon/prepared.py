@@ -1,6 +1,7 @@
 """A publisher's prepared writes: each write's route (transport, source, destination), and
 a bucket's writes grouped by transport and prepared there once per plan, reused for every
-version until a route changes. With a staging ring, once per (bucket, ring slot)."""
+version until a route changes. With a staging ring, once per (bucket, ring slot); the
+plan's staging rings themselves, made once per plan."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from weightwire.protocol.errors import WeightwireError
-from weightwire.protocol.plan import RankPlan, WriteOp
+from weightwire.protocol.plan import RankPlan, StagingRing, WriteOp, staging_ring
 from weightwire.protocol.regions import RegionDescriptor
 from weightwire.transport.base import LocalRegion, Prepared, Transport, WriteRequest
 
@@ -49,18 +50,30 @@ class PreparedWrites:
         self._regions: dict[tuple[str, int], RegionDescriptor] = {}
         self.cache: dict[tuple[int, int, str], Cached] = {}
         """Prepared parts by (bucket, ring slot, replica plan hash: "" when not elastic)."""
+        self._rings: dict[int, StagingRing] = {}  # the plan's, by slots
 
     def use(self, plan: RankPlan | None) -> None:
         """A new plan (or none): nothing prepared for the old one is kept."""
         self._regions = {(r.node, r.id): r for r in plan.regions} if plan else {}
         self.cache.clear()
+        self._rings.clear()
 
     def keep(self, plan: RankPlan, live: set[str]) -> None:
         """Elastic: the same packs, engine replicas gone or come; what was prepared for the
-        replicas whose plan hash is in `live` is kept."""
+        replicas whose plan hash is in `live` is kept (and the staging rings: the packs
+        are the same)."""
         self._regions = {(r.node, r.id): r for r in plan.regions}
         for key in [k for k in self.cache if k[2] not in live]:
             del self.cache[key]
+
+    def ring(self, plan: RankPlan, slots: int) -> StagingRing:
+        """The plan's staging ring of `slots` slots (0: the whole send)."""
+        ring = self._rings.get(slots)
+        if ring is None:
+            if len(self._rings) >= 8:  # a rank that keeps changing its ring: keep a few
+                self._rings.clear()
+            ring = self._rings[slots] = staging_ring(plan, slots)
+        return ring
 
     async def route(self, run: Run, key: RouteKey) -> Route:
         """The transport, source and destination of writes from region key[0] to region

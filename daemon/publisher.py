@@ -25,7 +25,7 @@ from weightwire.protocol.errors import (
     WeightwireError,
 )
 from weightwire.protocol.local import Verdict
-from weightwire.protocol.plan import RankPlan, StagingRing, staging_ring
+from weightwire.protocol.plan import RankPlan, StagingRing
 from weightwire.transport.base import LocalRegion
 
 from . import deltas
@@ -64,7 +64,6 @@ class Publisher:
     previous: Run | None = None  # the last run of an earlier session of this rank
     prepared: PreparedWrites = field(init=False)
     _poster: Poster = field(init=False)
-    _rings: dict[int, StagingRing] = field(default_factory=dict)  # this plan's, by slots
     make_counters: MakeCounters = SlotCounters  # a version's GPU slot counters
 
     def __post_init__(self) -> None:
@@ -94,7 +93,6 @@ class Publisher:
             self._fail(WeightwireError(why, code=code))
         self.plan = plan
         self.prepared.use(plan)
-        self._rings.clear()
 
     def _replicas_changed(self, plan: RankPlan) -> None:
         """Elastic: the same packs, engine replicas gone or come. A running version keeps
@@ -150,12 +148,7 @@ class Publisher:
     def ring(self, slots: int) -> StagingRing:
         """The plan's staging ring of `slots` slots (0: the whole send)."""
         assert self.plan is not None
-        ring = self._rings.get(slots)
-        if ring is None:
-            if len(self._rings) >= 8:  # a rank that keeps changing its ring: keep a few
-                self._rings.clear()
-            ring = self._rings[slots] = staging_ring(self.plan, slots)
-        return ring
+        return self.prepared.ring(self.plan, slots)
 
     @property
     def destinations(self) -> set[str]:
