@@ -1,5 +1,6 @@
 import os
 import sys
+from collections.abc import Iterator
 
 import pytest
 
@@ -28,9 +29,14 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 @pytest.fixture(scope="module")
 def cluster():  # type: ignore[no-untyped-def]
     """Two real daemons, each in its own network namespace when we are root."""
-    c = LocalCluster(hosts=2, use_netns=NETNS, extra=FAST)
+    yield from serve(LocalCluster(hosts=2, use_netns=NETNS, extra=FAST))
+
+
+def serve(c: LocalCluster) -> Iterator[LocalCluster]:
+    """A cluster fixture's body: every daemon started and joined, the cluster yielded, and
+    every daemon stopped with exit code 0 after."""
     c.start()
     c.wait_joined()
     yield c
     codes = c.stop()
-    assert codes == [0, 0], f"daemons exited with {codes}; logs in {c.workdir}"
+    assert codes == [0] * len(codes), f"daemons exited with {codes}; logs in {c.workdir}"

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from weightwire.plan.boxes import SubPiece, cover, fmt_box, place, split_rows
+from weightwire.plan.boxes import SubPiece
 from weightwire.plan.checks import check_destination
+from weightwire.plan.items import _chunks
 from weightwire.plan.options import PlanOptions
 from weightwire.plan.planner import EngineRank, TrainerRank, _slots, is_expert
 from weightwire.plan.ranks import _names
@@ -380,24 +381,6 @@ def plan_reference(
         out[node] = NodePlan(
             plan_hash=digest, job=job, sends=sends, expects=tuple(expects_by_node.get(node, ()))
         )
-    return out
-
-
-def _chunks(
-    piece: Piece, index: SourceIndex, options: PlanOptions
-) -> list[tuple[Box, SubPiece]] | str:
-    """A piece cut into parts single ranks hold, each at most a bucket; or the problem."""
-    dtype = index.meta[piece.source][0]
-    subs = cover(piece.box, index.held_boxes(piece.source))
-    if not subs:
-        return f" needs {piece.source}{fmt_box(piece.box)}, which no trainer rank holds whole"
-    out = []
-    try:
-        for sub in subs:
-            for chunk in split_rows(sub, piece, dtype, options.bucket_bytes):
-                out.append((chunk, place(piece, dtype, chunk)))
-    except PlanError as exc:
-        return f": {exc.message}"
     return out
 
 

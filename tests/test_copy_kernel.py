@@ -7,44 +7,25 @@ tests (`-m gpu`) run the compiled kernel, into staging and inside the bucket's C
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from weightwire.client import buckets as bucketsmod
-from weightwire.client import copy_kernel, fp8_kernel
+from weightwire.client import copy_kernel
 from weightwire.client import pack as packmod
 from weightwire.client.copy_kernel import CHUNK, CopyBatch
 from weightwire.protocol.plan import PackOp
 from weightwire.protocol.tensors import Box, Cast, Copy
 
+from .interpreted import CUDA, INTERP, NEEDS_TRITON, OUTSIDE, run_interpreted
 from .test_fp8 import pack_runs_op_by_op
 
-pytestmark = pytest.mark.skipif(fp8_kernel.triton is None, reason="needs Triton")
-CUDA = pytest.mark.skipif(
-    not torch.cuda.is_available() or fp8_kernel.INTERPRETED, reason="needs CUDA (compiled)"
-)
-INTERP = pytest.mark.skipif(
-    not fp8_kernel.INTERPRETED, reason="runs in a pytest with TRITON_INTERPRET=1 (see below)"
-)
+pytestmark = NEEDS_TRITON
 
 
-@pytest.mark.skipif(fp8_kernel.INTERPRETED, reason="this is that pytest")
+@OUTSIDE
 def test_cpu_tests_through_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "WEIGHTWIRE_COPY_TRITON": "1"}
-    out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not gpu",
-         __file__],
-        env=env, capture_output=True, text=True, timeout=600,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
-    last = out.stdout.strip().splitlines()[-1]
-    assert re.search(r"\b4 passed, 1 skipped", last), last  # skipped: this test itself
+    run_interpreted(__file__, "WEIGHTWIRE_COPY_TRITON", "4", timeout_s=600)
 
 
 def _pairs(

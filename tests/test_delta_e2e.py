@@ -18,7 +18,7 @@ from weightwire.client import Engine, Trainer
 from weightwire.harness.localcluster import LocalCluster
 from weightwire.protocol.errors import WeightwireError
 
-from .conftest import FAST, NETNS
+from .conftest import FAST, NETNS, serve
 
 SMALL = {"bucket-bytes": str(1 << 20), "max-write-bytes": str(256 << 10), "version-timeout-s": "4"}
 _jobs = itertools.count()
@@ -26,11 +26,7 @@ _jobs = itertools.count()
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
-    c = LocalCluster(hosts=2, use_netns=NETNS, extra={**FAST, **SMALL})
-    c.start()
-    c.wait_joined()
-    yield c
-    assert c.stop() == [0, 0], f"daemons failed; logs in {c.workdir}"
+    yield from serve(LocalCluster(hosts=2, use_netns=NETNS, extra={**FAST, **SMALL}))
 
 
 def weights(seed: int = 0) -> dict[str, torch.Tensor]:

@@ -22,7 +22,7 @@ from weightwire.client import Engine, Rows, Trainer
 from weightwire.harness.localcluster import LocalCluster
 from weightwire.protocol.plan import Bucket
 
-from .conftest import FAST, NETNS
+from .conftest import FAST, NETNS, serve
 from .test_delta_e2e import SMALL, bitwise, step
 
 _jobs = itertools.count()
@@ -31,11 +31,7 @@ ROWS = 512
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
-    c = LocalCluster(hosts=2, use_netns=NETNS, extra={**FAST, **SMALL})
-    c.start()
-    c.wait_joined()
-    yield c
-    assert c.stop() == [0, 0], f"daemons failed; logs in {c.workdir}"
+    yield from serve(LocalCluster(hosts=2, use_netns=NETNS, extra={**FAST, **SMALL}))
 
 
 def model(seed: int = 0) -> dict[str, torch.Tensor]:

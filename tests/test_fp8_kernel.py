@@ -10,11 +10,6 @@ kernel, and a bucket's packs through it inside the bucket's CUDA graph.
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -24,29 +19,15 @@ from weightwire.client import pack as packmod
 from weightwire.client.fp8 import quantize_blocks
 from weightwire.client.fp8_kernel import Fp8Box, quantize_into
 
+from .interpreted import CUDA, INTERP, NEEDS_TRITON, OUTSIDE, run_interpreted
 from .test_fp8 import _bucket, pack_runs_op_by_op, sample
 
-pytestmark = pytest.mark.skipif(fp8_kernel.triton is None, reason="needs Triton")
-CUDA = pytest.mark.skipif(
-    not torch.cuda.is_available() or fp8_kernel.INTERPRETED, reason="needs CUDA (compiled)"
-)
-INTERP = pytest.mark.skipif(
-    not fp8_kernel.INTERPRETED, reason="runs in a pytest with TRITON_INTERPRET=1 (see below)"
-)
+pytestmark = NEEDS_TRITON
 
 
-@pytest.mark.skipif(fp8_kernel.INTERPRETED, reason="this is that pytest")
+@OUTSIDE
 def test_cpu_tests_through_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "WEIGHTWIRE_FP8_TRITON": "1"}
-    out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not gpu",
-         __file__],
-        env=env, capture_output=True, text=True, timeout=900,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
-    last = out.stdout.strip().splitlines()[-1]
-    assert re.search(r"\b2\d passed, 1 skipped", last), last  # skipped: this test itself
+    run_interpreted(__file__, "WEIGHTWIRE_FP8_TRITON", r"2\d", timeout_s=900)
 
 
 def _same_scales(got: torch.Tensor, want: torch.Tensor) -> None:

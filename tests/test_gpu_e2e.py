@@ -33,7 +33,7 @@ from weightwire.plan.rules import engine_tensors
 from weightwire.protocol.errors import ErrorCode, WeightwireError
 from weightwire.protocol.local import EngineLayout
 
-from .conftest import FAST
+from .conftest import FAST, serve
 from .hfweights import random_hf
 from .rulesref import CONFIGS, reference
 
@@ -263,11 +263,9 @@ def test_gpu_staging_through_cuda_ipc(gpu_cluster: LocalCluster, dest: str) -> N
 @pytest.fixture(scope="module")
 def small_buckets() -> Iterator[LocalCluster]:
     """One daemon, cuda on, planning buckets of 256 KiB: more buckets than ring slots."""
-    c = LocalCluster(hosts=1, extra={**FAST, "bucket-bytes": str(256 << 10), "cuda": "on"})
-    c.start()
-    c.wait_joined()
-    yield c
-    assert c.stop() == [0], f"logs in {c.workdir}"
+    yield from serve(
+        LocalCluster(hosts=1, extra={**FAST, "bucket-bytes": str(256 << 10), "cuda": "on"})
+    )
 
 
 @pytest.mark.parametrize("dest", ["", "fp8"])

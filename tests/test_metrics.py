@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from weightwire.harness.localcluster import LocalCluster
 
-from .conftest import FAST, NETNS
+from .conftest import FAST, NETNS, serve
 from .test_e2e import Proc, bitwise, engine_for, expected_rows
 
 SCRAPE = (
@@ -44,11 +44,7 @@ def value(samples: dict, name: str, **labels: str) -> float:
 
 @pytest.fixture
 def mcluster() -> Iterator[LocalCluster]:
-    c = LocalCluster(hosts=2, use_netns=NETNS, extra=FAST, metrics=True)
-    c.start()
-    c.wait_joined()
-    yield c
-    assert c.stop() == [0, 0], f"logs in {c.workdir}"
+    yield from serve(LocalCluster(hosts=2, use_netns=NETNS, extra=FAST, metrics=True))
 
 
 def test_metrics_move_during_and_after_a_version(mcluster: LocalCluster) -> None:

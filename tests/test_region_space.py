@@ -27,7 +27,7 @@ from weightwire.protocol import PROTOCOL_VERSION
 from weightwire.protocol.errors import ErrorCode, RegionError
 from weightwire.protocol.local import Hello, RegisterRegion
 
-from .conftest import FAST, NETNS
+from .conftest import FAST, NETNS, serve
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
 MiB = 1 << 20
@@ -45,12 +45,9 @@ def small_shm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def shm_cluster(small_shm: str) -> Iterator[LocalCluster]:
-    c = LocalCluster(hosts=2, use_netns=NETNS, extra={**FAST, "region-dir": small_shm})
-    c.start()
-    c.wait_joined()
-    yield c
-    codes = c.stop()
-    assert codes == [0, 0], f"daemons exited with {codes}; logs in {c.workdir}"
+    yield from serve(
+        LocalCluster(hosts=2, use_netns=NETNS, extra={**FAST, "region-dir": small_shm})
+    )
 
 
 def test_a_region_that_does_not_fit_is_a_region_error(small_shm: str) -> None:

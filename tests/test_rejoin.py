@@ -15,7 +15,7 @@ from weightwire.client import Engine, Trainer
 from weightwire.client.status import fetch
 from weightwire.harness.localcluster import LocalCluster
 
-from .conftest import FAST, NETNS, NETNS_WHY
+from .conftest import FAST, NETNS, NETNS_WHY, serve
 
 pytestmark = pytest.mark.skipif(not NETNS, reason=f"rejoin tests need namespaces: {NETNS_WHY}")
 REJOIN_S = 3.0
@@ -23,11 +23,7 @@ REJOIN_S = 3.0
 
 @pytest.fixture(scope="module")
 def two() -> Iterator[LocalCluster]:
-    c = LocalCluster(hosts=2, use_netns=True, extra=FAST)
-    c.start()
-    c.wait_joined()
-    yield c
-    assert c.stop() == [0, 0], f"logs in {c.workdir}"
+    yield from serve(LocalCluster(hosts=2, use_netns=True, extra=FAST))
 
 
 def link(c: LocalCluster, host: int, state: str) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import threading
 import time
 from collections.abc import Iterator
@@ -19,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import uvloop
 
-from tests.conformance.harness import Pair, TransportKit, with_pair
+from tests.conformance.harness import Pair, TransportKit
 from tests.conformance.suite import *  # noqa: F403
+from tests.conformance.suite import rand, run
 from weightwire.memory.hostmem import SharedFile, create_shared
 from weightwire.protocol.errors import ErrorCode, PeerLostError, RegionError, TransferError
 from weightwire.transport.base import LocalRegion, Transport, WriteRequest
@@ -95,14 +94,6 @@ class VerbsKit(TransportKit):
             id=region_id, kind="cpu", length=length, view=f.view, fd=f.fd, address=f.address
         )
 
-    def read(self, region: LocalRegion, offset: int, length: int) -> bytes:
-        assert region.view is not None
-        return bytes(region.view[offset : offset + length])
-
-    def fill(self, region: LocalRegion, offset: int, data: bytes) -> None:
-        assert region.view is not None
-        region.view[offset : offset + len(data)] = data
-
 
 @pytest.fixture(params=[k for k, v in CONFIGS.items() if v is not None] or ["none"])
 def kit(request: pytest.FixtureRequest) -> TransportKit:
@@ -110,14 +101,6 @@ def kit(request: pytest.FixtureRequest) -> TransportKit:
     if devs is None:
         pytest.skip("no RDMA device pair")
     return VerbsKit(*devs)
-
-
-def run(kit: TransportKit, body: Any) -> Any:
-    return uvloop.run(asyncio.wait_for(with_pair(kit, body), 120))
-
-
-def rand(n: int, seed: int) -> bytes:
-    return random.Random(seed).randbytes(n)
 
 
 def pair_kit(**opts: Any) -> VerbsKit:

@@ -52,14 +52,6 @@ class TcpKit(TransportKit):
         await pair.a.transport.connect("node-b", TransportEndpoints(tcp=via))
         return relay
 
-    def read(self, region: LocalRegion, offset: int, length: int) -> bytes:
-        assert region.view is not None
-        return bytes(region.view[offset : offset + length])
-
-    def fill(self, region: LocalRegion, offset: int, data: bytes) -> None:
-        assert region.view is not None
-        region.view[offset : offset + len(data)] = data
-
 
 @pytest.fixture(params=["auth", "encrypt", "off"])
 def kit(request: pytest.FixtureRequest) -> TransportKit:

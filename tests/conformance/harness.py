@@ -43,11 +43,15 @@ class TransportKit(abc.ABC):
     @abc.abstractmethod
     def region(self, region_id: int, length: int) -> LocalRegion: ...
 
-    @abc.abstractmethod
-    def read(self, region: LocalRegion, offset: int, length: int) -> bytes: ...
+    def read(self, region: LocalRegion, offset: int, length: int) -> bytes:
+        """The region's bytes; this default reads a host region through its view."""
+        assert region.view is not None
+        return bytes(region.view[offset : offset + length])
 
-    @abc.abstractmethod
-    def fill(self, region: LocalRegion, offset: int, data: bytes) -> None: ...
+    def fill(self, region: LocalRegion, offset: int, data: bytes) -> None:
+        """Writes `data` into the region; this default through a host region's view."""
+        assert region.view is not None
+        region.view[offset : offset + len(data)] = data
 
     def release(self, region: LocalRegion) -> None:  # noqa: B027 - optional
         pass
