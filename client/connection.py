@@ -9,13 +9,14 @@ of their own, so a slow callback never stalls the connection.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import queue
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -23,7 +24,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from weightwire.memory.hostmem import SHM_DIR
+from weightwire.memory.hostmem import SHM_DIR, SharedFile, create_shared
 from weightwire.protocol.errors import (
     ErrorCode,
     ProtocolError,
@@ -47,6 +48,20 @@ from weightwire.protocol.local import (
 DEFAULT_SOCKET = os.environ.get(SOCKET_ENV, SOCKET_PATH)
 
 Notification = Callable[[LocalMessage], None]
+REGION_ALIGN = 256  # where each tensor starts in a rank's region file
+
+
+def aligned(sizes: Iterable[int], align: int = REGION_ALIGN) -> tuple[list[int], int]:
+    """Where blocks of `sizes` bytes start laid one after another, each at a multiple of
+    `align`; and where the last ends."""
+    offsets, end = [], 0
+    for n in sizes:
+        end = -(-end // align) * align
+        offsets.append(end)
+        end += n
+    return offsets, end
+
+
 _RESET = Goodbye()  # marks "the daemon forgot this session" in the notification queue
 _LOST = Ping()  # marks "the daemon stopped answering"
 
@@ -220,6 +235,20 @@ class DaemonConnection:
     @property
     def socket_gid(self) -> int:
         return os.stat(self.path).st_gid
+
+    @contextlib.contextmanager
+    def region_file(self, nbytes: int, purpose: str) -> Iterator[SharedFile]:
+        """A new shared file of `nbytes` (at least 1) for a region of this rank's, where the
+        daemon maps them from; removed again if the block (registering it) raises."""
+        shared = create_shared(
+            max(nbytes, 1), purpose=purpose, gid=self.socket_gid, directory=self.region_dir
+        )
+        try:
+            yield shared
+        except BaseException:
+            shared.unlink()
+            shared.close()
+            raise
 
     def send(self, msg: LocalMsg) -> None:
         """Send without waiting for a reply (messages keep their order)."""

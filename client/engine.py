@@ -32,12 +32,10 @@ from weightwire.protocol.local import (
 )
 from weightwire.protocol.tensors import Box, DestTensor, Piece
 
-from .connection import expect
+from .connection import aligned, expect
 from .delta.receiver import DeltaReceiver, Target
 from .dtypes import name_of
 from .rank import RankClient
-
-ALIGN = 256
 
 
 @dataclass(frozen=True)
@@ -246,26 +244,12 @@ class Engine(RankClient):
         sources: Mapping[str, Source],
         layout: EngineLayout | None,
     ) -> list[DestTensor]:
-        placed: list[tuple[str, torch.Tensor, int]] = []
-        offset = 0
-        for name, t in tensors.items():
-            offset = -(-offset // ALIGN) * ALIGN
-            placed.append((name, t, offset))
-            offset += t.numel() * t.element_size()
-        shared = create_shared(
-            max(offset, 1),
-            purpose=f"engine-r{self.rank}",
-            gid=self._conn.socket_gid,
-            directory=self._conn.region_dir,
-        )
-        try:
+        offsets, end = aligned(t.numel() * t.element_size() for t in tensors.values())
+        placed = [(name, t, off) for (name, t), off in zip(tensors.items(), offsets, strict=True)]
+        with self._conn.region_file(end, f"engine-r{self.rank}") as shared:
             specs = self._declare(
                 RegisterRegion(path=shared.path, length=shared.length), placed, sources, layout
             )
-        except BaseException:
-            shared.unlink()
-            shared.close()
-            raise
         buf = torch.frombuffer(shared.map, dtype=torch.uint8)
         self._regions.append(shared)
         self._buffers.append(buf)

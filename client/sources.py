@@ -9,12 +9,12 @@ from collections.abc import Mapping
 
 import torch
 
-from weightwire.memory.hostmem import SharedFile, create_shared
+from weightwire.memory.hostmem import SharedFile
 from weightwire.protocol.errors import ErrorCode, RegistrationError
 from weightwire.protocol.local import RegionRegistered, RegisterRegion
 
 from . import cuda
-from .connection import DaemonConnection, expect
+from .connection import DaemonConnection, aligned, expect
 
 
 class SourceRegions:
@@ -28,33 +28,22 @@ class SourceRegions:
         self, specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
     ) -> dict[str, torch.Tensor]:
         """Tensors in one new shared region (see `Trainer.allocate`)."""
-        placed, offset = [], 0
-        for name, (shape, dtype) in specs.items():
-            offset = -(-offset // 256) * 256
-            placed.append((name, shape, dtype, offset))
-            offset += math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        shared = create_shared(
-            max(offset, 1),
-            purpose=f"sources-r{self._rank}",
-            gid=self._conn.socket_gid,
-            directory=self._conn.region_dir,
-        )
-        try:
+        sizes = [
+            math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            for shape, dtype in specs.values()
+        ]
+        offsets, end = aligned(sizes)
+        with self._conn.region_file(end, f"sources-r{self._rank}") as shared:
             region = expect(
                 self._conn.request(
                     RegisterRegion(path=shared.path, length=shared.length, purpose="sources")
                 ),
                 RegionRegistered,
             ).region
-        except BaseException:
-            shared.unlink()
-            shared.close()
-            raise
         raw = torch.frombuffer(shared.map, dtype=torch.uint8)
         self._host.append((region, shared, raw))
         out = {}
-        for name, shape, dtype, off in placed:
-            n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        for (name, (shape, dtype)), off, n in zip(specs.items(), offsets, sizes, strict=True):
             out[name] = raw[off : off + n].view(dtype).view(shape)
         return out
 

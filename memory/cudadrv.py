@@ -385,22 +385,30 @@ class Driver:
     def wait_value32(self, stream: int, address: int, value: int) -> None:
         """`stream`'s later work waits until the 32-bit word at device address `address`
         is at least `value`, compared cyclically (GEQ): a counter may wrap around."""
-        fn = self._wait32
-        if fn is None:
-            raise CudaError("this CUDA driver has no cuStreamWaitValue32_v2")
-        rc = fn(stream, address, value & 0xFFFFFFFF, STREAM_WAIT_VALUE_GEQ)
-        if rc != 0:
-            raise CudaError(f"cuStreamWaitValue32 failed: {self.error_name(rc)}")
+        self._value32(
+            self._wait32, "cuStreamWaitValue32", stream, address, value, STREAM_WAIT_VALUE_GEQ
+        )
 
     def write_value32(self, stream: int, address: int, value: int) -> None:
         """Once `stream`'s earlier work is done (a memory barrier first), write the 32-bit
         `value` at device address `address`."""
-        fn = self._write32
+        self._value32(
+            self._write32,
+            "cuStreamWriteValue32",
+            stream,
+            address,
+            value,
+            STREAM_WRITE_VALUE_DEFAULT,
+        )
+
+    def _value32(
+        self, fn: Any, name: str, stream: int, address: int, value: int, flags: int
+    ) -> None:
         if fn is None:
-            raise CudaError("this CUDA driver has no cuStreamWriteValue32_v2")
-        rc = fn(stream, address, value & 0xFFFFFFFF, STREAM_WRITE_VALUE_DEFAULT)
+            raise CudaError(f"this CUDA driver has no {name}_v2")
+        rc = fn(stream, address, value & 0xFFFFFFFF, flags)
         if rc != 0:
-            raise CudaError(f"cuStreamWriteValue32 failed: {self.error_name(rc)}")
+            raise CudaError(f"{name} failed: {self.error_name(rc)}")
 
 
 _driver: Driver | None = None
