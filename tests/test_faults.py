@@ -69,6 +69,15 @@ def pair(c: LocalCluster, job: str) -> tuple[Trainer, Engine, torch.Tensor]:
     return tr, eng, dst
 
 
+def lands_then_close(tr: Trainer, eng: Engine, dst: torch.Tensor, version: int) -> None:
+    """The next version lands bitwise (the cluster recovered); then both ranks close."""
+    tr.publish(version, {"w": weights(version)})
+    eng.wait(version, timeout_s=30)
+    assert torch.equal(dst, weights(version))
+    tr.close()
+    eng.close()
+
+
 def publish_in_background(tr: Trainer, version: int, w: torch.Tensor) -> dict[str, object]:
     out: dict[str, object] = {}
 
@@ -97,11 +106,7 @@ def test_engine_daemon_killed_mid_transfer_then_back(faults: LocalCluster) -> No
     assert "host2" in str(err), err
     assert pending["t"] - killed <= HEARTBEAT_TIMEOUT + 1.0  # type: ignore[operator]
     restart(faults, 2)  # the engine process re-registers by itself
-    tr.publish(3, {"w": weights(3)})
-    eng.wait(3, timeout_s=30)
-    assert torch.equal(dst, weights(3))
-    tr.close()
-    eng.close()
+    lands_then_close(tr, eng, dst, 3)
 
 
 def test_engine_daemon_hung_mid_transfer_is_a_lost_peer(faults: LocalCluster) -> None:
@@ -169,11 +174,7 @@ def test_trainer_daemon_killed_mid_transfer_then_back(faults: LocalCluster) -> N
     while not any(s["role"] == "trainer" for s in fetch(faults.daemons[1].socket)["sessions"]):
         assert time.time() < deadline, "the trainer did not register again"
         time.sleep(0.05)
-    tr.publish(3, {"w": weights(3)})
-    eng.wait(3, timeout_s=30)
-    assert torch.equal(dst, weights(3))
-    tr.close()
-    eng.close()
+    lands_then_close(tr, eng, dst, 3)
 
 
 def test_zero_copy_sources_registered_again_after_a_daemon_restart(faults: LocalCluster) -> None:
@@ -226,11 +227,7 @@ def test_coordinator_restarted_plan_restored(faults: LocalCluster) -> None:
             break
         time.sleep(0.2)
     assert jobs["coordinator-restart"]["plan"] == before, jobs  # type: ignore[index]
-    tr.publish(3, {"w": weights(3)})
-    eng.wait(3)
-    assert torch.equal(dst, weights(3))
-    tr.close()
-    eng.close()
+    lands_then_close(tr, eng, dst, 3)
 
 
 def test_trainer_dying_mid_publish_never_completes_anywhere(faults: LocalCluster) -> None:

@@ -25,7 +25,7 @@ from weightwire.protocol.errors import WeightwireError
 
 from .conftest import FAST, NETNS, NETNS_WHY
 from .ranks.big_trainer import ROWS, weights
-from .test_faults import MB, pair, throttled_hosts
+from .test_faults import MB, lands_then_close, pair, throttled_hosts
 
 pytestmark = pytest.mark.skipif(not NETNS, reason=f"needs namespaces: {NETNS_WHY}")
 LIMITS = {"tcp-handshake-timeout-s": "2", "tcp-max-unauthenticated": "32"}
@@ -81,11 +81,7 @@ def test_no_byte_of_a_failed_version_lands_after_the_report(hosts: LocalCluster)
     time.sleep(3)  # the resumed daemon has long since sent whatever it still had
     late = int((dst != at_report).any(dim=1).sum())
     assert late == 0, f"{late} rows changed after the engine was told version 2 failed ({exc})"
-    tr.publish(3, {"w": weights(3)})
-    eng.wait(3, timeout_s=30)
-    assert torch.equal(dst, weights(3))
-    tr.close()
-    eng.close()
+    lands_then_close(tr, eng, dst, 3)
 
 
 def usage(d: DaemonProc) -> tuple[int, int]:
@@ -198,11 +194,7 @@ def test_data_port_faults_and_flood_leave_fds_and_threads_flat(hosts: LocalClust
     assert after_flood[0] <= slack[0] and after_flood[1] <= slack[1], after_flood
     assert engine_daemon.proc.poll() is None, "the engine daemon died"
 
-    tr.publish(2, {"w": weights(2)})
-    eng.wait(2, timeout_s=30)
-    assert torch.equal(dst, weights(2))
-    tr.close()
-    eng.close()
+    lands_then_close(tr, eng, dst, 2)
 
 
 def test_fds_and_threads_flat_across_100_dropped_data_connections(hosts: LocalCluster) -> None:
