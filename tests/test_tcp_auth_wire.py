@@ -16,7 +16,7 @@ from weightwire.transport.base import LocalRegion
 from weightwire.transport.tcp import auth, handshake, wire
 from weightwire.transport.tcp.data import DataHello, Proof, Write
 from weightwire.transport.tcp.regions import RegionTable
-from weightwire.transport.tcp.transport import StreamSink
+from weightwire.transport.tcp.sink import StreamSink
 
 MiB = 1 << 20
 SIZE = 3 * MiB + 100

@@ -18,7 +18,7 @@ import structlog
 
 from weightwire.protocol.errors import ErrorCode, PeerLostError, WeightwireError
 
-from .streams import Gate, IncomingStream
+from .incoming import Gate, IncomingStream
 
 log = structlog.get_logger("weightwire.transport.tcp")
 

@@ -1,4 +1,5 @@
-"""The two ends of one tcp data connection, each driven by threads of its own.
+"""The sending end of one tcp data connection, driven by threads of its own (the receiving
+end: `incoming.py`).
 
 Sockets are blocking with kernel timeouts (SO_SNDTIMEO/SO_RCVTIMEO), so payloads move
 with `os.sendfile` from the source region's file and `recv_into` the destination
@@ -29,7 +30,7 @@ from weightwire.protocol.errors import (
     error_from_code,
 )
 from weightwire.transport.base import LocalRegion
-from weightwire.transport.tcp.data import MAX_HEADER, PREFIX, Ack, Refused, Write
+from weightwire.transport.tcp.data import MAX_HEADER, PREFIX, Ack, Refused
 
 from . import auth, wire
 from .bounce import Bounce
@@ -281,7 +282,7 @@ class OutgoingStream:
             self.inflight.clear()
             self.outstanding_bytes = 0
         self._closed.set()
-        _shutdown(self.sock)
+        shutdown_socket(self.sock)
         self._queue.put(None)
         for p in pending:
             own = refused is not None and p.seq == refused[0]
@@ -312,148 +313,9 @@ def _set_outcome(fut: asyncio.Future[None], exc: BaseException | None) -> None:
         fut.set_exception(exc)
 
 
-class Gate:
-    """What a receive stream asks its transport: may this peer go on (None) or not (why).
-    `hello` is asked once the peer is authenticated (the handshake's proof checked)."""
-
-    def hello(self, stream: IncomingStream) -> WeightwireError | None:
-        return None
-
-    def ended(self, stream: IncomingStream) -> None:
-        pass
-
-
-@dataclass(eq=False)
-class IncomingStream:
-    """Receives writes from one peer over one connection, straight into region memory."""
-
-    sock: socket.socket
-    address: str
-    loop: asyncio.AbstractEventLoop
-    machine: wire.ReceiveMachine
-    on_imm: Callable[[int, str], None]
-    stall_timeout_s: float
-    on_received: Callable[[int], None]
-    on_refused: Callable[[], None]
-    handshake_timeout_s: float = 10.0
-    gate: Gate = field(default_factory=Gate)
-    number: int = 0  # order of acceptance, for fences
-    _closed: threading.Event = field(default_factory=threading.Event)
-    _thread: threading.Thread | None = None
-    _accepted: float = field(default_factory=time.monotonic)
-
-    def start(self) -> None:
-        self._thread = threading.Thread(
-            target=self._run, name=f"ww-tcp-recv-{self.address}", daemon=True
-        )
-        self._thread.start()
-
-    @property
-    def peer(self) -> str:
-        return self.machine.peer or self.address
-
-    @property
-    def greeted(self) -> bool:
-        return self.machine.peer is not None
-
-    def _run(self) -> None:
-        try:
-            self._serve()
-        finally:
-            _shutdown(self.sock)
-            self.sock.close()  # the fd goes with the thread, whoever else holds the stream
-            self.gate.ended(self)
-
-    def _serve(self) -> None:
-        m = self.machine
-        stalled_since = time.monotonic()
-        try:
-            while not self._closed.is_set():
-                if m.peer is None and time.monotonic() - self._accepted > self.handshake_timeout_s:
-                    log.info(
-                        "tcp data connection not authenticated in time; closing",
-                        address=self.address,
-                        timeout_s=self.handshake_timeout_s,
-                    )
-                    return
-                try:
-                    n = self.sock.recv_into(m.buffer())
-                except (BlockingIOError, TimeoutError):
-                    if not m.mid_frame:
-                        stalled_since = time.monotonic()
-                    elif time.monotonic() - stalled_since > self.stall_timeout_s:
-                        log.warning("tcp peer stalled mid-frame; closing", peer=self.peer)
-                        return
-                    continue
-                if n == 0:
-                    return
-                stalled_since = time.monotonic()
-                try:
-                    event = m.received(n)
-                    if isinstance(event, wire.HelloReceived):
-                        refusal = self.gate.hello(self)
-                        if refusal is not None:
-                            raise wire.FrameViolation(refusal, 0)
-                except wire.FrameViolation as v:
-                    self.on_refused()
-                    log.warning(
-                        "tcp write refused; closing connection",
-                        peer=self.peer,
-                        code=v.code.value,
-                        error=v.message,
-                        seq=v.seq,
-                    )
-                    self.sock.sendall(m.reply(wire.refused(v.seq, v)))
-                    self._linger()
-                    return
-                if isinstance(event, wire.Reply):
-                    self.sock.sendall(event.data)
-                elif isinstance(event, wire.Landed):
-                    w: Write = event.write
-                    self.on_received(w.length)
-                    if w.imm >= 0:
-                        self.loop.call_soon_threadsafe(self.on_imm, w.imm, self.peer)
-                    self.sock.sendall(m.reply(wire.ack(w.seq)))
-        except OSError as exc:
-            if not self._closed.is_set():
-                log.info("tcp receive stream ended", peer=self.peer, error=str(exc))
-        except RuntimeError:  # loop closed during shutdown
-            pass
-
-    def _linger(self, limit_s: float = 2.0) -> None:
-        """Half-close and discard what the peer still sends until it closes too.
-
-        Closing with unread bytes queued makes the kernel send RST, which can destroy the
-        Refused frame before the peer reads it.
-        """
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_WR)
-        sink = bytearray(1 << 16)
-        deadline = time.monotonic() + limit_s
-        while time.monotonic() < deadline and not self._closed.is_set():
-            try:
-                if self.sock.recv_into(sink) == 0:
-                    return
-            except (BlockingIOError, TimeoutError):
-                continue
-            except OSError:
-                return
-
-    def close(self) -> None:
-        self._closed.set()
-        _shutdown(self.sock)
-
-    def join(self, timeout: float) -> bool:
-        """Wait for the receiving thread; True once it has ended (nothing more lands)."""
-        if self._thread is not None:
-            self._thread.join(timeout)
-            return not self._thread.is_alive()
-        return True
-
-
-def _shutdown(sock: socket.socket) -> None:
+def shutdown_socket(sock: socket.socket) -> None:
     with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
 
 
-__all__ = ["Gate", "IncomingStream", "OutgoingStream", "Pending", "tune"]
+__all__ = ["OutgoingStream", "Pending", "tune"]
