@@ -155,8 +155,8 @@ def test_progress_on_stderr_only_once_slow(capsys: pytest.CaptureFixture[str]) -
 def test_staging_ring_figure_is_what_each_trainer_allocates(slots: int) -> None:
     """`weightwire plan`'s ring figure, made on the columnar plan, against the ring each
     trainer rank actually allocates from its own RankPlan (protocol.plan.staging_ring)."""
+    from weightwire.cli.plan_flows import flows_of
     from weightwire.cli.plan_ranks import Topology, engine_ranks, trainer_ranks
-    from weightwire.cli.plan_report import flows_of
     from weightwire.plan.planner import PlanOptions, plan
     from weightwire.protocol.plan import staging_ring
 
