@@ -216,7 +216,7 @@ def test_host_source_pinned_or_pageable_lands(kit: TransportKit, pinned: bool) -
         )
         if pinned:
             p.a.transport.register(src)
-            assert p.a.transport._pinned == {90: src.address}  # type: ignore[attr-defined]
+            assert p.a.transport._regions.pinned == {90: src.address}  # type: ignore[attr-defined]
         try:
             dst, desc = p.region(p.b, 91, n)
             await p.a.transport.write(WriteRequest(src, 0, desc, 0, n, 5))

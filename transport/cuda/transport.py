@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import os
 import socket
 import threading
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
 from typing import ClassVar
 
 import structlog
@@ -29,7 +27,6 @@ from weightwire.protocol.errors import ErrorCode, PeerLostError, RegionError, We
 from weightwire.protocol.plan import span
 from weightwire.protocol.regions import (
     CudaEndpoint,
-    CudaKey,
     RegionDescriptor,
     RegionKeys,
     TransportEndpoints,
@@ -49,6 +46,8 @@ from .channel import Channel
 from .ipc import IpcMaps
 from .lanes import Batch, Copy, Fence, Lane
 from .prepared import CudaPrepared, Epoch
+from .regions import CudaRegions
+from .slotevents import SlotEvents
 
 log = structlog.get_logger("weightwire.transport.cuda")
 
@@ -68,13 +67,6 @@ def host_id() -> str:
     return "-".join(parts) or socket.gethostname()
 
 
-@dataclass(frozen=True, slots=True)
-class _Local:
-    region: LocalRegion
-    handle: bytes
-    offset: int
-
-
 class CudaTransport(Transport):
     name: ClassVar[str] = "cuda"
 
@@ -85,8 +77,7 @@ class CudaTransport(Transport):
         self._drv: Driver | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_imm: ImmHandler | None = None
-        self._regions: dict[int, _Local] = {}
-        self._pinned: dict[int, int] = {}  # host regions pinned here: id -> address
+        self._regions = CudaRegions(self.host)
         self._peers: dict[str, str] = {}  # node -> its channel path
         self._ipc: IpcMaps | None = None
         self._lanes: dict[tuple[int, int], Lane] = {}  # by (copying device, destination's)
@@ -95,10 +86,7 @@ class CudaTransport(Transport):
         self._lock = threading.Lock()
         self._stats = {"bytes_sent": 0, "writes": 0, "bytes_received": 0, "batches": 0}
         self.peers_enabled: list[tuple[int, int]] = []
-        # interprocess events fencing a ring slot on a lane: (slot key, lane) -> (event, handle)
-        self._slot_events: dict[tuple[Hashable, tuple[int, int]], tuple[int, bytes]] = {}
-        self._ipc_events = True  # False once the driver refused one: no fences from then on
-        self._event_of: dict[bytes, int] = {}  # those events, by their IPC handles
+        self._slot_events = SlotEvents()  # interprocess events fencing ring slots on lanes
 
     # --- lifecycle -----------------------------------------------------------
 
@@ -147,12 +135,7 @@ class CudaTransport(Transport):
                 lane.join(10)
 
         await asyncio.to_thread(join)
-        if self._drv is not None:
-            for event, _ in self._slot_events.values():
-                with contextlib.suppress(CudaError):
-                    self._drv.destroy_event(event)
-        self._slot_events.clear()
-        self._event_of.clear()
+        self._slot_events.close(self._drv)
         self._channel.close()
         if self._ipc is not None:
             self._ipc.close()
@@ -160,52 +143,10 @@ class CudaTransport(Transport):
     # --- regions -------------------------------------------------------------
 
     def register(self, region: LocalRegion) -> RegionKeys:
-        if region.kind != "gpu":
-            # host regions are only read (a CPU replica copied to a GPU): pin them for speed
-            assert self._drv is not None
-            if region.address and self._pinned.get(region.id) != region.address:
-                try:
-                    self._drv.use(self._drv.devices[0].ordinal)  # any context will do
-                    self._drv.host_register(region.address, region.length)
-                    self._pinned[region.id] = region.address
-                    Epoch.bump()
-                except CudaError as exc:
-                    log.warning(
-                        "host region not pinned; copies from it go through a thread",
-                        region=region.id,
-                        error=exc.message,
-                    )
-            return RegionKeys()
-        offset = region.extra.get("ipc_offset", 0)
-        uuid = region.extra.get("device_uuid")
-        if isinstance(region.extra.get("vmm_base"), int) and isinstance(offset, int):
-            # VMM memory the daemon mapped from the rank's fds, reachable by every device:
-            # written here, by this daemon's lanes; no key another process could open
-            self._regions[region.id] = _Local(region, b"", offset)
-            Epoch.bump()
-            return RegionKeys()
-        handle = region.extra.get("ipc_handle")
-        if (
-            not isinstance(handle, bytes)
-            or not isinstance(offset, int)
-            or not isinstance(uuid, str)
-        ):
-            raise RegionError(
-                f"gpu region {region.id} has no CUDA IPC handle", code=ErrorCode.INVALID
-            )
-        self._regions[region.id] = _Local(region, handle, offset)
-        Epoch.bump()
-        return RegionKeys(
-            cuda=CudaKey(host_id=self.host, device_uuid=uuid, ipc_handle=handle, offset=offset)
-        )
+        return self._regions.register(self._drv, region)
 
     def deregister(self, region_id: int) -> None:
-        self._regions.pop(region_id, None)
-        address = self._pinned.pop(region_id, None)
-        Epoch.bump()
-        if address is not None and self._drv is not None:
-            with contextlib.suppress(CudaError):
-                self._drv.host_unregister(address)
+        self._regions.deregister(self._drv, region_id)
 
     # --- data path -----------------------------------------------------------
 
@@ -346,7 +287,7 @@ class CudaTransport(Transport):
             )
             key = (device, dst_dev)
             by_lane.setdefault(key, []).append(copy)
-            if r.src.kind != "gpu" and self._pinned.get(r.src.id) != r.src.address:
+            if r.src.kind != "gpu" and not self._regions.pinned_at(r.src.id, r.src.address):
                 pageable.add(key)
         prepared.epoch, prepared.failed = epoch, failed
         prepared.lanes = [(key, lanes.chunks(cs), key in pageable) for key, cs in by_lane.items()]
@@ -385,22 +326,7 @@ class CudaTransport(Transport):
     def events_of(self, handles: Sequence[bytes]) -> list[int] | None:
         """The events behind slot events' IPC handles (as `post_fenced` gave them), for a
         stream of this process to wait on; None if one is not this transport's."""
-        events = [self._event_of.get(h, 0) for h in handles]
-        return None if not all(events) else events
-
-    def _slot_event(self, slot: Hashable, key: tuple[int, int]) -> tuple[int, bytes] | None:
-        """The interprocess event fencing `slot` on lane `key` (made once), or None."""
-        found = self._slot_events.get((slot, key))
-        if found is None and self._ipc_events:
-            assert self._drv is not None
-            try:
-                self._drv.use(key[0])
-                found = self._slot_events[slot, key] = self._drv.ipc_event()
-                self._event_of[found[1]] = found[0]
-            except CudaError as exc:
-                self._ipc_events = False
-                log.warning("no interprocess cuda events: slots wait for landings", error=str(exc))
-        return found
+        return self._slot_events.of(handles)
 
     async def _post(
         self,
@@ -416,29 +342,13 @@ class CudaTransport(Transport):
         results: list[BaseException | None] = [None] * len(imms)
         for i, exc in p.failed:
             results[i] = exc
-        fences: list[tuple[tuple[int, int], Fence]] = []
+        fence_of: dict[tuple[int, int], Fence] = {}
         if fencing is not None and not p.failed:
+            assert self._drv is not None
             slot, on_issued = fencing
-            handles: list[bytes] = []
-            left = [len(p.lanes)]
-
-            def issued(handle: bytes) -> None:
-                handles.append(handle)
-                left[0] -= 1
-                if not left[0]:
-                    try:
-                        on_issued(tuple(handles))
-                    except Exception as exc:  # called from a lane's issuing: never break it
-                        log.error("issued copies not reported", error=repr(exc))
-
-            for key, _, _ in p.lanes:
-                found = self._slot_event(slot, key)
-                if found is None:
-                    fences = []
-                    break
-                event, handle = found
-                fences.append((key, Fence(event, functools.partial(issued, handle))))
-        fence_of = dict(fences)
+            fence_of = self._slot_events.fences(
+                self._drv, slot, [key for key, _, _ in p.lanes], on_issued
+            )
         posts = []
         for key, chunks, pageable in p.lanes:
             try:

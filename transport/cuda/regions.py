@@ -1,0 +1,90 @@
+"""The cuda transport's regions: GPU regions by CUDA IPC handle (or VMM memory the daemon
+mapped), host regions pinned once for faster copies out of them."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import structlog
+
+from weightwire.memory.cudadrv import CudaError, Driver
+from weightwire.protocol.errors import ErrorCode, RegionError
+from weightwire.protocol.regions import CudaKey, RegionKeys
+from weightwire.transport.base import LocalRegion
+
+from .prepared import Epoch
+
+log = structlog.get_logger("weightwire.transport.cuda")
+
+
+@dataclass(frozen=True, slots=True)
+class Local:
+    region: LocalRegion
+    handle: bytes  # its CUDA IPC handle; empty for VMM memory (mapped for every device)
+    offset: int  # where the region starts in the handle's allocation
+
+
+class CudaRegions:
+    """Regions registered with one cuda transport; every change bumps `Epoch` (prepared
+    writes resolve again)."""
+
+    def __init__(self, host: str) -> None:
+        self.host = host
+        self._local: dict[int, Local] = {}
+        self.pinned: dict[int, int] = {}  # host regions pinned here: id -> address
+
+    def get(self, region_id: int) -> Local | None:
+        return self._local.get(region_id)
+
+    def pinned_at(self, region_id: int, address: int) -> bool:
+        """Whether host region `region_id` is pinned, at `address`."""
+        return self.pinned.get(region_id) == address
+
+    def register(self, drv: Driver | None, region: LocalRegion) -> RegionKeys:
+        if region.kind != "gpu":
+            # host regions are only read (a CPU replica copied to a GPU): pin them for speed
+            assert drv is not None
+            if region.address and not self.pinned_at(region.id, region.address):
+                try:
+                    drv.use(drv.devices[0].ordinal)  # any context will do
+                    drv.host_register(region.address, region.length)
+                    self.pinned[region.id] = region.address
+                    Epoch.bump()
+                except CudaError as exc:
+                    log.warning(
+                        "host region not pinned; copies from it go through a thread",
+                        region=region.id,
+                        error=exc.message,
+                    )
+            return RegionKeys()
+        offset = region.extra.get("ipc_offset", 0)
+        uuid = region.extra.get("device_uuid")
+        if isinstance(region.extra.get("vmm_base"), int) and isinstance(offset, int):
+            # VMM memory the daemon mapped from the rank's fds, reachable by every device:
+            # written here, by this daemon's lanes; no key another process could open
+            self._local[region.id] = Local(region, b"", offset)
+            Epoch.bump()
+            return RegionKeys()
+        handle = region.extra.get("ipc_handle")
+        if (
+            not isinstance(handle, bytes)
+            or not isinstance(offset, int)
+            or not isinstance(uuid, str)
+        ):
+            raise RegionError(
+                f"gpu region {region.id} has no CUDA IPC handle", code=ErrorCode.INVALID
+            )
+        self._local[region.id] = Local(region, handle, offset)
+        Epoch.bump()
+        return RegionKeys(
+            cuda=CudaKey(host_id=self.host, device_uuid=uuid, ipc_handle=handle, offset=offset)
+        )
+
+    def deregister(self, drv: Driver | None, region_id: int) -> None:
+        self._local.pop(region_id, None)
+        address = self.pinned.pop(region_id, None)
+        Epoch.bump()
+        if address is not None and drv is not None:
+            with contextlib.suppress(CudaError):
+                drv.host_unregister(address)
