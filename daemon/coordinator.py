@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import structlog
 
 from weightwire.plan.delta import add_delta
 from weightwire.plan.planner import (
-    EngineRank,
     PlanOptions,
-    TrainerRank,
     caveats_of,
     plan,
     resolve_recipes,
@@ -31,28 +29,17 @@ from weightwire.protocol.peer import (
     Membership,
     PeerError,
     PeerHello,
-    PeerMsg,
     PeerWelcome,
     PlanProblem,
 )
 from weightwire.protocol.plan import NodePlan
 
-from .elastic import (
-    Replica,
-    ReplicaPlan,
-    is_elastic,
-    node_hashes,
-    node_plan,
-    packs_digest,
-    replicas_of,
-    trainers_digest,
-)
+from .elastic import is_elastic
+from .elasticplanning import ElasticPlanning, Send
 from .jobs import Job, collect, delta_areas, digest
 from .lograte import Throttled
 
 log = structlog.get_logger("weightwire.daemon.coordinator")
-
-Send = Callable[[str, PeerMsg], None]
 
 
 @dataclass
@@ -67,6 +54,10 @@ class Coordinator:
     _planning: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     _plans: dict[str, Mapping[str, NodePlan]] = field(default_factory=dict)  # made when sent
     _refused: Throttled = field(default_factory=lambda: Throttled(10.0))
+    _elastic: ElasticPlanning = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._elastic = ElasticPlanning(self.send, self.members, self.options, self._problem)
 
     # --- membership ----------------------------------------------------------
 
@@ -195,7 +186,7 @@ class Coordinator:
 
     async def _plan_job_now(self, job: Job) -> None:
         if is_elastic(job.adverts):
-            await self._plan_elastic(job)
+            await self._elastic.plan(job)
             return
         trainers, engines, missing, problems = collect(job)
         if problems:
@@ -251,120 +242,6 @@ class Coordinator:
                 continue
             self.send(node, AssignPlan(plan=plans[node]))  # made now, from the plan's arrays
             job.assigned[node] = member.incarnation
-
-    # --- elastic jobs (daemon/elastic.py) -------------------------------------
-
-    async def _plan_elastic(self, job: Job) -> None:
-        """Plan each complete engine replica on its own (only those not planned yet with
-        these inputs), and send every node whose part changed its new plan."""
-        trainers, _, missing, problems = collect(job, elastic=True)
-        replicas, more = replicas_of(job.adverts)
-        if problems or more:
-            self._problem(job, PlanError("; ".join(problems + more), code=ErrorCode.DUPLICATE))
-            return
-        el = job.elastic
-        live = {r: rep for r, rep in replicas.items() if rep.complete}
-        if not live:
-            missing.append("any complete engine replica")
-        if missing:
-            if job.plan_hash:
-                log.info("job incomplete; plan withdrawn", job=job.name, missing=missing)
-            job.plan_hash, job.inputs, job.assigned, job.sent = "", "", {}, {}
-            return
-        td = trainers_digest(job.adverts)
-        if el.trainers != td:
-            el.trainers, el.parts, el.packs = td, {}, ""
-        for r in [r for r in el.parts if r not in live]:
-            log.info("engine replica dropped", job=job.name, replica=r)
-            del el.parts[r]
-        if not el.parts:
-            el.packs = ""
-        t0 = time.monotonic()
-        planned: list[int] = []
-        for r, rep in live.items():
-            inputs = rep.digest(td)
-            part = el.parts.get(r)
-            if part is not None and part.inputs == inputs:
-                continue
-            el.parts.pop(r, None)
-            part = await self._plan_replica(job, trainers, rep, inputs)
-            if part is not None:
-                el.parts[r] = part
-                el.packs = el.packs or part.packs
-                planned.append(r)
-        if not el.parts:
-            job.plan_hash, job.assigned, job.sent = "", {}, {}
-            return
-        hashes, whole = node_hashes(el.packs, el.parts.values())
-        job.problem = ""
-        if whole != job.plan_hash:
-            log.info(
-                "plan ready",
-                job=job.name,
-                plan=whole,
-                replicas=sorted(el.parts),
-                planned=planned,
-                trainers=len(trainers),
-                nodes=len(hashes),
-                seconds=round(time.monotonic() - t0, 4),
-            )
-        job.plan_hash = whole
-        for node in [n for n in job.sent if n not in hashes]:
-            hashes[node] = ""  # a node left with no part: it is told so (an empty plan)
-        for node, node_hash in hashes.items():
-            member = self.members.get(node)
-            if member is None:
-                job.sent.pop(node, None)
-                continue
-            if job.assigned.get(node) == member.incarnation and job.sent.get(node) == node_hash:
-                continue
-            plan_ = node_plan(job.name, el.packs, el.parts.values(), node)
-            self.send(node, AssignPlan(plan=plan_))
-            job.assigned[node] = member.incarnation
-            if node_hash:
-                job.sent[node] = node_hash
-            else:
-                job.sent.pop(node, None)
-
-    async def _plan_replica(
-        self, job: Job, trainers: list[TrainerRank], rep: Replica, inputs: str
-    ) -> ReplicaPlan | None:
-        """One replica's plan, or None (its nodes are told why; the others go on)."""
-        el = job.elastic
-        t0 = time.monotonic()
-        try:
-            engines = resolve_recipes(
-                [
-                    EngineRank(node, a.rank, a.destinations, a.regions, a.slot, a.layout, a.lanes)
-                    for node, a in rep.ranks
-                ]
-            )
-            slots = {e.rank: e.slot for e in engines}
-            plans = await asyncio.to_thread(plan, job.name, trainers, engines, self.options, slots)
-            packs = packs_digest(plans.compact)
-            if el.packs and packs != el.packs:
-                raise PlanError(
-                    f"engine replica {rep.replica} packs differently from the job's other "
-                    f"replicas (another layout, tensor list or registration order); the "
-                    f"replicas of an elastic job must be alike"
-                )
-        except WeightwireError as exc:
-            log.warning(
-                "engine replica refused", job=job.name, replica=rep.replica, error=exc.message
-            )
-            for node in rep.nodes:
-                self.send(node, PlanProblem(job=job.name, code=exc.code.value, message=exc.message))
-            return None
-        log.info(
-            "engine replica planned",
-            job=job.name,
-            replica=rep.replica,
-            plan=plans.plan_hash,
-            ranks=[a.rank for _, a in rep.ranks],
-            writes=plans.write_count,
-            seconds=round(time.monotonic() - t0, 4),
-        )
-        return ReplicaPlan(rep, inputs, plans, packs)
 
     def _problem(self, job: Job, exc: WeightwireError) -> None:
         job.plan_hash, job.inputs, job.assigned, job.sent = "", "", {}, {}

@@ -1,0 +1,160 @@
+"""The coordinator's planning of elastic jobs (what they are: `elastic.py`): each complete
+engine replica planned on its own, only when its inputs changed, and every node whose part
+changed sent its new plan."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import structlog
+
+from weightwire.plan.planner import (
+    EngineRank,
+    PlanOptions,
+    TrainerRank,
+    plan,
+    resolve_recipes,
+)
+from weightwire.protocol.errors import ErrorCode, PlanError, WeightwireError
+from weightwire.protocol.peer import AssignPlan, Member, PeerMsg, PlanProblem
+
+from .elastic import (
+    Replica,
+    ReplicaPlan,
+    node_hashes,
+    node_plan,
+    packs_digest,
+    replicas_of,
+    trainers_digest,
+)
+from .jobs import Job, collect
+
+log = structlog.get_logger("weightwire.daemon.coordinator")
+
+Send = Callable[[str, PeerMsg], None]
+
+
+@dataclass
+class ElasticPlanning:
+    """Plans elastic jobs for the coordinator: `members` its live view of the cluster,
+    `problem` how a job that cannot be planned at all is withdrawn and reported."""
+
+    send: Send
+    members: Mapping[str, Member]
+    options: PlanOptions
+    problem: Callable[[Job, WeightwireError], None]
+
+    async def plan(self, job: Job) -> None:
+        """Plan each complete engine replica on its own (only those not planned yet with
+        these inputs), and send every node whose part changed its new plan."""
+        trainers, _, missing, problems = collect(job, elastic=True)
+        replicas, more = replicas_of(job.adverts)
+        if problems or more:
+            self.problem(job, PlanError("; ".join(problems + more), code=ErrorCode.DUPLICATE))
+            return
+        el = job.elastic
+        live = {r: rep for r, rep in replicas.items() if rep.complete}
+        if not live:
+            missing.append("any complete engine replica")
+        if missing:
+            if job.plan_hash:
+                log.info("job incomplete; plan withdrawn", job=job.name, missing=missing)
+            job.plan_hash, job.inputs, job.assigned, job.sent = "", "", {}, {}
+            return
+        td = trainers_digest(job.adverts)
+        if el.trainers != td:
+            el.trainers, el.parts, el.packs = td, {}, ""
+        for r in [r for r in el.parts if r not in live]:
+            log.info("engine replica dropped", job=job.name, replica=r)
+            del el.parts[r]
+        if not el.parts:
+            el.packs = ""
+        t0 = time.monotonic()
+        planned: list[int] = []
+        for r, rep in live.items():
+            inputs = rep.digest(td)
+            part = el.parts.get(r)
+            if part is not None and part.inputs == inputs:
+                continue
+            el.parts.pop(r, None)
+            part = await self._replica(job, trainers, rep, inputs)
+            if part is not None:
+                el.parts[r] = part
+                el.packs = el.packs or part.packs
+                planned.append(r)
+        if not el.parts:
+            job.plan_hash, job.assigned, job.sent = "", {}, {}
+            return
+        hashes, whole = node_hashes(el.packs, el.parts.values())
+        job.problem = ""
+        if whole != job.plan_hash:
+            log.info(
+                "plan ready",
+                job=job.name,
+                plan=whole,
+                replicas=sorted(el.parts),
+                planned=planned,
+                trainers=len(trainers),
+                nodes=len(hashes),
+                seconds=round(time.monotonic() - t0, 4),
+            )
+        job.plan_hash = whole
+        for node in [n for n in job.sent if n not in hashes]:
+            hashes[node] = ""  # a node left with no part: it is told so (an empty plan)
+        for node, node_hash in hashes.items():
+            member = self.members.get(node)
+            if member is None:
+                job.sent.pop(node, None)
+                continue
+            if job.assigned.get(node) == member.incarnation and job.sent.get(node) == node_hash:
+                continue
+            plan_ = node_plan(job.name, el.packs, el.parts.values(), node)
+            self.send(node, AssignPlan(plan=plan_))
+            job.assigned[node] = member.incarnation
+            if node_hash:
+                job.sent[node] = node_hash
+            else:
+                job.sent.pop(node, None)
+
+    async def _replica(
+        self, job: Job, trainers: list[TrainerRank], rep: Replica, inputs: str
+    ) -> ReplicaPlan | None:
+        """One replica's plan, or None (its nodes are told why; the others go on)."""
+        el = job.elastic
+        t0 = time.monotonic()
+        try:
+            engines = resolve_recipes(
+                [
+                    EngineRank(node, a.rank, a.destinations, a.regions, a.slot, a.layout, a.lanes)
+                    for node, a in rep.ranks
+                ]
+            )
+            slots = {e.rank: e.slot for e in engines}
+            plans = await asyncio.to_thread(plan, job.name, trainers, engines, self.options, slots)
+            packs = packs_digest(plans.compact)
+            if el.packs and packs != el.packs:
+                raise PlanError(
+                    f"engine replica {rep.replica} packs differently from the job's other "
+                    f"replicas (another layout, tensor list or registration order); the "
+                    f"replicas of an elastic job must be alike"
+                )
+        except WeightwireError as exc:
+            log.warning(
+                "engine replica refused", job=job.name, replica=rep.replica, error=exc.message
+            )
+            for node in rep.nodes:
+                self.send(node, PlanProblem(job=job.name, code=exc.code.value, message=exc.message))
+            return None
+        log.info(
+            "engine replica planned",
+            job=job.name,
+            replica=rep.replica,
+            plan=plans.plan_hash,
+            ranks=[a.rank for _, a in rep.ranks],
+            writes=plans.write_count,
+            seconds=round(time.monotonic() - t0, 4),
+        )
+        return ReplicaPlan(rep, inputs, plans, packs)
