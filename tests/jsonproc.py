@@ -58,5 +58,9 @@ class JsonLinesProc:
         try:
             return self.p.wait(60)
         finally:
-            if self.p.poll() is None:
-                self.p.kill()
+            self.kill()
+
+    def kill(self) -> None:
+        """Kills the child if it still runs (a test's cleanup)."""
+        if self.p.poll() is None:
+            self.p.kill()

@@ -78,8 +78,7 @@ def rank_procs(
             assert p.finish() == 0, "".join(p.err)[-3000:]
     finally:
         for p in procs:
-            if p.p.poll() is None:
-                p.p.kill()
+            p.kill()
 
 
 def out_dir(ranks: list[Rank]) -> Path:

@@ -74,8 +74,7 @@ def procs() -> Iterator[list[Proc]]:
     started: list[Proc] = []
     yield started
     for p in started:
-        if p.p.poll() is None:
-            p.p.kill()
+        p.kill()
 
 
 def test_two_trainers_two_engines_several_versions(

@@ -72,6 +72,11 @@ def pair(c: LocalCluster, job: str) -> tuple[Trainer, Engine, torch.Tensor]:
 def lands_then_close(tr: Trainer, eng: Engine, dst: torch.Tensor, version: int) -> None:
     """The next version lands bitwise (the cluster recovered); then both ranks close."""
     tr.publish(version, {"w": weights(version)})
+    landed_then_close(tr, eng, dst, version)
+
+
+def landed_then_close(tr: Trainer, eng: Engine, dst: torch.Tensor, version: int) -> None:
+    """`version`, published, lands at the engine bitwise; then both ranks close."""
     eng.wait(version, timeout_s=30)
     assert torch.equal(dst, weights(version))
     tr.close()
@@ -139,10 +144,7 @@ def test_engine_daemon_hung_mid_transfer_is_a_lost_peer(faults: LocalCluster) ->
             assert time.time() < deadline, f"no version landed after the peer came back: {exc}"
             version += 1
             time.sleep(0.2)
-    eng.wait(version, timeout_s=30)
-    assert torch.equal(dst, weights(version))
-    tr.close()
-    eng.close()
+    landed_then_close(tr, eng, dst, version)
 
 
 def test_trainer_daemon_killed_mid_transfer_then_back(faults: LocalCluster) -> None:
@@ -203,10 +205,7 @@ def test_zero_copy_sources_registered_again_after_a_daemon_restart(faults: Local
         except PeerLostError:
             assert time.time() < deadline, "the trainer never re-registered"
             time.sleep(0.2)
-    eng.wait(2, timeout_s=30)
-    assert torch.equal(dst, weights(2))
-    tr.close()
-    eng.close()
+    landed_then_close(tr, eng, dst, 2)
 
 
 def test_coordinator_restarted_plan_restored(faults: LocalCluster) -> None:

@@ -100,8 +100,7 @@ def test_metrics_move_during_and_after_a_version(mcluster: LocalCluster) -> None
         assert fast.finish() == 0 and slow.finish() == 0
     finally:
         for p in (fast, slow):
-            if p.p.poll() is None:
-                p.p.kill()
+            p.kill()
         eng.close()
     # one canonical line per job per version on each daemon
     for d, role_bytes in ((c.daemons[0], "bytes_sent"), (c.daemons[1], "bytes_received")):

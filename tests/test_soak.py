@@ -3,36 +3,20 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
 import pytest
 
-from .conftest import NETNS
+from .test_demo import demo
 
 
 @pytest.mark.timeout(900)
 def test_200_versions_rss_and_fds_flat() -> None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "weightwire.cli.main",
-        "demo",
-        "--model-gb",
-        "0.03",
-        "--versions",
-        "200",
-        "--resources",
-        "--netns",
-        "on" if NETNS else "off",
-    ]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "verified 200 versions" in out.stdout
+    stdout = demo(0.03, 200, "--resources", timeout_s=900)
+    assert "verified 200 versions" in stdout
     lines = re.findall(
-        r"resources (\S+): rss ([\d.]+) MB -> ([\d.]+) MB, open fds (\d+) -> (\d+)", out.stdout
+        r"resources (\S+): rss ([\d.]+) MB -> ([\d.]+) MB, open fds (\d+) -> (\d+)", stdout
     )
-    assert len(lines) == 2, out.stdout
+    assert len(lines) == 2, stdout
     print("\n".join(f"{n}: rss {a} -> {b} MB, fds {c} -> {d}" for n, a, b, c, d in lines))
     for node, rss1, rss2, fd1, fd2 in lines:
         assert int(fd2) <= int(fd1) + 2, f"{node} leaks file descriptors: {fd1} -> {fd2}"

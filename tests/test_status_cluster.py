@@ -65,8 +65,7 @@ def test_cluster_status_from_any_node_during_a_version(cluster: LocalCluster, ca
         assert fast.finish() == 0 and slow.finish() == 0
     finally:
         for p in (fast, slow):
-            if p.p.poll() is None:
-                p.p.kill()
+            p.kill()
         eng.close()
     # every rank has left: no plan, no job, anywhere
     for sock in (sock0, sock1):

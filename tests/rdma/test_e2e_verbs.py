@@ -192,5 +192,4 @@ def test_update_over_verbs_bitwise_then_error_completion_and_recovery(
             assert p.finish() == 0, p.err[-20:]
     finally:
         for p in procs:
-            if p.p.poll() is None:
-                p.p.kill()
+            p.kill()
