@@ -97,12 +97,21 @@ def publish_in_background(tr: Trainer, version: int, w: torch.Tensor) -> dict[st
     return out
 
 
-def test_engine_daemon_killed_mid_transfer_then_back(faults: LocalCluster) -> None:
-    tr, eng, dst = pair(faults, "kill-engine-daemon")
+def mid_transfer(
+    c: LocalCluster, job: str
+) -> tuple[Trainer, Engine, torch.Tensor, dict[str, object]]:
+    """A pair whose version 1 has landed and whose version 2 is being published (in the
+    background, for 0.7 s so far)."""
+    tr, eng, dst = pair(c, job)
     tr.publish(1, {"w": weights(1)})
     eng.wait(1)
     pending = publish_in_background(tr, 2, weights(2))
     time.sleep(0.7)
+    return tr, eng, dst, pending
+
+
+def test_engine_daemon_killed_mid_transfer_then_back(faults: LocalCluster) -> None:
+    tr, eng, dst, pending = mid_transfer(faults, "kill-engine-daemon")
     killed = time.time()
     faults.daemons[2].proc.send_signal(signal.SIGKILL)
     pending["thread"].join(20)  # type: ignore[attr-defined]
@@ -118,11 +127,7 @@ def test_engine_daemon_hung_mid_transfer_is_a_lost_peer(faults: LocalCluster) ->
     """A hung peer (SIGSTOP, not a crash: its sockets stay open) fails the version with
     PeerLostError naming it, as a dead one does, not PlanError(plan_changed) because its
     plan was withdrawn; once it runs again, the next version lands bitwise."""
-    tr, eng, dst = pair(faults, "hang-engine-daemon")
-    tr.publish(1, {"w": weights(1)})
-    eng.wait(1)
-    pending = publish_in_background(tr, 2, weights(2))
-    time.sleep(0.7)
+    tr, eng, dst, pending = mid_transfer(faults, "hang-engine-daemon")
     stopped = time.time()
     faults.daemons[2].proc.send_signal(signal.SIGSTOP)
     try:
