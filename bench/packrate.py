@@ -16,7 +16,10 @@ whole `Packer.pack_bucket` per bucket (bf16 and FP8).
 bf16 (the pack is a copy): torch's multi-tensor copy (before), one copy_ per tensor, the
 Triton copy kernel (`client/copy_kernel.py`). FP8 (codes + scales in destination layout,
 every variant checked bitwise against `quantize_blocks`): the Triton kernel's generic
-launch with the integer rounding (before), the aligned launch with each rounding.
+launch with the integer rounding (before), the aligned launch with the integer rounding,
+and with the hardware rounding each launch variant of `fp8_kernel.VARIANTS` (`--variants`:
+rows of a tile at a time, warps, reciprocal division), then what `fp8_kernel.tune` (the
+trainer's pick, once per process) measures and picks.
 """
 
 from __future__ import annotations
@@ -111,7 +114,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bucket-mb", type=int, default=256, help="source MiB per bucket")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", action="store_true", help="the results as JSON on stdout")
+    ap.add_argument("--variants", default="all",
+                    help="FP8 launch variants (fp8_kernel.VARIANTS), comma-separated")  # fmt: skip
     args = ap.parse_args(argv)
+    from weightwire.client import fp8_kernel as fk
+
+    names = list(fk.VARIANTS) if args.variants == "all" else args.variants.split(",")
+    if fk.INTERPRETED:  # the reciprocal division needs a fused multiply-add (GPU only)
+        names = [n for n in names if n in fk.VARIANTS and not fk.VARIANTS[n].fast_div]
+    args.variants = names
     if DEVICE == "cuda" and not torch.cuda.is_available():
         print("packrate: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -184,16 +195,23 @@ def main(argv: list[str] | None = None) -> int:
         return True
 
     if fp8_kernel.available([dst, *experts], block):
-        for label, vectors, hw in [
-            ("fp8: generic launch, integer rounding (before)", False, False),
-            ("fp8: aligned launch, integer rounding", True, False),
-            ("fp8: aligned launch, hardware rounding", True, True),
-        ]:
+        runs = [
+            ("fp8: generic launch, integer rounding (before)", False, False, "whole-w8"),
+            ("fp8: aligned launch, integer rounding", True, False, "whole-w8"),
+        ]
+        runs += [(f"fp8: aligned, hardware rounding, {v}", True, True, v) for v in args.variants]
+        for label, vectors, hw, variant in runs:
             fp8_kernel.HW_CVT = hw
-            fb = Fp8Batch(boxes, dst, block, vectors=vectors)
+            fb = Fp8Batch(boxes, dst, block, vectors=vectors, variant=variant)
             dst.zero_()
-            add(label, fb.run, fp8_bytes, hw_cvt=fb.hw_cvt, launches=len(fb.launches))
+            add(label, fb.run, fp8_bytes, hw_cvt=fb.hw_cvt, launches=len(fb.launches),
+                variant=fb.variant.name)  # fmt: skip
             rows[-1]["bitwise"] = check(label)
+        if dev.type == "cuda":  # what a trainer's first FP8 bucket picks (fp8_kernel.tune)
+            h = time.perf_counter()
+            out["tuned"] = fp8_kernel.tune(torch.bfloat16, dev, block)
+            out["tune_seconds"] = time.perf_counter() - h  # compiled already: timing only
+            out["tune_ms"] = next(iter(fp8_kernel.TUNE_LOG.values()))
         stacked = torch.stack(experts)
         add("fp8: torch quantize_blocks of the stack (no copy out)",
             lambda: quantize_blocks(stacked, block) and None, fp8_bytes)  # fmt: skip
@@ -212,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
         bit = {True: "ok", False: "DIFFERS"}.get(r.get("bitwise"), "")  # type: ignore[call-overload]
         print(f"  {r['what']:<{w}}  {r['ms']:7.3f}  {r['gbps']:7.1f}  {r['of_rate']:7.2f}  "
               f"{r['host_us']:7.1f}  {bit}", file=sys.stderr)  # fmt: skip
+    if "tuned" in out:
+        print(f"  tune (fp8_kernel.tune, 48 MiB scratch): picked {out['tuned']} in "
+              f"{out['tune_seconds']:.2f} s; ms " + ", ".join(
+                  f"{k} {v:.3f}" for k, v in out["tune_ms"].items()), file=sys.stderr)  # fmt: skip
     print("  host per bucket: " + ", ".join(f"{k} {v:.1f}" for k, v in out["host"].items()),
           file=sys.stderr)  # fmt: skip
     return 0 if all(r.get("bitwise", True) for r in rows) else 1

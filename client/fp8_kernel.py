@@ -64,7 +64,38 @@ HW_CVT = os.environ.get("WEIGHTWIRE_FP8_CVT", "hw") != "int"
 INTERPRETED = triton is not None and bool(triton.knobs.runtime.interpret)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _DESC = 8  # int64 fields per box in the descriptor table
-_NUM_WARPS = 8
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way to launch the kernel (the same codes from each): `step` rows of a tile at a
+    time (the block: the whole tile at once), `num_warps`, `fast_div` (the quotient by a
+    per-tile reciprocal and two exact corrections instead of an IEEE division per element;
+    compiled GPUs only: the interpreter has no fused multiply-add)."""
+
+    name: str
+    step: int  # 0: the whole tile
+    num_warps: int
+    fast_div: bool = False
+
+
+VARIANTS = {v.name: v for v in (
+    Variant("whole-w8", 0, 8),  # the kernel before these variants
+    Variant("whole-w4", 0, 4),
+    Variant("rows32-w4", 32, 4),
+    Variant("rows32-w8", 32, 8),
+    Variant("rows64-w8", 64, 8),
+    Variant("whole-w8-fdiv", 0, 8, True),
+    Variant("rows32-w4-fdiv", 32, 4, True),
+    Variant("rows64-w8-fdiv", 64, 8, True),
+)}  # fmt: skip
+DEFAULT = "whole-w8"
+# `WEIGHTWIRE_FP8_VARIANT`: a name above (every batch uses it), or "tune" (the default on
+# a GPU): the first batch of a (device, dtype, block) times each candidate once on scratch
+# tiles, checks its bytes against the default's, and every later batch takes the fastest.
+CHOICE = os.environ.get("WEIGHTWIRE_FP8_VARIANT", "tune")
+_TUNED: dict[tuple[Any, ...], str] = {}
+TUNE_LOG: dict[tuple[Any, ...], dict[str, float]] = {}  # candidate name -> ms (or inf)
 
 
 def available(tensors: Sequence[torch.Tensor], block: int) -> bool:
@@ -99,10 +130,16 @@ class Fp8Batch:
     """
 
     def __init__(
-        self, boxes: Sequence[Fp8Box], staging: torch.Tensor, block: int, vectors: bool = True
+        self,
+        boxes: Sequence[Fp8Box],
+        staging: torch.Tensor,
+        block: int,
+        vectors: bool = True,
+        variant: str | None = None,
     ) -> None:
         """`vectors`: aligned boxes take the aligned launch (False: all the generic one,
-        for comparisons)."""
+        for comparisons). `variant`: a name of `VARIANTS` (None: `WEIGHTWIRE_FP8_VARIANT`,
+        tuned once per device, dtype and block size where that says "tune")."""
         if triton is None:
             raise RuntimeError("Triton is not installed")
         dtypes = {b.src.dtype for b in boxes}
@@ -132,6 +169,7 @@ class Fp8Batch:
                 and (s0 % self.vec == 0 or rows == 1)
                 and cols % 16 == 0
                 and (b.codes_offset < 0 or b.codes_offset % 16 == 0)
+                and block * (max(s0, cols) + 1) < 2**31  # offsets in a tile fit int32
             )
             desc, tiles = parts.setdefault(aligned, ([], []))
             i = len(desc) // _DESC
@@ -155,6 +193,9 @@ class Fp8Batch:
                 ))  # fmt: skip
         self.ntiles = sum(n for *_, n in self.launches)
         self.hw_cvt = hw_cvt(staging.device)
+        self.variant = VARIANTS[variant or _choose(self.base.dtype, staging, block)]
+        if INTERPRETED and self.variant.fast_div:
+            self.variant = VARIANTS[DEFAULT]
 
     def run(self) -> None:
         """Queue the launches. If the hardware rounding does not compile here, the integer
@@ -176,11 +217,77 @@ class Fp8Batch:
                 desc,
                 tiles,
                 BLOCK=self.block,
+                STEP=min(self.variant.step or self.block, self.block),
                 ALIGNED=aligned,
                 VEC=self.vec,
                 HW_CVT=self.hw_cvt,
-                num_warps=_NUM_WARPS,
+                FAST_DIV=self.variant.fast_div,
+                num_warps=self.variant.num_warps,
             )
+
+
+def _choose(dtype: torch.dtype, staging: torch.Tensor, block: int) -> str:
+    """The variant for batches of this source dtype and block size on staging's device."""
+    if CHOICE in VARIANTS:
+        return CHOICE
+    if CHOICE != "tune" or INTERPRETED or staging.device.type != "cuda":
+        return DEFAULT
+    key = (staging.device, dtype, block, hw_cvt(staging.device))
+    if key not in _TUNED:
+        _TUNED[key] = tune(dtype, staging.device, block)
+    return _TUNED[key]
+
+
+def tune(dtype: torch.dtype, device: torch.device, block: int, mib: int = 48) -> str:
+    """The fastest variant on `mib` MiB of scratch tiles (random values, every bf16 bit
+    pattern among them, a tile with an inf, one with a NaN, one of zeros): each compiled and
+    run once, then timed on two runs between CUDA events; one whose bytes differ from the
+    default's is never picked. Once per (device, dtype, block) and process: the first FP8
+    bucket's pack (made before its graph is captured)."""
+    cols = 2048
+    rows = max(block, (mib << 20) // (cols * torch.finfo(dtype).bits // 8) // block * block)
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn((rows, cols), generator=g, device=device, dtype=torch.float32)
+    x = x * torch.exp2(torch.randint(-30, 8, (rows, 1), generator=g, device=device))
+    x = x.to(dtype)
+    if dtype == torch.bfloat16:
+        every = torch.arange(-(2**15), 2**15, dtype=torch.int32, device=device)
+        x.view(-1)[: 2**16] = every.to(torch.int16).view(torch.bfloat16)
+    x[block : 2 * block, :block] = 0
+    x[2 * block, block] = float("inf")
+    x[2 * block, 2 * block] = float("nan")
+    tiles = (rows // block) * (cols // block)
+    staging = torch.empty(rows * cols + tiles * 4 + 16, dtype=torch.uint8, device=device)
+    box = [Fp8Box(x, 0, rows * cols)]
+    want: torch.Tensor | None = None
+    log = TUNE_LOG.setdefault((device, dtype, block), {})
+    best, best_ms = DEFAULT, float("inf")
+    for name in [DEFAULT, *[n for n in VARIANTS if n != DEFAULT]]:
+        try:
+            b = Fp8Batch(box, staging, block, variant=name)
+            staging.zero_()
+            b.run()
+            torch.cuda.synchronize(device)
+            if want is None:
+                want = staging.clone()
+            elif not torch.equal(staging, want):  # the NaN scale too: one constant
+                log[name] = float("inf")
+                continue
+            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            start.record()
+            b.run()
+            b.run()
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end) / 2
+        except Exception:  # a variant that does not compile here is not a candidate
+            log[name] = float("inf")
+            continue
+        log[name] = ms
+        if ms < best_ms:
+            best, best_ms = name, ms
+    return best
 
 
 def hw_cvt(device: torch.device) -> bool:
@@ -212,17 +319,66 @@ def _kernel() -> Any:
 
 if triton is not None:
 
+    @triton.jit
+    def _codes(xf, scale, fast, HW_CVT: tl.constexpr, FAST_DIV: tl.constexpr):  # type: ignore[no-untyped-def]
+        """e4m3fn codes (int32) of float32(x) / scale, the quotient IEEE-rounded."""
+        xbits = xf.to(tl.int32, bitcast=True)
+        if FAST_DIV:
+            if fast:  # a finite tile, amax < 2**80: Markstein's correction, exact here
+                y = tl.math.div_rn(1.0, scale)  # RN(1/scale), once per tile
+                negs = tl.full(xf.shape, 0.0, tl.float32) - scale
+                q = xf * y
+                q = tl.math.fma(tl.math.fma(negs, q, xf), y, q)  # within 1 ulp
+                q = tl.math.fma(tl.math.fma(negs, q, xf), y, q)  # = RN(x / scale)
+                # |x| < 2**-40: |x / scale| < 2**-18, code 0 keeping x's sign (and the
+                # remainders above would leave float32's normal range)
+                tiny = (xbits & 0x7FFFFFFF) < (87 << 23)
+                q = tl.where(tiny, (xbits & -0x80000000).to(tl.float32, bitcast=True), q)
+            else:
+                q = tl.math.div_rn(xf, tl.full(xf.shape, 0.0, tl.float32) + scale)
+        else:
+            q = tl.math.div_rn(xf, tl.full(xf.shape, 0.0, tl.float32) + scale)
+        bits = q.to(tl.int32, bitcast=True)
+        neg = bits < 0
+        if HW_CVT:  # cvt.rn.satfinite: c10's codes for |q| < 464; NaN keeps its sign
+            hw = q.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+            res = tl.where(q != q, tl.where(neg, 0xFF, 0x7F), hw.to(tl.int32))
+        else:
+            mag = bits & 0x7FFFFFFF
+            # c10's fp8e4m3fn_from_fp32_value, in integers
+            den = (mag.to(tl.float32, bitcast=True) + 16384.0).to(tl.int32, bitcast=True)
+            den = den - (141 << 23)
+            nb = mag + ((-120 << 23) + 0x7FFFF) + ((mag >> 20) & 1)
+            nrm = (nb >> 20) & 0xFF
+            nrm = tl.where(nrm == 0x7F, 0x7E, nrm)
+            big = tl.where(mag > 0x7F800000, 0x7F, 0x7E)
+            res = tl.where(mag >= (1087 << 20), big, tl.where(mag < (121 << 23), den, nrm))
+            res = res | tl.where(neg, 0x80, 0)
+        return res
+
+    @triton.jit
+    def _amax_bits(x):  # type: ignore[no-untyped-def]
+        # one reduction for the amax and the NaN test: |x|'s bits order as integers as
+        # the values do, and a NaN's bits are above +inf's (0x7F800000)
+        xb = x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        return tl.max(tl.max(xb, axis=1), axis=0)
+
     def _quantize(  # type: ignore[no-untyped-def]
         src,
         dst,
         desc,
         tiles,
         BLOCK: tl.constexpr,
+        STEP: tl.constexpr,
         ALIGNED: tl.constexpr,
         VEC: tl.constexpr,
         HW_CVT: tl.constexpr,
+        FAST_DIV: tl.constexpr,
     ):
-        """One program per tile: its box's descriptor, its scale, its codes."""
+        """One program per tile: its box's descriptor, its scale, its codes. STEP rows
+        at a time: STEP == BLOCK reads the tile once and keeps it in registers; less
+        reads it twice (the amax, then the codes; the second read hits L2) with fewer
+        registers per program, so more programs (more bytes in flight) per SM."""
         pid = tl.program_id(0)
         d = tl.load(tiles + pid * 3).to(tl.int64)
         ti = tl.load(tiles + pid * 3 + 1).to(tl.int64)
@@ -230,54 +386,64 @@ if triton is not None:
         at = desc + d * 8
         rows = tl.load(at + 1)
         scales_at = tl.load(at + 6)
-        if ALIGNED:  # stored in vectors: multiples of constants, which Triton can see
+        if ALIGNED:  # stored in vectors: multiples of constants, which Triton can see;
+            # offsets inside the tile in int32 (the batch checked that they fit)
             off = tl.load(at) * VEC
-            s0 = tl.load(at + 3) * VEC
-            cols = tl.load(at + 7) * 16
+            s0 = tl.load(at + 3).to(tl.int32) * VEC
+            cols = tl.load(at + 7).to(tl.int32) * 16
             codes_at = tl.load(at + 5) * 16
+            r = tl.arange(0, STEP)
+            c = tl.arange(0, BLOCK)
+            nr = (rows - ti * BLOCK).to(tl.int32)
+            nc = cols - tj.to(tl.int32) * BLOCK
+            x_at = src + off + ti * BLOCK * s0 + tj * BLOCK
+            out_at = dst + codes_at + ti * BLOCK * cols + tj * BLOCK
+            ncols = cols
         else:
             off = tl.load(at)
             s0 = tl.load(at + 3)
-            cols = tl.load(at + 2)
-            codes_at = tl.load(at + 5)
-        r = ti * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-        c = tj * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-        inside = (r[:, None] < rows) & (c[None, :] < cols)
-        if ALIGNED:
-            x = tl.load(src + off + r[:, None] * s0 + c[None, :], mask=inside, other=0.0)
-        else:
             s1 = tl.load(at + 4)
-            x = tl.load(src + off + r[:, None] * s0 + c[None, :] * s1, mask=inside, other=0.0)
-        xf = x.to(tl.float32)
-        # one reduction for the amax and the NaN test: |x|'s bits order as integers as
-        # the values do, and a NaN's bits are above +inf's (0x7F800000)
-        amax_bits = tl.max(tl.max(xf.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1), axis=0)
+            ncols = tl.load(at + 2)
+            codes_at = tl.load(at + 5)
+            r = tl.arange(0, STEP).to(tl.int64)
+            c = tl.arange(0, BLOCK).to(tl.int64)
+            nr = rows - ti * BLOCK
+            nc = ncols - tj * BLOCK
+            x_at = src + off + ti * BLOCK * s0 + tj * BLOCK * s1
+            out_at = dst + codes_at + ti * BLOCK * ncols + tj * BLOCK
+            c = c * s1
+        if STEP == BLOCK:
+            inside = (r[:, None] < nr) & (tl.arange(0, BLOCK)[None, :] < nc)
+            x = tl.load(x_at + r[:, None] * s0 + c[None, :], mask=inside, other=0.0)
+            amax_bits = _amax_bits(x)
+        else:
+            amax_bits = tl.full((), 0, tl.int32)
+            for k in tl.range(0, BLOCK, STEP):
+                rk = r + k
+                inside = (rk[:, None] < nr) & (tl.arange(0, BLOCK)[None, :] < nc)
+                x = tl.load(x_at + rk[:, None] * s0 + c[None, :], mask=inside, other=0.0)
+                amax_bits = tl.maximum(amax_bits, _amax_bits(x))
         amax = amax_bits.to(tl.float32, bitcast=True)
         floor = tl.full((), 1e-4, tl.float32)
         scale = tl.math.div_rn(tl.maximum(amax, floor), tl.full((), 448.0, tl.float32))
         scale = tl.where(amax_bits > 0x7F800000, float("nan"), scale)
+        fast = amax_bits < 0x67800000  # finite and below 2**80
         if scales_at >= 0:  # four bytes: a scale's offset is only 4-aligned in staging
             sbits = scale.to(tl.int32, bitcast=True)
-            k = tl.arange(0, 4)
-            sb = ((sbits >> (k * 8)) & 0xFF).to(tl.uint8)
-            tl.store(dst + scales_at + (ti * ((cols + BLOCK - 1) // BLOCK) + tj) * 4 + k, sb)
+            k4 = tl.arange(0, 4)
+            sb = ((sbits >> (k4 * 8)) & 0xFF).to(tl.uint8)
+            tl.store(dst + scales_at + (ti * ((ncols + BLOCK - 1) // BLOCK) + tj) * 4 + k4, sb)
         if codes_at >= 0:
-            q = tl.math.div_rn(xf, tl.full((BLOCK, BLOCK), 0.0, tl.float32) + scale)
-            bits = q.to(tl.int32, bitcast=True)
-            neg = bits < 0
-            if HW_CVT:  # cvt.rn.satfinite: c10's codes for |q| < 464; NaN keeps its sign
-                hw = q.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
-                res = tl.where(q != q, tl.where(neg, 0xFF, 0x7F), hw.to(tl.int32))
+            cc = tl.arange(0, BLOCK)
+            if STEP == BLOCK:
+                res = _codes(x.to(tl.float32), scale, fast, HW_CVT, FAST_DIV)
+                out = out_at + (r[:, None] * ncols + cc[None, :])
+                tl.store(out, res.to(tl.uint8), mask=inside)
             else:
-                mag = bits & 0x7FFFFFFF
-                # c10's fp8e4m3fn_from_fp32_value, in integers
-                den = (mag.to(tl.float32, bitcast=True) + 16384.0).to(tl.int32, bitcast=True)
-                den = den - (141 << 23)
-                nb = mag + ((-120 << 23) + 0x7FFFF) + ((mag >> 20) & 1)
-                nrm = (nb >> 20) & 0xFF
-                nrm = tl.where(nrm == 0x7F, 0x7E, nrm)
-                big = tl.where(mag > 0x7F800000, 0x7F, 0x7E)
-                res = tl.where(mag >= (1087 << 20), big, tl.where(mag < (121 << 23), den, nrm))
-                res = res | tl.where(neg, 0x80, 0)
-            out = dst + codes_at + (r[:, None] * cols + c[None, :])
-            tl.store(out, res.to(tl.uint8), mask=inside)
+                for k in tl.range(0, BLOCK, STEP):
+                    rk = r + k
+                    inside = (rk[:, None] < nr) & (cc[None, :] < nc)
+                    x = tl.load(x_at + rk[:, None] * s0 + c[None, :], mask=inside, other=0.0)
+                    res = _codes(x.to(tl.float32), scale, fast, HW_CVT, FAST_DIV)
+                    out = out_at + (rk[:, None] * ncols + cc[None, :])
+                    tl.store(out, res.to(tl.uint8), mask=inside)

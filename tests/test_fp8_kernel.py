@@ -27,7 +27,7 @@ pytestmark = NEEDS_TRITON
 
 @OUTSIDE
 def test_cpu_tests_through_the_interpreter() -> None:
-    run_interpreted(__file__, "WEIGHTWIRE_FP8_TRITON", r"2\d", timeout_s=900)
+    run_interpreted(__file__, "WEIGHTWIRE_FP8_TRITON", r"3\d", timeout_s=900)
 
 
 def _same_scales(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -109,6 +109,23 @@ def _check_aligned(xs: list[torch.Tensor], block: int = 128, device: str = "cpu"
         touched[scales_at : scales_at + n_scales] = True
     assert (got[~touched] == 0xA5).all()
     return [a for a, *_ in batch.launches]
+
+
+@INTERP
+@pytest.mark.parametrize(
+    "variant", [n for n, v in fp8_kernel.VARIANTS.items() if not v.fast_div and n != "whole-w8"]
+)
+def test_every_variant_bitwise(variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each launch variant (rows at a time, warps) gives the same bytes, aligned and
+    generic boxes, ragged edges, zero / inf / NaN tiles."""
+    monkeypatch.setattr(fp8_kernel, "CHOICE", variant)
+    e = sample((2, 200, 272), torch.bfloat16, seed=21)
+    e[0, :128, :128] = 0
+    e[1, 3, 3] = float("inf")
+    e[1, 150, 200] = float("nan")
+    assert _check_aligned([*e, e[0].t(), e[1, 7:190, 16:160]]) == [False, True]
+    batch, *_ = _aligned([e[0]])
+    assert batch.variant.name == variant
 
 
 @INTERP
@@ -288,11 +305,16 @@ def test_cuda_kernel_bitwise() -> None:
 @pytest.mark.gpu
 @CUDA
 @pytest.mark.parametrize("cvt", [True, False])
-def test_cuda_aligned_launch_bitwise(cvt: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("variant", list(fp8_kernel.VARIANTS))
+def test_cuda_aligned_launch_bitwise(
+    cvt: bool, variant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Expert-shaped boxes (the colocated bench's) through the aligned launch, rounding
-    by the hardware's convert (sm_89 on) and by the integer formula: bitwise, edge values
-    in a tile each (zero, NaN, +-inf, e4m3fn subnormals, a wide range)."""
+    by the hardware's convert (sm_89 on) and by the integer formula, each launch variant
+    (the reciprocal division's too): bitwise, edge values in a tile each (zero, NaN,
+    +-inf, e4m3fn subnormals, a wide range, values below 2**-40, tiles above 2**80)."""
     monkeypatch.setattr(fp8_kernel, "HW_CVT", cvt)
+    monkeypatch.setattr(fp8_kernel, "CHOICE", variant)
     e = sample((6, 768, 2048), torch.bfloat16, seed=12).cuda()
     e[0, :128, :128] = 0
     e[1, 5, 7] = float("nan")
@@ -305,10 +327,32 @@ def test_cuda_aligned_launch_bitwise(cvt: bool, monkeypatch: pytest.MonkeyPatch)
         torch.randn((768, 2048), generator=g) * 6
     )
     e[4] = wide.to(torch.bfloat16).cuda()
+    e[5, :128, 128:256] *= 2.0**-45  # below the reciprocal's tiny cut, zeros' signs
+    e[5, 128:256, 128:256] *= 2.0**90  # above its 2**80 tile cut
+    e[5, 256, 300] = -0.0
     assert _check_aligned([*e, e[5, 64:700, 256:1024]], device="cuda") == [True]
     assert _check_aligned([e[4].float(), e[1].float()], device="cuda") == [True]
     batch, *_ = _aligned([e[0]], device="cuda")
     assert batch.hw_cvt == (cvt and torch.cuda.get_device_capability() >= (8, 9))
+    assert batch.variant.name == variant
+
+
+@pytest.mark.gpu
+@CUDA
+def test_cuda_tune_picks_a_variant_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default ("tune"): the first batch times every variant (each bitwise against the
+    default's, or not a candidate), later batches reuse the pick."""
+    monkeypatch.setattr(fp8_kernel, "CHOICE", "tune")
+    monkeypatch.setattr(fp8_kernel, "_TUNED", {})
+    monkeypatch.setattr(fp8_kernel, "TUNE_LOG", {})
+    e = sample((2, 768, 2048), torch.bfloat16, seed=14).cuda()
+    assert _check_aligned([*e], device="cuda") == [True]
+    (log,) = fp8_kernel.TUNE_LOG.values()
+    assert set(log) == set(fp8_kernel.VARIANTS)
+    (picked,) = fp8_kernel._TUNED.values()
+    assert log[picked] == min(log.values()) < float("inf")
+    batch, *_ = _aligned([e[0]], device="cuda")
+    assert batch.variant.name == picked
 
 
 @pytest.mark.gpu
