@@ -14,7 +14,11 @@ Bit for bit what `weightwire.client.fp8.quantize_blocks` gives on the same devic
 - amax: max |float32(x)| over the tile (exact in any order), taken as the integer max of
   |x|'s bits, so that a tile holding a NaN has a NaN amax (torch's aminmax propagates it);
 - scale = max(amax, 1e-4) / 448, an IEEE division (`div_rn`; Triton's `/` is not);
-- code = e4m3fn(float32(x) / scale), the division IEEE again and the conversion done with
+- code = e4m3fn(float32(x) / scale), the division IEEE again (or, in the `fast_div`
+  variants, x times RN(1/scale) corrected twice by fused multiply-adds: Markstein's
+  theorem makes that the IEEE quotient where nothing leaves float32's normal range, so
+  tiles with amax >= 2**80, inf or NaN divide as before, |x| < 2**-40 codes as a signed
+  zero) and the conversion done with
   integers exactly as c10's `fp8e4m3fn_from_fp32_value` does (round to nearest even,
   subnormals, NaN keeps its sign), so it cannot depend on the hardware's convert
   instruction or on the interpreter.
