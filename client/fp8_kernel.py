@@ -323,7 +323,7 @@ def _kernel() -> Any:
 
 if triton is not None:
 
-    @triton.jit
+    @triton.jit  # type: ignore[untyped-decorator,unused-ignore]
     def _codes(xf, scale, fast, HW_CVT: tl.constexpr, FAST_DIV: tl.constexpr):  # type: ignore[no-untyped-def]
         """e4m3fn codes (int32) of float32(x) / scale, the quotient IEEE-rounded."""
         xbits = xf.to(tl.int32, bitcast=True)
@@ -360,7 +360,7 @@ if triton is not None:
             res = res | tl.where(neg, 0x80, 0)
         return res
 
-    @triton.jit
+    @triton.jit  # type: ignore[untyped-decorator,unused-ignore]
     def _amax_bits(x):  # type: ignore[no-untyped-def]
         # one reduction for the amax and the NaN test: |x|'s bits order as integers as
         # the values do, and a NaN's bits are above +inf's (0x7F800000)

@@ -170,6 +170,7 @@ class PublishStats:
     slot_landings: int = 0  # ring slots reused once the copies landed (waited for on the CPU)
     slot_counters: int = 0  # ring slots waited for on the GPU, on counters the daemon writes
     begin_seconds: float = 0.0  # from the publish call until the daemon accepted the version
+    begin_request_seconds: float = 0.0  # of it, the BeginVersion request's round trip alone
 
 
 @dataclass(frozen=True)

@@ -435,6 +435,7 @@ class Trainer(RankClient):
             ring = self.ring(plan)
             counters = self._counters(plan, ring)
             try:
+                t_req = time.perf_counter()
                 self._conn.request(
                     BeginVersion(
                         version=version,
@@ -448,6 +449,7 @@ class Trainer(RankClient):
                     )
                 )
                 begun = time.perf_counter() - t0
+                begin_request = time.perf_counter() - t_req
                 break
             except PlanError as exc:  # a new plan is coming (a peer restarted, ranks changed)
                 if exc.code not in (ErrorCode.PLAN_CHANGED, ErrorCode.NOT_READY) or attempt == 2:
@@ -571,6 +573,7 @@ class Trainer(RankClient):
             slot_landings=by_landing,
             slot_counters=by_counter,
             begin_seconds=begun,
+            begin_request_seconds=begin_request,
         )
 
     def _events_on(self, device: torch.device, ring: StagingRing) -> bool:
