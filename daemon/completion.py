@@ -154,7 +154,11 @@ class RankCompletion:
                 err = ErrorCode(code)
             except ValueError:
                 err = ErrorCode.CHECKSUM
-            self.fail(version, err, message)
+            # Not fenced: every write of this version already landed (its immediates were
+            # counted), so none can land late. A fence would close the sources' streams
+            # while their receive threads may still owe the last writes' acks, and a source
+            # would then fail the version as peer_lost before this verdict reached it.
+            self.fail(version, err, message, fence=())
 
     def _complete(self, st: _InProgress) -> None:
         assert st.version is not None

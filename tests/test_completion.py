@@ -65,3 +65,33 @@ def test_an_abort_after_completion_changes_nothing() -> None:
     rc.on_imm(version_low(3))
     rc.fail(3, ErrorCode.ABORTED, "b failed elsewhere")
     assert [type(m).__name__ for m in told] == ["VersionComplete"]
+
+
+def test_a_failed_verification_is_reported_at_once_without_a_fence() -> None:
+    """Every write of the version landed before the engine verified it: nothing of it can
+    land late, so a checksum failure fences no source (a fence would close their streams
+    while the last acks may still be owed, and the trainer would hear peer_lost instead of
+    this verdict); the verdict goes out at once, typed."""
+    told: list[VersionComplete | VersionFailed] = []
+    fenced: list[tuple[str, ...]] = []
+    verdicts: list[tuple[int, bool, str]] = []
+
+    async def fence(nodes: tuple[str, ...], reason: str) -> None:
+        fenced.append(nodes)
+
+    rc = RankCompletion(
+        job="j",
+        rank=0,
+        expect=Expect(rank=0, slot=0, count=2, nbytes=64, sources=("a",), delta_region=1),
+        plan_hash="p",
+        notify=lambda job, r, msg: told.append(msg),
+        fence=fence,
+        apply=lambda rc, version: None,
+        verdict=lambda rc, version, ok, code, message: verdicts.append((version, ok, code)),
+    )
+    rc.on_start(3, "a")
+    rc.on_imm(version_low(3))
+    rc.on_imm(version_low(3))
+    rc.on_applied(3, False, ErrorCode.CHECKSUM.value, "xxh3 differs")
+    assert verdicts == [(3, False, "checksum")] and fenced == []
+    assert [(type(m).__name__, m.version) for m in told] == [("VersionFailed", 3)]
