@@ -224,7 +224,11 @@ def _run_plan(
     t0 = timings.run("layout", t0)
     pieces = sum(len(t.pieces or ()) for e in engines for t in e.tensors)
     say(f"planning: {topo.trainers} trainer ranks x {pieces:,} engine pieces")
-    options = PlanOptions(bucket_bytes=bucket_bytes, max_write_bytes=max_write_bytes)
+    options = PlanOptions(
+        bucket_bytes=bucket_bytes,
+        max_write_bytes=max_write_bytes,
+        share_keys=delta_density is not None,  # as the daemon plans a delta-capable job
+    )
     plans = plan("plan", trainers, engines, options, progress=say)
     t0 = timings.run("planner", t0)
     flows = flows_of(plans, topo.trainers, staging_buckets)

@@ -171,6 +171,7 @@ class PublishStats:
     slot_counters: int = 0  # ring slots waited for on the GPU, on counters the daemon writes
     begin_seconds: float = 0.0  # from the publish call until the daemon accepted the version
     begin_request_seconds: float = 0.0  # of it, the BeginVersion request's round trip alone
+    compared: int = 0  # units compared with the shadow (each slot's width: 2 bytes, fp8 1)
 
 
 @dataclass(frozen=True)

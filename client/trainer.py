@@ -574,6 +574,7 @@ class Trainer(RankClient):
             slot_counters=by_counter,
             begin_seconds=begun,
             begin_request_seconds=begin_request,
+            compared=self._delta.last_compared,
         )
 
     def _events_on(self, device: torch.device, ring: StagingRing) -> bool:

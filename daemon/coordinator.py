@@ -11,6 +11,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import msgspec
 import structlog
 
 from weightwire.plan.delta import add_delta
@@ -205,10 +206,12 @@ class Coordinator:
         try:
             engines = resolve_recipes(engines)
             slots = {e.rank: e.slot for e in engines}
-            planned = await asyncio.to_thread(
-                plan, job.name, trainers, engines, self.options, slots
+            areas = delta_areas(job)
+            options = (
+                msgspec.structs.replace(self.options, share_keys=True) if areas else self.options
             )
-            plans = add_delta(planned, delta_areas(job))
+            planned = await asyncio.to_thread(plan, job.name, trainers, engines, options, slots)
+            plans = add_delta(planned, areas)
         except WeightwireError as exc:
             self._problem(job, exc)
             return

@@ -60,7 +60,21 @@ def build(
 
     key, nbytes, dst_offset, region = cat("key"), cat("nbytes"), cat("dst_offset"), cat("region")
     say(f"choosing the senders of {key.shape[0]:,} chunks")
-    chosen = choose(cat("group"), nbytes, chunker.groups, len(trainers))
+    group = cat("group")
+    if options.share_keys and key.shape[0]:
+        # one choice per chunk key, charged with all its copies: the replicas' copies of
+        # a chunk come from one rank, staged (and, in a delta version, compared) once
+        _, first, inv, copies = np.unique(
+            key, return_index=True, return_inverse=True, return_counts=True
+        )
+        order = np.argsort(first, kind="stable")  # in chunk order, as `choose` expects
+        picked = choose(group[first[order]], (nbytes[first] * copies)[order],
+                        chunker.groups, len(trainers))  # fmt: skip
+        per_key = np.empty_like(picked)
+        per_key[order] = picked
+        chosen = per_key[inv.reshape(-1)]
+    else:
+        chosen = choose(group, nbytes, chunker.groups, len(trainers))
     say("laying out staging")
     keys = chunker.keys
     key_align = np.asarray(

@@ -66,6 +66,7 @@ class DeltaSender:
         self._ranges: dict[Dst, list[frames.Range]] = {}
         self._base = -1
         self.last_density = 0.0  # changed elements / compared, of the last version
+        self.last_compared = 0  # elements compared with the shadow, in the last version
         self._changed = 0
         self._compared = 0
         self.phases: dict[str, float] = {}  # seconds of the last version, by phase (host path)
@@ -397,6 +398,7 @@ class DeltaSender:
             torch.cuda.current_stream(out.device).synchronize()
         self.shadow_version = self._version if self.shadow is not None else -1
         self.last_density = self._changed / self._compared if self._compared else 0.0
+        self.last_compared = self._compared
         return tuple(lengths)
 
     def settle(self, version: int, plan: RankPlan, result: PublishResult | None) -> None:
