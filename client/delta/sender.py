@@ -26,6 +26,7 @@ from weightwire.protocol.plan import Bucket, DeltaSlot, RankPlan, WriteOp
 
 from . import codec, digest, frames, hostpass, scan
 from .inplace import InPlace, Planned
+from .replan import unchanged
 
 Mode = Literal["off", "auto", "on"]
 SAMPLE_MARGIN = 1.0
@@ -59,6 +60,7 @@ class DeltaSender:
         self.shadow: torch.Tensor | None = None
         self.shadow_version = -1  # the version the shadow holds (-1: none, everything dense)
         self.held: dict[Dst, int] = {}  # what each engine rank verifiably holds
+        self._plan: RankPlan | None = None
         self._version = -1
         self._refs: dict[Dst, list[tuple[int, int]]] = {}
         self._dsts: set[Dst] = set()
@@ -76,9 +78,12 @@ class DeltaSender:
         return 0 if self.shadow is None else self.shadow.numel()
 
     def begin(self, version: int, plan: RankPlan, staging: torch.Tensor | None) -> None:
-        if plan.plan_hash != self.plan_hash:  # a replan: nobody's bytes are known any more
-            self.plan_hash, self.shadow_version, self.held = plan.plan_hash, -1, {}
-            self.shadow = None
+        if plan.plan_hash != self.plan_hash:  # a replan: whose bytes are still known?
+            kept = unchanged(self._plan, plan, self.held) if self.shadow is not None else {}
+            self.plan_hash, self.held = plan.plan_hash, kept
+            if not kept:
+                self.shadow_version, self.shadow = -1, None
+        self._plan = plan
         if self.shadow is None and plan.trailers:
             device = staging.device if staging is not None else torch.device("cpu")
             self.shadow = torch.zeros(plan.shadow_bytes, dtype=torch.uint8, device=device)
