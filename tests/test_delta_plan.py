@@ -71,3 +71,38 @@ def test_add_delta_layout_is_consistent() -> None:
     tiny = RegionDescriptor(id=9, node="e", kind="cpu", length=64)
     with pytest.raises(PlanError, match="trailers alone need"):
         add_delta(dense, {("e", 0): tiny})
+
+
+def test_share_keys_sends_every_copy_of_a_chunk_from_one_rank() -> None:
+    """Three trainer ranks holding every byte, four engine replicas: without share_keys the
+    replicas' copies of a chunk are spread over the ranks (each stages and compares its
+    own); with it each chunk comes from one rank, staged once (the send stays balanced),
+    and every chunk still goes to every replica."""
+    import torch
+
+    from weightwire.plan.options import PlanOptions
+    from weightwire.plan.planner import plan
+    from weightwire.protocol.tensors import Box, Piece
+
+    from .planlib import engine, trainer
+
+    shape = (64, 256)
+    g = {f"w{i}": torch.zeros(*shape, dtype=torch.bfloat16) for i in range(8)}
+    full = {n: Box.full(shape) for n in g}
+    trainers = [trainer(f"t{r}", r, g, full) for r in range(3)]
+    pieces = [
+        (n, "bfloat16", shape, (Piece(source=n, box=Box.full(shape), dst_offset=0),)) for n in g
+    ]
+    engines = [engine(f"e{r}", r, pieces) for r in range(4)]
+    total = sum(t.nbytes for t in g.values())
+
+    def staged(share: bool) -> tuple[int, list[int]]:
+        p = plan("j", trainers, engines, PlanOptions(bucket_bytes=64 << 10, share_keys=share))
+        sends = [rp for node in p for rp in p[node].sends]
+        sent = [sum(w.nbytes for b in rp.buckets for w in b.writes) for rp in sends]
+        return sum(rp.staging_bytes for rp in sends), sent
+
+    spread, _ = staged(False)
+    once, sent = staged(True)
+    assert spread > 2 * total and once == total, (spread, once, total)
+    assert sum(sent) == 4 * total and max(sent) <= 1.5 * total  # still balanced
