@@ -134,3 +134,31 @@ def test_tdigest_is_one_function_on_every_path() -> None:
     assert digest.tdigest([x[1:]]) == digest.tdigest([x[1:].clone()])  # unaligned views
     assert digest.tdigest([x[:-1]]) != base
     assert digest.tdigest([x[:100], x[100:]]) != base  # blocks are part of what is hashed
+
+
+def test_block16_compiled_decode_equals_numpy_and_refuses_the_same() -> None:
+    """The engine's compiled BLOCK16 decode (numba) gives numpy's positions, and refuses
+    bodies whose counts do not add up or whose positions go backwards or out of range."""
+    import numpy as np
+
+    from weightwire.client.delta import codec, decodeloop
+
+    if decodeloop._block16 is None:
+        pytest.skip("numba is not installed")
+    rng = np.random.default_rng(3)
+    n = 5 * codec.BLOCK + 123
+    pos = np.sort(rng.choice(n, 4000, replace=False)).astype(np.int64)
+    nb = -(-n // codec.BLOCK)
+    counts = np.bincount(pos >> 16, minlength=nb).astype(np.uint32)
+    low = (pos & 0xFFFF).astype(np.uint16)
+    assert np.array_equal(decodeloop.block16_positions(counts, low, n), pos)
+    bad = counts.copy()
+    bad[-1] += 1  # one count too many
+    with pytest.raises(ValueError, match="add up"):
+        decodeloop.block16_positions(bad, low, n)
+    swapped = low.copy()
+    swapped[[0, 1]] = swapped[[1, 0]]  # not increasing
+    with pytest.raises(ValueError, match="not increasing"):
+        decodeloop.block16_positions(counts, swapped, n)
+    with pytest.raises(ValueError, match="out of range"):
+        decodeloop.block16_positions(counts, low, int(pos[-1]))

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import decodeloop
+
 BLOCK = 1 << 16
 _CHUNK = 1 << 18  # elements compared at a time on the CPU
 
@@ -245,6 +247,13 @@ def _decode_head_np(kind: Kind, body: np.ndarray, n: int, k: int) -> tuple[np.nd
             pos = body[:head].view(np.uint32).astype(np.int64)
         case Kind.BLOCK16:
             nblocks = -(-n // BLOCK)
+            fast = decodeloop.block16_positions(
+                body[: 4 * nblocks].view(np.uint32),
+                body[4 * nblocks : 4 * nblocks + 2 * k].view(np.uint16),
+                n,
+            )
+            if fast is not None:  # checked in the loop
+                return fast, 4 * nblocks + 2 * k
             counts = body[: 4 * nblocks].view(np.uint32).astype(np.int64)
             if int(counts.sum()) != k:
                 raise ValueError("BLOCK16 counts do not add up to the changes")

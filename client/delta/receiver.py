@@ -16,7 +16,7 @@ import torch
 from weightwire.protocol.errors import ErrorCode
 from weightwire.protocol.local import Applied, ApplyVersion
 
-from . import codec, digest, frames
+from . import codec, decodeloop, digest, frames
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,8 @@ class DeltaReceiver:
         self.held = -1  # the version this rank's bytes verifiably hold
         self._targets: dict[int, list[Target]] = {}
         self._starts: dict[int, list[int]] = {}
+        if area.device.type == "cpu":
+            decodeloop.warm()  # compiled (or loaded from numba's cache) before a version
 
     def add_targets(self, targets: list[Target]) -> None:
         for t in targets:
