@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -171,6 +171,7 @@ class PublishStats:
     slot_counters: int = 0  # ring slots waited for on the GPU, on counters the daemon writes
     begin_seconds: float = 0.0  # from the publish call until the daemon accepted the version
     begin_request_seconds: float = 0.0  # of it, the BeginVersion request's round trip alone
+    timeline: dict[str, float] = field(default_factory=dict)  # PublishResult.timeline
 
 
 @dataclass(frozen=True)

@@ -574,6 +574,7 @@ class Trainer(RankClient):
             slot_counters=by_counter,
             begin_seconds=begun,
             begin_request_seconds=begin_request,
+            timeline=dict(result.timeline),
         )
 
     def _events_on(self, device: torch.device, ring: StagingRing) -> bool:

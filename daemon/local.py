@@ -105,6 +105,17 @@ class Requests(Protocol):
         fence: tuple[int, int] = (-1, 0),
     ) -> Ok: ...
 
+    def begin_version_now(
+        self,
+        session: Session,
+        req: int,
+        version: int,
+        plan_hash: str,
+        staging_buckets: int = 0,
+        slot_events: bool = False,
+        fence: tuple[int, int] = (-1, 0),
+    ) -> Ok | None: ...
+
     def bucket_ready(self, session: Session, msg: BucketReady) -> None: ...
 
     def trailers_ready(self, session: Session, msg: TrailersReady) -> None: ...
@@ -280,10 +291,12 @@ class LocalServer:
                 self._spawn(identity, msg.req, d.plan_for(session, msg.req, timeout_s))
             case BeginVersion(version=version, plan_hash=plan_hash, staging_buckets=slots):
                 fence = (msg.fence_offset, msg.fence_base)
-                work = d.begin_version(
-                    session, msg.req, version, plan_hash, slots, msg.slot_events, fence
-                )
-                self._spawn(identity, msg.req, work)
+                args = (session, msg.req, version, plan_hash, slots, msg.slot_events, fence)
+                ok = d.begin_version_now(*args)  # no task hop unless writes are in flight
+                if ok is not None:
+                    self.send(identity, ok)
+                else:
+                    self._spawn(identity, msg.req, d.begin_version(*args))
             case BucketReady():
                 d.bucket_ready(session, msg)
             case TrailersReady():

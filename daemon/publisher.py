@@ -265,6 +265,7 @@ class Publisher:
         run.posted.update(buckets)
         if not run.first_post:
             run.first_post = time.monotonic()
+            run.mark("first_ready", run.first_post)
         now = time.time()
         for bucket in buckets:
             run.bucket_posted[bucket] = now
@@ -351,7 +352,7 @@ class Publisher:
         if self.metrics is not None:
             self.metrics.rank_version(
                 self.job, "trainer", self.rank, run.version, run.bytes_done, seconds,
-                run.peer_bytes, code,
+                run.peer_bytes, code, run.timeline,
             )  # fmt: skip
 
     def abort(self, reason: str, code: ErrorCode = ErrorCode.ABORTED) -> None:
@@ -380,6 +381,14 @@ class Publisher:
         now = time.monotonic()
         self._record(run, now - run.started, err.code.value)
         self.reply(run.result(now, err))
+
+    def settled(self) -> bool:
+        """No write of an earlier version (this session's or an earlier one's) is in
+        flight: a version may begin now, with nothing to `drain`."""
+        if any(run is not None and run.tasks for run in (self.previous, self.run)):
+            return False
+        self.previous = None
+        return True
 
     async def drain(self, timeout_s: float) -> None:
         """Wait for writes still in flight: a failed version's stragglers, or those of an

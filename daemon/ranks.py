@@ -138,6 +138,24 @@ class Ranks:
         pub.begin(version, plan_hash, staging_buckets, slot_events, *fence)
         return Ok(req=req, detail=f"version {version}")
 
+    def begin_version_now(
+        self,
+        session: Session,
+        req: int,
+        version: int,
+        plan_hash: str,
+        staging_buckets: int = 0,
+        slot_events: bool = False,
+        fence: tuple[int, int] = (-1, 0),
+    ) -> Ok | None:
+        """`begin_version` answered on the spot, without a task, when no write of an earlier
+        version is in flight (the usual case); None: it must wait for those first."""
+        pub = self._publishing.publisher(session)
+        if not pub.settled():
+            return None
+        pub.begin(version, plan_hash, staging_buckets, slot_events, *fence)
+        return Ok(req=req, detail=f"version {version}")
+
     def bucket_ready(self, session: Session, msg: BucketReady) -> None:
         pub = self._publishing.publisher(session)
         pub.bucket_ready(msg.version, (msg.bucket, *msg.more), msg.delta, msg.in_place)

@@ -51,6 +51,14 @@ class Run:
     verdicts: dict[tuple[str, int], Verdict] = field(default_factory=dict)
     landed: bool = False  # every write landed; a delta-capable plan then awaits the verdicts
     dropped: dict[int, WeightwireError] = field(default_factory=dict)  # elastic: replica -> why
+    timeline: dict[str, float] = field(default_factory=dict)
+    """The version's first events, seconds after `started` (`mark`): where start-up goes."""
+
+    def mark(self, event: str, at: float | None = None) -> None:
+        """The first time `event` happened in this version (`at`: monotonic, default now)."""
+        if event not in self.timeline:
+            at = time.monotonic() if at is None else at
+            self.timeline[event] = round(at - self.started, 6)
 
     def replica_nodes(self, replica: int) -> set[str]:
         return {n for p in self.plan.replicas if p.replica == replica for n in p.nodes}
@@ -102,6 +110,7 @@ class Run:
             verdicts=tuple(self.verdicts.values()),
             delta_bytes=self.delta_bytes,
             replicas=self.outcomes(),
+            timeline=self.timeline,
         )
 
 
