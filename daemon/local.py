@@ -228,17 +228,28 @@ class LocalServer:
                 log.exception("local message could not be decoded")
                 self.send(identity, Error(code=ErrorCode.MALFORMED.value, message=repr(exc)))
                 continue
-            ctx = (
-                {"role": session.role, "rank": session.rank, "job": session.job} if session else {}
-            )
             try:
-                with structlog.contextvars.bound_contextvars(**ctx):
-                    self._dispatch(identity, msg)
+                if isinstance(msg, BucketReady):  # the hot path: its own log context (rank,
+                    self._dispatch(identity, msg)  # version), none bound per message here
+                else:
+                    ctx = (
+                        {"role": session.role, "rank": session.rank, "job": session.job}
+                        if session
+                        else {}
+                    )
+                    with structlog.contextvars.bound_contextvars(**ctx):
+                        self._dispatch(identity, msg)
             except WeightwireError as exc:
                 self._error(identity, msg.req, exc)
             except Exception as exc:  # a bug here must not take the daemon down
                 log.exception("local request failed", message=type(msg).__name__)
                 self._error(identity, msg.req, WeightwireError(f"internal error: {exc!r}"))
+            if isinstance(msg, BucketReady):
+                # Let the bucket's post start (its copies issued) before the next queued
+                # message is read: messages already queued are read without yielding, so
+                # a burst of BucketReady would otherwise hold back the first bucket's
+                # copies until every one of them was dispatched.
+                await asyncio.sleep(0)
 
     def _error(self, identity: bytes, req: int, exc: WeightwireError) -> None:
         self.send(identity, Error(req=req, code=exc.code.value, message=exc.message))

@@ -9,6 +9,7 @@ is also told as each bucket's writes have all finished (its slot is free again).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import time
 from collections.abc import Callable
@@ -269,10 +270,18 @@ class Publisher:
         now = time.time()
         for bucket in buckets:
             run.bucket_posted[bucket] = now
-        with structlog.contextvars.bound_contextvars(rank=self.rank, version=version):
-            task = asyncio.get_running_loop().create_task(
-                self._poster.post(run, buckets, sent, direct)
+        if run.log_context is None:  # the posts' log lines name the rank and version:
+            run.log_context = contextvars.copy_context()  # bound once per version
+            run.log_context.run(
+                structlog.contextvars.bind_contextvars,
+                role="trainer",
+                rank=self.rank,
+                job=self.job,
+                version=version,
             )
+        task = asyncio.get_running_loop().create_task(
+            self._poster.post(run, buckets, sent, direct), context=run.log_context.copy()
+        )
         run.tasks.add(task)
         task.add_done_callback(functools.partial(self._written, run))
 

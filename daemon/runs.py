@@ -4,6 +4,7 @@ engine ranks' verdicts, the replicas dropped, and the `PublishResult` that ends 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 from dataclasses import dataclass, field
 
@@ -52,6 +53,7 @@ class Run:
     landed: bool = False  # every write landed; a delta-capable plan then awaits the verdicts
     dropped: dict[int, WeightwireError] = field(default_factory=dict)  # elastic: replica -> why
     timeline: dict[str, float] = field(default_factory=dict)
+    log_context: contextvars.Context | None = None  # its posts' (rank and version bound)
     """The version's first events, seconds after `started` (`mark`): where start-up goes."""
 
     def mark(self, event: str, at: float | None = None) -> None:
