@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from weightwire.protocol.errors import ErrorCode, TransferError, WeightwireError
 from weightwire.protocol.plan import WriteOp, encode_imm
@@ -19,6 +20,21 @@ from .metrics import Recorder
 from .prepared import Part, PreparedWrites
 from .ringslots import Issued, RingSlots
 from .runs import Run
+
+T = TypeVar("T")
+
+
+async def gather_now(*aws: Awaitable[T]) -> list[T | BaseException]:
+    """`asyncio.gather(*aws, return_exceptions=True)`, but one awaitable alone is awaited
+    here, in the caller's task: gather would start it as a task of its own, on the loop's
+    next round, and the local socket reads every queued message first (a burst of
+    BucketReady held the first bucket's copies back until all were read)."""
+    if len(aws) == 1:
+        try:
+            return [await aws[0]]
+        except Exception as exc:
+            return [exc]
+    return await asyncio.gather(*aws, return_exceptions=True)
 
 
 class DropReplica(Protocol):
@@ -47,7 +63,7 @@ class Poster:
     ) -> None:
         """All writes of some buckets; the first failure fails the run, once every write
         of them has finished (none may still read staging when the rank is told)."""
-        outcomes = await asyncio.gather(
+        outcomes = await gather_now(
             *(
                 self._post_delta(run, b, sent[b])
                 if b in sent
@@ -55,8 +71,7 @@ class Poster:
                 if b in in_place
                 else self._post_bucket(run, b)
                 for b in buckets
-            ),
-            return_exceptions=True,
+            )
         )
         for outcome in outcomes:
             if isinstance(outcome, BaseException):
@@ -121,7 +136,7 @@ class Poster:
         self, run: Run, bucket: int, parts: list[Part], fenced: list[Issued | None], high: int
     ) -> list[list[BaseException | None] | BaseException]:
         """Every part posted on its transport (fenced where the slot asks for it)."""
-        return await asyncio.gather(
+        return await gather_now(
             *(
                 p.transport.post_fenced(
                     p.prepared, [high | s for s in p.slots], self.slots.slot_key(run, bucket), f
@@ -129,8 +144,7 @@ class Poster:
                 if f is not None and isinstance(p.transport, SlotFencing)
                 else p.transport.post(p.prepared, [high | s for s in p.slots])
                 for p, f in zip(parts, fenced, strict=True)
-            ),
-            return_exceptions=True,
+            )
         )
 
     async def _post_in_place(self, run: Run, bucket: int) -> None:

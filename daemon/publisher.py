@@ -224,8 +224,10 @@ class Publisher:
         buckets: tuple[int, ...],
         delta: tuple[tuple[int, int, int], ...] = (),
         in_place: tuple[int, ...] = (),
-    ) -> None:
+    ) -> bool:
         """Buckets of `version` packed by the rank: their writes are posted together.
+        True when nothing of the version was being posted (the caller lets this post start
+        before it reads more).
         `delta`: (bucket, delta slot, payload bytes) of those sent as delta payloads.
         `in_place`: those the rank packed straight into their destinations (colocated):
         only their immediates are delivered (`Poster._post_in_place`)."""
@@ -242,7 +244,7 @@ class Publisher:
                 code=ErrorCode.INVALID,
             )
         if run.finished:
-            return  # the version already failed; the rank learns why from PublishResult
+            return False  # the version already failed; the rank learns why from PublishResult
         for bucket in buckets:
             if not 0 <= bucket < len(run.plan.buckets):
                 raise VersionError(
@@ -282,8 +284,10 @@ class Publisher:
         task = asyncio.get_running_loop().create_task(
             self._poster.post(run, buckets, sent, direct), context=run.log_context.copy()
         )
+        idle = not run.tasks
         run.tasks.add(task)
         task.add_done_callback(functools.partial(self._written, run))
+        return idle
 
     def trailers_ready(self, version: int, lengths: tuple[int, ...]) -> None:
         """The rank's trailers of `version` are in staging: post them (its last writes)."""

@@ -156,9 +156,9 @@ class Ranks:
         pub.begin(version, plan_hash, staging_buckets, slot_events, *fence)
         return Ok(req=req, detail=f"version {version}")
 
-    def bucket_ready(self, session: Session, msg: BucketReady) -> None:
+    def bucket_ready(self, session: Session, msg: BucketReady) -> bool:
         pub = self._publishing.publisher(session)
-        pub.bucket_ready(msg.version, (msg.bucket, *msg.more), msg.delta, msg.in_place)
+        return pub.bucket_ready(msg.version, (msg.bucket, *msg.more), msg.delta, msg.in_place)
 
     def trailers_ready(self, session: Session, msg: TrailersReady) -> None:
         self._publishing.publisher(session).trailers_ready(msg.version, msg.lengths)
