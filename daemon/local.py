@@ -212,50 +212,60 @@ class LocalServer:
     async def serve(self, requests: Requests) -> None:
         assert self._sock is not None
         self._requests = requests
+        # The same socket without asyncio's future per message (pyzmq's shadow): what is
+        # queued already is read with it, one call a message, until nothing is left; only
+        # then does the loop wait on the socket again.
+        now = zmq.Socket.shadow(self._sock.underlying)
         while True:
             frames = await self._sock.recv_multipart(copy=False)
-            identity = bytes(frames[0].buffer)
-            session = self.sessions.get(identity)
-            if session is not None:
-                session.last_seen = time.monotonic()
-            try:
-                msg, _ = self.codec.decode(frames[1:])
-            except ProtocolError as exc:
-                self._bad.emit(
-                    log.warning, "bad local message", code=exc.code.value, error=exc.message
+            while True:
+                self._handle(frames)
+                if self._start_post:
+                    # Let that bucket's post start (its copies issued) before the next
+                    # queued message is read, or a burst of BucketReady would hold back the
+                    # first bucket's copies until every one was read. Only when nothing of
+                    # the rank's was being posted: otherwise the transport is busy anyway,
+                    # and reading the burst first posts it in fewer, larger steps.
+                    self._start_post = False
+                    await asyncio.sleep(0)
+                try:
+                    frames = now.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+
+    def _handle(self, frames: list[zmq.Frame]) -> None:
+        """One message of a rank: decoded, dispatched, any error answered."""
+        identity = bytes(frames[0].buffer)
+        session = self.sessions.get(identity)
+        if session is not None:
+            session.last_seen = time.monotonic()
+        try:
+            msg, _ = self.codec.decode(frames[1:])
+        except ProtocolError as exc:
+            self._bad.emit(log.warning, "bad local message", code=exc.code.value, error=exc.message)
+            req = request_id(frames[1:])
+            self.send(identity, Error(req=req, code=exc.code.value, message=exc.message))
+            return
+        except Exception as exc:  # nothing a rank sends may end this loop
+            log.exception("local message could not be decoded")
+            self.send(identity, Error(code=ErrorCode.MALFORMED.value, message=repr(exc)))
+            return
+        try:
+            if isinstance(msg, BucketReady):  # the hot path: its own log context (rank,
+                self._dispatch(identity, msg)  # version), none bound per message here
+            else:
+                ctx = (
+                    {"role": session.role, "rank": session.rank, "job": session.job}
+                    if session
+                    else {}
                 )
-                req = request_id(frames[1:])
-                self.send(identity, Error(req=req, code=exc.code.value, message=exc.message))
-                continue
-            except Exception as exc:  # nothing a rank sends may end this loop
-                log.exception("local message could not be decoded")
-                self.send(identity, Error(code=ErrorCode.MALFORMED.value, message=repr(exc)))
-                continue
-            try:
-                if isinstance(msg, BucketReady):  # the hot path: its own log context (rank,
-                    self._dispatch(identity, msg)  # version), none bound per message here
-                else:
-                    ctx = (
-                        {"role": session.role, "rank": session.rank, "job": session.job}
-                        if session
-                        else {}
-                    )
-                    with structlog.contextvars.bound_contextvars(**ctx):
-                        self._dispatch(identity, msg)
-            except WeightwireError as exc:
-                self._error(identity, msg.req, exc)
-            except Exception as exc:  # a bug here must not take the daemon down
-                log.exception("local request failed", message=type(msg).__name__)
-                self._error(identity, msg.req, WeightwireError(f"internal error: {exc!r}"))
-            if self._start_post:
-                # Let that bucket's post start (its copies issued) before the next queued
-                # message is read: messages already queued are read without yielding, so a
-                # burst of BucketReady held back the first bucket's copies until every one
-                # of them was dispatched. Only when nothing of the rank's was being posted:
-                # otherwise the transport is busy anyway, and reading the burst first
-                # posts it in fewer, larger steps.
-                self._start_post = False
-                await asyncio.sleep(0)
+                with structlog.contextvars.bound_contextvars(**ctx):
+                    self._dispatch(identity, msg)
+        except WeightwireError as exc:
+            self._error(identity, msg.req, exc)
+        except Exception as exc:  # a bug here must not take the daemon down
+            log.exception("local request failed", message=type(msg).__name__)
+            self._error(identity, msg.req, WeightwireError(f"internal error: {exc!r}"))
 
     def _error(self, identity: bytes, req: int, exc: WeightwireError) -> None:
         self.send(identity, Error(req=req, code=exc.code.value, message=exc.message))
