@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pstats
 import statistics
 import sys
@@ -29,6 +30,13 @@ from typing import Any
 from .tcp import cpu_seconds
 
 KiB = 1 << 10
+
+
+def loop_seconds(pid: int) -> float:
+    """CPU time of a process's main thread (the daemon's event loop) so far."""
+    with open(f"/proc/{pid}/task/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -98,11 +106,11 @@ def measure(kib: int, args: argparse.Namespace, profile: str | None) -> dict[str
                 t = time.perf_counter()
                 tr._conn.request(Ping())
                 pings.append(time.perf_counter() - t)
-            begins, requests, walls, cpus, prepings = [], [], [], [], []
+            begins, requests, walls, cpus, prepings, loops = [], [], [], [], [], []
             timelines: list[dict[str, float]] = []
             for version in range(args.versions + 2):  # two warm-up versions
                 w.fill_(float(version))
-                cpu0 = cpu_seconds([pid])
+                cpu0, loop0 = cpu_seconds([pid]), loop_seconds(pid)
                 t = time.perf_counter()
                 tr._conn.request(Ping())  # the same moment's baseline: a request just before
                 pre = time.perf_counter() - t
@@ -111,6 +119,7 @@ def measure(kib: int, args: argparse.Namespace, profile: str | None) -> dict[str
                 wall = time.perf_counter() - t
                 eng.wait(version)
                 cpu = cpu_seconds([pid]) - cpu0
+                loops.append((loop_seconds(pid) - loop0) / len(plan.buckets))
                 if not torch.equal(dst.view(torch.uint8), w.view(torch.uint8)):
                     raise RuntimeError(f"version {version}: the engine's bytes differ")
                 if version < 2:
@@ -131,6 +140,7 @@ def measure(kib: int, args: argparse.Namespace, profile: str | None) -> dict[str
     out["begin_request_over_ping"] = round(_pct(requests, 0.5) / _pct(pings, 0.5), 2)
     # /proc counts CPU time in ticks (10 ms): the measured versions' total, not a median
     out["daemon_cpu_us_per_bucket"] = round(sum(cpus) / len(cpus) * 1e6, 1)
+    out["daemon_loop_cpu_us_per_bucket"] = round(sum(loops[2:]) / len(loops[2:]) * 1e6, 1)
     out["wall_us_per_bucket"] = round(statistics.median(walls) * 1e6, 1)
     keys = sorted({k for t in timelines for k in t}, key=lambda k: timelines[-1].get(k, 0))
     out["timeline_ms_p50"] = {
@@ -179,7 +189,8 @@ def run(args: argparse.Namespace) -> int:
     for r in results:
         print(
             f"{r['bucket_kib']:5d} KiB x {r['buckets']} buckets: daemon CPU "
-            f"{r['daemon_cpu_us_per_bucket']} us/bucket, wall {r['wall_us_per_bucket']} us/bucket; "
+            f"{r['daemon_cpu_us_per_bucket']} us/bucket (its loop thread "
+            f"{r['daemon_loop_cpu_us_per_bucket']}), wall {r['wall_us_per_bucket']} us/bucket; "
             f"begin p50 {r['begin_us']['p50']} us (request {r['begin_request_us']['p50']} us, "
             f"{r['begin_request_over_ping']} x a ping of {r['ping_us']['p50']} us; a ping just "
             f"before publish {r['ping_before_publish_us']['p50']} us)"
