@@ -215,7 +215,7 @@ class LocalServer:
         # The same socket without asyncio's future per message (pyzmq's shadow): what is
         # queued already is read with it, one call a message, until nothing is left; only
         # then does the loop wait on the socket again.
-        now = zmq.Socket.shadow(self._sock.underlying)
+        now: zmq.Socket[bytes] = zmq.Socket.shadow(self._sock.underlying)
         while True:
             frames = await self._sock.recv_multipart(copy=False)
             while True:
