@@ -82,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     from weightwire.bench.delta import add_arguments as delta_arguments
 
     delta_arguments(bdelta)
+    bbuckets = bsub.add_parser(
+        "buckets", allow_abbrev=False, help="the daemon's cost per version and per bucket (CPU)"
+    )
+    from weightwire.bench.buckets import add_arguments as buckets_arguments
+
+    buckets_arguments(bbuckets)
     bgpu = bsub.add_parser(
         "gpu", allow_abbrev=False, help="GPU sync vs the NCCL broadcast baseline (GPU machine)"
     )
@@ -172,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
                     from weightwire.bench.gpu import run as run_gpu
 
                     return run_gpu(args)
+                if args.bench == "buckets":
+                    from weightwire.bench.buckets import run as run_buckets
+
+                    return run_buckets(args)
                 if args.bench == "delta":
                     from weightwire.bench.delta import run as run_delta
 

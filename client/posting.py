@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -172,6 +172,7 @@ class PublishStats:
     begin_seconds: float = 0.0  # from the publish call until the daemon accepted the version
     begin_request_seconds: float = 0.0  # of it, the BeginVersion request's round trip alone
     compared: int = 0  # units compared with the shadow (each slot's width: 2 bytes, fp8 1)
+    timeline: dict[str, float] = field(default_factory=dict)  # PublishResult.timeline
 
 
 @dataclass(frozen=True)

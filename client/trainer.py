@@ -575,6 +575,7 @@ class Trainer(RankClient):
             begin_seconds=begun,
             begin_request_seconds=begin_request,
             compared=self._delta.last_compared,
+            timeline=dict(result.timeline),
         )
 
     def _events_on(self, device: torch.device, ring: StagingRing) -> bool:

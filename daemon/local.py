@@ -105,7 +105,20 @@ class Requests(Protocol):
         fence: tuple[int, int] = (-1, 0),
     ) -> Ok: ...
 
-    def bucket_ready(self, session: Session, msg: BucketReady) -> None: ...
+    def begin_version_now(
+        self,
+        session: Session,
+        req: int,
+        version: int,
+        plan_hash: str,
+        staging_buckets: int = 0,
+        slot_events: bool = False,
+        fence: tuple[int, int] = (-1, 0),
+    ) -> Ok | None: ...
+
+    def bucket_ready(self, session: Session, msg: BucketReady) -> bool:
+        """True when the rank had nothing being posted: its post should start at once."""
+        ...
 
     def trailers_ready(self, session: Session, msg: TrailersReady) -> None: ...
 
@@ -154,6 +167,7 @@ class LocalServer:
         self._requests: Requests | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._start_post = False  # a BucketReady found its rank idle: yield after it
         self._bad = Throttled()  # a rank can send garbage in a loop: one line per interval
         self.inbox: Inbox | None = None  # file descriptors from ranks (VMM GPU memory)
 
@@ -198,36 +212,60 @@ class LocalServer:
     async def serve(self, requests: Requests) -> None:
         assert self._sock is not None
         self._requests = requests
+        # The same socket without asyncio's future per message (pyzmq's shadow): what is
+        # queued already is read with it, one call a message, until nothing is left; only
+        # then does the loop wait on the socket again.
+        now: zmq.Socket[bytes] = zmq.Socket.shadow(self._sock.underlying)
         while True:
             frames = await self._sock.recv_multipart(copy=False)
-            identity = bytes(frames[0].buffer)
-            session = self.sessions.get(identity)
-            if session is not None:
-                session.last_seen = time.monotonic()
-            try:
-                msg, _ = self.codec.decode(frames[1:])
-            except ProtocolError as exc:
-                self._bad.emit(
-                    log.warning, "bad local message", code=exc.code.value, error=exc.message
+            while True:
+                self._handle(frames)
+                if self._start_post:
+                    # Let that bucket's post start (its copies issued) before the next
+                    # queued message is read, or a burst of BucketReady would hold back the
+                    # first bucket's copies until every one was read. Only when nothing of
+                    # the rank's was being posted: otherwise the transport is busy anyway,
+                    # and reading the burst first posts it in fewer, larger steps.
+                    self._start_post = False
+                    await asyncio.sleep(0)
+                try:
+                    frames = now.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+
+    def _handle(self, frames: list[zmq.Frame]) -> None:
+        """One message of a rank: decoded, dispatched, any error answered."""
+        identity = bytes(frames[0].buffer)
+        session = self.sessions.get(identity)
+        if session is not None:
+            session.last_seen = time.monotonic()
+        try:
+            msg, _ = self.codec.decode(frames[1:])
+        except ProtocolError as exc:
+            self._bad.emit(log.warning, "bad local message", code=exc.code.value, error=exc.message)
+            req = request_id(frames[1:])
+            self.send(identity, Error(req=req, code=exc.code.value, message=exc.message))
+            return
+        except Exception as exc:  # nothing a rank sends may end this loop
+            log.exception("local message could not be decoded")
+            self.send(identity, Error(code=ErrorCode.MALFORMED.value, message=repr(exc)))
+            return
+        try:
+            if isinstance(msg, BucketReady):  # the hot path: its own log context (rank,
+                self._dispatch(identity, msg)  # version), none bound per message here
+            else:
+                ctx = (
+                    {"role": session.role, "rank": session.rank, "job": session.job}
+                    if session
+                    else {}
                 )
-                req = request_id(frames[1:])
-                self.send(identity, Error(req=req, code=exc.code.value, message=exc.message))
-                continue
-            except Exception as exc:  # nothing a rank sends may end this loop
-                log.exception("local message could not be decoded")
-                self.send(identity, Error(code=ErrorCode.MALFORMED.value, message=repr(exc)))
-                continue
-            ctx = (
-                {"role": session.role, "rank": session.rank, "job": session.job} if session else {}
-            )
-            try:
                 with structlog.contextvars.bound_contextvars(**ctx):
                     self._dispatch(identity, msg)
-            except WeightwireError as exc:
-                self._error(identity, msg.req, exc)
-            except Exception as exc:  # a bug here must not take the daemon down
-                log.exception("local request failed", message=type(msg).__name__)
-                self._error(identity, msg.req, WeightwireError(f"internal error: {exc!r}"))
+        except WeightwireError as exc:
+            self._error(identity, msg.req, exc)
+        except Exception as exc:  # a bug here must not take the daemon down
+            log.exception("local request failed", message=type(msg).__name__)
+            self._error(identity, msg.req, WeightwireError(f"internal error: {exc!r}"))
 
     def _error(self, identity: bytes, req: int, exc: WeightwireError) -> None:
         self.send(identity, Error(req=req, code=exc.code.value, message=exc.message))
@@ -280,12 +318,14 @@ class LocalServer:
                 self._spawn(identity, msg.req, d.plan_for(session, msg.req, timeout_s))
             case BeginVersion(version=version, plan_hash=plan_hash, staging_buckets=slots):
                 fence = (msg.fence_offset, msg.fence_base)
-                work = d.begin_version(
-                    session, msg.req, version, plan_hash, slots, msg.slot_events, fence
-                )
-                self._spawn(identity, msg.req, work)
+                args = (session, msg.req, version, plan_hash, slots, msg.slot_events, fence)
+                ok = d.begin_version_now(*args)  # no task hop unless writes are in flight
+                if ok is not None:
+                    self.send(identity, ok)
+                else:
+                    self._spawn(identity, msg.req, d.begin_version(*args))
             case BucketReady():
-                d.bucket_ready(session, msg)
+                self._start_post = d.bucket_ready(session, msg)
             case TrailersReady():
                 d.trailers_ready(session, msg)
             case Applied():

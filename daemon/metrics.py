@@ -37,6 +37,7 @@ class Recorder(Protocol):
         seconds: float,
         peers: Mapping[str, int],
         code: str | None,
+        timeline: Mapping[str, float] | None = None,
     ) -> None:
         """A rank of this node finished a version: `role` trainer (published) or engine
         (received); `peers` the other nodes with the bytes sent to each (trainer) or the
@@ -63,9 +64,10 @@ class Recorders:
         seconds: float,
         peers: Mapping[str, int],
         code: str | None,
+        timeline: Mapping[str, float] | None = None,
     ) -> None:
         for r in self.recorders:
-            r.rank_version(job, role, rank, version, nbytes, seconds, peers, code)
+            r.rank_version(job, role, rank, version, nbytes, seconds, peers, code, timeline)
 
 
 class MetricsUnavailable(WeightwireError):
@@ -180,6 +182,7 @@ class Prometheus:
         seconds: float,
         peers: Mapping[str, int],
         code: str | None,
+        timeline: Mapping[str, float] | None = None,
     ) -> None:
         self.versions.labels(job, role, "ok" if code is None else "failed").inc()
         if code is not None:

@@ -7,18 +7,34 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from weightwire.protocol.errors import ErrorCode, TransferError, WeightwireError
 from weightwire.protocol.plan import WriteOp, encode_imm
-from weightwire.transport.base import SlotFencing, Transport
+from weightwire.transport.base import POST_STAMPS, SlotFencing, Transport
 
 from .deltas import bucket_writes
 from .metrics import Recorder
 from .prepared import Part, PreparedWrites
-from .ringslots import RingSlots
+from .ringslots import Issued, RingSlots
 from .runs import Run
+
+T = TypeVar("T")
+
+
+async def gather_now(*aws: Awaitable[T]) -> list[T | BaseException]:
+    """`asyncio.gather(*aws, return_exceptions=True)`, but one awaitable alone is awaited
+    here, in the caller's task: gather would start it as a task of its own, on the loop's
+    next round, and the local socket reads every queued message first (a burst of
+    BucketReady held the first bucket's copies back until all were read)."""
+    if len(aws) == 1:
+        try:
+            return [await aws[0]]
+        except Exception as exc:
+            return [exc]
+    return await asyncio.gather(*aws, return_exceptions=True)
 
 
 class DropReplica(Protocol):
@@ -47,7 +63,7 @@ class Poster:
     ) -> None:
         """All writes of some buckets; the first failure fails the run, once every write
         of them has finished (none may still read staging when the rank is told)."""
-        outcomes = await asyncio.gather(
+        outcomes = await gather_now(
             *(
                 self._post_delta(run, b, sent[b])
                 if b in sent
@@ -55,8 +71,7 @@ class Poster:
                 if b in in_place
                 else self._post_bucket(run, b)
                 for b in buckets
-            ),
-            return_exceptions=True,
+            )
         )
         for outcome in outcomes:
             if isinstance(outcome, BaseException):
@@ -88,17 +103,17 @@ class Poster:
         parts = [p for p in parts if p.replica not in run.dropped]
         high = encode_imm(run.version, 0)
         fenced = self.slots.fencing(run, bucket, parts)
-        outcomes = await asyncio.gather(
-            *(
-                p.transport.post_fenced(
-                    p.prepared, [high | s for s in p.slots], self.slots.slot_key(run, bucket), f
-                )
-                if f is not None and isinstance(p.transport, SlotFencing)
-                else p.transport.post(p.prepared, [high | s for s in p.slots])
-                for p, f in zip(parts, fenced, strict=True)
-            ),
-            return_exceptions=True,
-        )
+        stamps: dict[str, float] | None = None
+        if "first_issued" not in run.timeline:  # the version's first post: where start-up goes
+            run.mark("first_routed")
+            stamps = {}
+        token = POST_STAMPS.set(stamps)
+        try:
+            outcomes = await self._post_parts(run, bucket, parts, fenced, high)
+        finally:
+            POST_STAMPS.reset(token)
+        for key, at in sorted((stamps or {}).items(), key=lambda kv: kv[1]):
+            run.mark(f"first_{key}", at)
         first: BaseException | None = None
         for part, results in zip(parts, outcomes, strict=True):
             err: BaseException | None = (
@@ -116,6 +131,21 @@ class Poster:
         if first is not None:
             raise first
         self._landed(run, bucket)
+
+    async def _post_parts(
+        self, run: Run, bucket: int, parts: list[Part], fenced: list[Issued | None], high: int
+    ) -> list[list[BaseException | None] | BaseException]:
+        """Every part posted on its transport (fenced where the slot asks for it)."""
+        return await gather_now(
+            *(
+                p.transport.post_fenced(
+                    p.prepared, [high | s for s in p.slots], self.slots.slot_key(run, bucket), f
+                )
+                if f is not None and isinstance(p.transport, SlotFencing)
+                else p.transport.post(p.prepared, [high | s for s in p.slots])
+                for p, f in zip(parts, fenced, strict=True)
+            )
+        )
 
     async def _post_in_place(self, run: Run, bucket: int) -> None:
         """A bucket the rank packed straight into its destinations' memory, on the GPU its
@@ -176,6 +206,7 @@ class Poster:
         """Every write of `bucket` landed: its time in the metrics (`timed`), and its ring
         slot free (`RingSlots.slot_free`)."""
         landed = run.bucket_landed[bucket] = time.time()
+        run.mark("first_landed")
         if timed and self.metrics is not None:
             self.metrics.bucket_landed(self.job, landed - run.bucket_posted[bucket])
         self.slots.slot_free(run, bucket)

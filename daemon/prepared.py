@@ -145,8 +145,8 @@ class PreparedWrites:
         )
         if cached is not None and same:
             for key, route in cached.routes:
-                now = await self.route(run, key)
-                if any(a is not b for a, b in zip(now, route, strict=True)):
+                now = run.routes.get(key) or await self.route(run, key)  # resolved: no await
+                if now[0] is not route[0] or now[1] is not route[1] or now[2] is not route[2]:
                     break
             else:
                 return cached.parts

@@ -9,6 +9,7 @@ is also told as each bucket's writes have all finished (its slot is free again).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import time
 from collections.abc import Callable
@@ -223,8 +224,10 @@ class Publisher:
         buckets: tuple[int, ...],
         delta: tuple[tuple[int, int, int], ...] = (),
         in_place: tuple[int, ...] = (),
-    ) -> None:
+    ) -> bool:
         """Buckets of `version` packed by the rank: their writes are posted together.
+        True when nothing of the version was being posted (the caller lets this post start
+        before it reads more).
         `delta`: (bucket, delta slot, payload bytes) of those sent as delta payloads.
         `in_place`: those the rank packed straight into their destinations (colocated):
         only their immediates are delivered (`Poster._post_in_place`)."""
@@ -241,7 +244,7 @@ class Publisher:
                 code=ErrorCode.INVALID,
             )
         if run.finished:
-            return  # the version already failed; the rank learns why from PublishResult
+            return False  # the version already failed; the rank learns why from PublishResult
         for bucket in buckets:
             if not 0 <= bucket < len(run.plan.buckets):
                 raise VersionError(
@@ -265,15 +268,26 @@ class Publisher:
         run.posted.update(buckets)
         if not run.first_post:
             run.first_post = time.monotonic()
+            run.mark("first_ready", run.first_post)
         now = time.time()
         for bucket in buckets:
             run.bucket_posted[bucket] = now
-        with structlog.contextvars.bound_contextvars(rank=self.rank, version=version):
-            task = asyncio.get_running_loop().create_task(
-                self._poster.post(run, buckets, sent, direct)
+        if run.log_context is None:  # the posts' log lines name the rank and version:
+            run.log_context = contextvars.copy_context()  # bound once per version
+            run.log_context.run(
+                structlog.contextvars.bind_contextvars,
+                role="trainer",
+                rank=self.rank,
+                job=self.job,
+                version=version,
             )
+        task = asyncio.get_running_loop().create_task(
+            self._poster.post(run, buckets, sent, direct), context=run.log_context.copy()
+        )
+        idle = not run.tasks
         run.tasks.add(task)
         task.add_done_callback(functools.partial(self._written, run))
+        return idle
 
     def trailers_ready(self, version: int, lengths: tuple[int, ...]) -> None:
         """The rank's trailers of `version` are in staging: post them (its last writes)."""
@@ -351,7 +365,7 @@ class Publisher:
         if self.metrics is not None:
             self.metrics.rank_version(
                 self.job, "trainer", self.rank, run.version, run.bytes_done, seconds,
-                run.peer_bytes, code,
+                run.peer_bytes, code, run.timeline,
             )  # fmt: skip
 
     def abort(self, reason: str, code: ErrorCode = ErrorCode.ABORTED) -> None:
@@ -380,6 +394,14 @@ class Publisher:
         now = time.monotonic()
         self._record(run, now - run.started, err.code.value)
         self.reply(run.result(now, err))
+
+    def settled(self) -> bool:
+        """No write of an earlier version (this session's or an earlier one's) is in
+        flight: a version may begin now, with nothing to `drain`."""
+        if any(run is not None and run.tasks for run in (self.previous, self.run)):
+            return False
+        self.previous = None
+        return True
 
     async def drain(self, timeout_s: float) -> None:
         """Wait for writes still in flight: a failed version's stragglers, or those of an

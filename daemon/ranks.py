@@ -138,9 +138,27 @@ class Ranks:
         pub.begin(version, plan_hash, staging_buckets, slot_events, *fence)
         return Ok(req=req, detail=f"version {version}")
 
-    def bucket_ready(self, session: Session, msg: BucketReady) -> None:
+    def begin_version_now(
+        self,
+        session: Session,
+        req: int,
+        version: int,
+        plan_hash: str,
+        staging_buckets: int = 0,
+        slot_events: bool = False,
+        fence: tuple[int, int] = (-1, 0),
+    ) -> Ok | None:
+        """`begin_version` answered on the spot, without a task, when no write of an earlier
+        version is in flight (the usual case); None: it must wait for those first."""
         pub = self._publishing.publisher(session)
-        pub.bucket_ready(msg.version, (msg.bucket, *msg.more), msg.delta, msg.in_place)
+        if not pub.settled():
+            return None
+        pub.begin(version, plan_hash, staging_buckets, slot_events, *fence)
+        return Ok(req=req, detail=f"version {version}")
+
+    def bucket_ready(self, session: Session, msg: BucketReady) -> bool:
+        pub = self._publishing.publisher(session)
+        return pub.bucket_ready(msg.version, (msg.bucket, *msg.more), msg.delta, msg.in_place)
 
     def trailers_ready(self, session: Session, msg: TrailersReady) -> None:
         self._publishing.publisher(session).trailers_ready(msg.version, msg.lengths)

@@ -4,6 +4,7 @@ engine ranks' verdicts, the replicas dropped, and the `PublishResult` that ends 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 from dataclasses import dataclass, field
 
@@ -51,6 +52,15 @@ class Run:
     verdicts: dict[tuple[str, int], Verdict] = field(default_factory=dict)
     landed: bool = False  # every write landed; a delta-capable plan then awaits the verdicts
     dropped: dict[int, WeightwireError] = field(default_factory=dict)  # elastic: replica -> why
+    timeline: dict[str, float] = field(default_factory=dict)
+    log_context: contextvars.Context | None = None  # its posts' (rank and version bound)
+    """The version's first events, seconds after `started` (`mark`): where start-up goes."""
+
+    def mark(self, event: str, at: float | None = None) -> None:
+        """The first time `event` happened in this version (`at`: monotonic, default now)."""
+        if event not in self.timeline:
+            at = time.monotonic() if at is None else at
+            self.timeline[event] = round(at - self.started, 6)
 
     def replica_nodes(self, replica: int) -> set[str]:
         return {n for p in self.plan.replicas if p.replica == replica for n in p.nodes}
@@ -102,6 +112,7 @@ class Run:
             verdicts=tuple(self.verdicts.values()),
             delta_bytes=self.delta_bytes,
             replicas=self.outcomes(),
+            timeline=self.timeline,
         )
 
 

@@ -27,6 +27,7 @@ class _Entry:
     opened: float = field(default_factory=time.monotonic)
     ranks: dict[tuple[str, int], tuple[int, float, str | None]] = field(default_factory=dict)
     peers: set[str] = field(default_factory=set)
+    timelines: dict[int, Mapping[str, float]] = field(default_factory=dict)  # trainer ranks'
 
 
 def gbyte_s(nbytes: int, seconds: float) -> float | None:
@@ -54,10 +55,13 @@ class VersionLog:
         seconds: float,
         peers: Mapping[str, int],
         code: str | None,
+        timeline: Mapping[str, float] | None = None,
     ) -> None:
         if (job, version) in self.logged:
             return
         entry = self.open.setdefault((job, version), _Entry())
+        if timeline:
+            entry.timelines[rank] = timeline
         entry.ranks[(role, rank)] = (nbytes, seconds, code)
         entry.peers.update(peers)
         if self.local_ranks(job) <= set(entry.ranks):
@@ -90,6 +94,11 @@ class VersionLog:
             "gbyte_s": gbyte_s(max(sent, received), seconds),
             "peers": sorted(entry.peers),
         }
+        if entry.timelines:  # each trainer rank's first events, ms after it began
+            fields["start_ms"] = {
+                str(rank): {k: round(v * 1e3, 3) for k, v in t.items()}
+                for rank, t in sorted(entry.timelines.items())
+            }
         if failed:
             fields["failed"] = failed
         if missing:

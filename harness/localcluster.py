@@ -59,6 +59,7 @@ class LocalCluster:
     insecure: bool = False  # plaintext peer sockets; by default every daemon gets CURVE keys
     extra: dict[str, str] = field(default_factory=dict)  # more daemon flags, for every daemon
     metrics: bool = False  # every daemon serves Prometheus metrics on its address, any port
+    python: list[str] = field(default_factory=list)  # interpreter options before `-m` (a profiler)
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="weightwire-")))
     daemons: list[DaemonProc] = field(default_factory=list)
     net: netns.Hosts | None = None
@@ -136,7 +137,14 @@ class LocalCluster:
             args["coordinator"] = coordinator_endpoint or self.daemons[0].endpoint
             if not self.insecure and "insecure" not in args:
                 args["coordinator-public-key"] = self.coordinator_key()
-        cmd = [*self.prefix(host), sys.executable, "-m", "weightwire.daemon", *daemon_argv(args)]
+        cmd = [
+            *self.prefix(host),
+            sys.executable,
+            *self.python,
+            "-m",
+            "weightwire.daemon",
+            *daemon_argv(args),
+        ]
         log_path = self.workdir / f"{node}.log"
         log: IO[bytes] = open(log_path, "ab")  # noqa: SIM115 - the daemon owns it
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)

@@ -255,6 +255,11 @@ class PublishResult(LocalMsg, frozen=True, tag="publish_result"):
     verdicts: tuple[Verdict, ...] = ()  # delta-capable plans: each engine rank's outcome
     delta_bytes: NonNeg = 0  # of nbytes, those of delta payloads and trailers
     replicas: tuple[ReplicaOutcome, ...] = ()  # elastic jobs: each engine replica's outcome
+    timeline: dict[str, float] = {}
+    """The version's first events on the daemon, seconds after it accepted the version:
+    first_ready (a BucketReady received), first_routed (its writes prepared), first_issued
+    (a first copy issued), first_seen (its completion seen by the completion thread),
+    first_finished (handed back to the loop), first_landed (a whole bucket landed)."""
 
 
 # --- engine ----------------------------------------------------------------

@@ -29,12 +29,18 @@ predicate, so a failed version's writes are refused even on a fresh path.
 Transports are created and driven on the daemon's event loop. Blocking work
 (sockets, verbs polling, CUDA copies) runs on threads of the transport's own, which
 hand completions back to the loop.
+
+Timing: a caller may set `POST_STAMPS` to a dict around a `post`; a transport that keeps
+stamps (cuda) puts there, once each, `time.monotonic()` of the post's first copy issued
+("issued"), its first completion seen by its completion thread ("seen") and handed back
+on the loop ("finished"). Others leave it empty.
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
+import contextvars
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, Protocol, final, runtime_checkable
@@ -52,6 +58,12 @@ destination has failed (its bytes must not land)."""
 
 Signal = Callable[[str, bytes], Awaitable[bytes]]
 """Sends an opaque bring-up message to a node's instance of this transport, returns its reply."""
+
+POST_STAMPS: contextvars.ContextVar[dict[str, float] | None] = contextvars.ContextVar(
+    "weightwire_post_stamps", default=None
+)
+"""Set by a caller around `post` to learn when its copies were issued and completed (see the
+module docstring); None: nobody asks."""
 
 
 @dataclass(eq=False)

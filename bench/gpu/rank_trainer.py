@@ -104,6 +104,7 @@ class TrainerRank(Rank):
             "slot_counters": s.slot_counters,  # ring slots waited for on GPU counters
             "begin_seconds": s.begin_seconds,  # publish call -> version accepted
             "begin_request_seconds": s.begin_request_seconds,  # of it, BeginVersion's trip
+            "timeline": s.timeline,  # the daemon's first events, s after it accepted
             "buckets": [
                 [b.index, b.nbytes, b.prepare_start, b.prepared, b.posted, b.landed]
                 for b in s.buckets

@@ -25,12 +25,14 @@ import asyncio
 import contextlib
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from weightwire.memory.cudadrv import MAX_PITCH, CudaError, Driver
 from weightwire.protocol.errors import PeerLostError
+from weightwire.transport.base import POST_STAMPS
 
 from .budget import OpBudget
 
@@ -126,6 +128,12 @@ class Post:
     pending: int
     failures: Failures = field(default_factory=dict)
     fence: Fence | None = None
+    stamps: dict[str, float] | None = None  # POST_STAMPS of its caller: first issued/seen/finished
+
+    def stamp(self, key: str) -> None:
+        """The first time (monotonic) `key` happened to a chunk of this post, if asked."""
+        if self.stamps is not None and key not in self.stamps:
+            self.stamps[key] = time.monotonic()
 
     def settle(self, failures: Failures) -> None:
         if failures:
@@ -191,7 +199,7 @@ class Lane:
         future resolves with the failures once every chunk has landed or failed.
         `blocking`: issuing may wait for the copy itself (pageable host memory).
         `fence`: recorded once the last chunk is issued (whenever the budget lets it be)."""
-        post = Post(self._loop.create_future(), len(posted), fence=fence)
+        post = Post(self._loop.create_future(), len(posted), fence=fence, stamps=POST_STAMPS.get())
         if self._closed:
             err = PeerLostError("the cuda transport is closing")
             post.future.set_result({c.index: err for ch, _ in posted for c in ch.copies})
@@ -255,6 +263,7 @@ class Lane:
                     batch.failures[c.index] = exc
             batch.event = self._drv.event()
             self._drv.record(batch.event, self._stream)
+            batch.post.stamp("issued")
             fence = batch.post.fence
             if batch.last and fence is not None:
                 with contextlib.suppress(CudaError):  # not recorded: the landing frees the slot
@@ -276,6 +285,7 @@ class Lane:
                 return
             try:
                 self._drv.wait_event(batch.event)
+                batch.post.stamp("seen")
             except CudaError as exc:
                 batch.failures = {c.index: exc for c in batch.chunk.copies}
             finally:
@@ -287,6 +297,7 @@ class Lane:
                 return
 
     def _finish(self, batch: Batch) -> None:
+        batch.post.stamp("finished")
         self.budget.give(batch.taken)
         self._inflight.discard(batch)
         for left, fut in self._drains:
