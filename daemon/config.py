@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 import tomllib
 from pathlib import Path
@@ -34,7 +35,10 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # daemon-to-daemon socket (ZeroMQ, CURVE-authenticated); port 0: any, the real one is
     # logged and written to ready_file
     peer_bind: str = "tcp://0.0.0.0:7470"
-    advertise_host: str = ""  # the address peers use to reach this host (default: peer_bind's)
+    # the address peers use to reach this host (default: peer_bind's host). Set it when
+    # peer_bind is a wildcard (0.0.0.0): the host name's address is used then, and a loopback
+    # one (127.0.1.1 on Debian) or a name that does not resolve refuses to start
+    advertise_host: str = ""
     # the coordinator's peer endpoint, e.g. tcp://10.0.0.1:7470 (not on the coordinator)
     coordinator: str = ""
     # this daemon is the coordinator (exactly one per cluster: it computes the plans)
@@ -126,8 +130,8 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def resolved(self) -> DaemonConfig:
         node = self.node or socket.gethostname()
         advertise = self.advertise_host or _host_of(self.peer_bind) or socket.gethostname()
-        if advertise in ("0.0.0.0", "*", "::"):
-            advertise = socket.gethostbyname(socket.gethostname())
+        if advertise in _WILDCARDS:
+            advertise = _host_address(self.peer_bind)
         coordinator = self.coordinator
         if not coordinator and not self.is_coordinator:
             raise ConfigError(
@@ -141,6 +145,31 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 f"heartbeat_interval_s ({self.heartbeat_interval_s})"
             )
         return msgspec.structs.replace(self, node=node, advertise_host=advertise)
+
+
+_WILDCARDS = ("0.0.0.0", "*", "::")
+
+
+def _host_address(peer_bind: str) -> str:
+    """This host's address by its name, for a wildcard peer_bind: never loopback."""
+    name = socket.gethostname()
+    try:
+        address = socket.gethostbyname(name)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ConfigError(
+            f"peer_bind {peer_bind} listens on every address, and this host's name {name!r} "
+            f"does not resolve ({exc}): set advertise_host to the address peers reach this "
+            f"host at"
+        ) from None
+    if ipaddress.ip_address(address).is_loopback:
+        raise ConfigError(
+            f"peer_bind {peer_bind} listens on every address, and this host's name {name!r} "
+            f"resolves to {address}, a loopback address other hosts cannot reach (Debian's "
+            f"/etc/hosts maps the host name to 127.0.1.1): set advertise_host to the address "
+            f'peers reach this host at (advertise_host = "127.0.0.1" if every node runs on '
+            f"this host)"
+        )
+    return address
 
 
 def _host_of(endpoint: str) -> str:

@@ -55,7 +55,7 @@ EXAMPLE: dict[str, Any] = {
 # Shown commented out with an example instead of the default.
 HINTS: dict[str, str] = {
     "node": '"gpu-node-17"',
-    "advertise_host": '"10.0.0.17"',
+    "advertise_host": '"10.0.0.17"  # <- set: this host\'s address on the peer network',
     "is_coordinator": "true",
     "curve_allowed_keys": '["<z85 public key>"]',
     "coordinator_public_key": '"<z85: weightwire pubkey /etc/weightwire/peers.d/COORDINATOR.key>"',
