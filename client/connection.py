@@ -27,6 +27,7 @@ import zmq.asyncio
 from weightwire.memory.hostmem import SHM_DIR, SharedFile, create_shared
 from weightwire.protocol.errors import (
     ErrorCode,
+    NoDaemonError,
     ProtocolError,
     TimeoutError_,
     WeightwireError,
@@ -79,10 +80,9 @@ class DaemonConnection:
     ) -> None:
         self.path = path or DEFAULT_SOCKET
         if not os.path.exists(self.path):
-            raise WeightwireError(
+            raise NoDaemonError(
                 f"no daemon socket at {self.path} (is weightwired running? "
-                f"set WEIGHTWIRE_SOCKET or pass socket=)",
-                code=ErrorCode.PEER_LOST,
+                f"set WEIGHTWIRE_SOCKET or pass socket=)"
             )
         self._codec: Codec[LocalMessage] = Codec(LocalMessage, max_bytes=1 << 30)
         self._reqs = itertools.count(1)

@@ -83,6 +83,14 @@ class TimeoutError_(WeightwireError):
     code = ErrorCode.TIMEOUT
 
 
+class NoDaemonError(WeightwireError):
+    """No daemon socket where a rank was told to connect: weightwired is not running on
+    this host, or the path (WEIGHTWIRE_SOCKET, socket=) is wrong. Not retryable: the same
+    path fails the same way until something changes."""
+
+    code = ErrorCode.INVALID
+
+
 _BY_CODE: dict[ErrorCode, type[WeightwireError]] = {
     ErrorCode.MALFORMED: ProtocolError,
     ErrorCode.INVALID: RegistrationError,
