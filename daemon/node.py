@@ -233,7 +233,7 @@ class Daemon:
         }
         log.info("daemon ready", **ready)
         # systemd hears READY once the node has joined (see PeerWelcome); until then, why not
-        self.notifier.status(self.join.waiting_for)
+        self.notifier.waiting(self.join.waiting_for)
         if cfg.ready_file:
             tmp = cfg.ready_file + ".tmp"
             with open(tmp, "w") as f:
@@ -311,7 +311,10 @@ class Daemon:
             if now - last_status >= 5.0:
                 last_status = now
                 joined = self.view.coordinator_name is not None
-                self.notifier.status(self.status.one_line() if joined else self.join.waiting_for)
+                if joined:
+                    self.notifier.status(self.status.one_line())
+                else:
+                    self.notifier.waiting(self.join.waiting_for)
             await asyncio.sleep(cfg.heartbeat_interval_s)
 
     def _sweep(self) -> None:

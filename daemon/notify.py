@@ -1,8 +1,12 @@
-"""systemd's notify protocol (Type=notify): READY, STATUS and WATCHDOG datagrams.
+"""systemd's notify protocol (Type=notify): READY, STATUS, WATCHDOG and
+EXTEND_TIMEOUT_USEC datagrams.
 
 No dependency on libsystemd: a datagram to $NOTIFY_SOCKET. Outside systemd every call
 is a no-op. The watchdog is fed from the event loop's own tick, so a wedged loop is
-exactly what makes systemd restart the daemon.
+exactly what makes systemd restart the daemon. READY waits for the node to join its
+coordinator, which may take any time; until then each STATUS also extends the start
+timeout (TimeoutStartSec) by EXTEND_S, so a waiting node is not killed, and one whose loop
+is wedged still is.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+
+EXTEND_S = 30.0  # each extension of the start timeout; the tick sends one every 5 s
 
 
 class Notifier:
@@ -21,6 +27,7 @@ class Notifier:
         if pid and pid.isdigit() and int(pid) != os.getpid():
             self.watchdog_s = 0.0
         self._sock: socket.socket | None = None
+        self.readied = False  # READY sent: the start timeout no longer applies
 
     def send(self, **fields: str) -> None:
         if not self.address:
@@ -33,7 +40,15 @@ class Notifier:
             self._sock.sendto(msg, addr)
 
     def ready(self, status: str) -> None:
+        self.readied = True
         self.send(ready="1", status=status, mainpid=str(os.getpid()))
+
+    def waiting(self, status: str) -> None:
+        """STATUS, and before READY, EXTEND_TIMEOUT_USEC: not ready yet, but alive."""
+        if self.readied:
+            self.send(status=status)
+        else:
+            self.send(status=status, extend_timeout_usec=str(int(EXTEND_S * 1e6)))
 
     def status(self, status: str) -> None:
         self.send(status=status)

@@ -85,9 +85,60 @@ def test_daemon_speaks_sd_notify(tmp_path: Path) -> None:
             seen.append(sink.recv(4096).decode())
         assert any("READY=1" in m and "STATUS=" in m for m in seen), seen
         assert sum("WATCHDOG=1" in m for m in seen) >= 3, seen
+        ready_at = next(i for i, m in enumerate(seen) if "READY=1" in m)
+        assert not any("EXTEND_TIMEOUT_USEC" in m for m in seen[ready_at:]), seen
         proc.send_signal(signal.SIGTERM)
         while not any("STOPPING=1" in m for m in seen):
             seen.append(sink.recv(4096).decode())
+        assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        sink.close()
+
+
+def test_a_node_waiting_for_its_coordinator_extends_the_start_timeout(tmp_path: Path) -> None:
+    """READY waits for the join; until then each STATUS carries EXTEND_TIMEOUT_USEC, so
+    TimeoutStartSec does not kill a node whose coordinator is not up yet."""
+    with socket.socket() as s:  # a port where no coordinator listens
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    notify = tmp_path / "notify.sock"
+    sink = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sink.bind(str(notify))
+    sink.settimeout(15)
+    env = {**os.environ, "NOTIFY_SOCKET": str(notify), "WATCHDOG_USEC": "1000000"}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "weightwire.daemon",
+            "--insecure",
+            "--coordinator",
+            f"tcp://127.0.0.1:{port}",
+            "--local-socket",
+            str(tmp_path / "d.sock"),
+            "--peer-bind",
+            "tcp://127.0.0.1:0",
+            "--tcp-bind",
+            "127.0.0.1",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+    )
+    seen: list[str] = []
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and sum("EXTEND" in m for m in seen) < 3:
+            seen.append(sink.recv(4096).decode())
+        extends = [m for m in seen if "EXTEND_TIMEOUT_USEC=" in m]
+        assert len(extends) >= 3, seen  # at start, then with every STATUS tick (5 s)
+        for m in extends:
+            fields = dict(line.split("=", 1) for line in m.splitlines())
+            assert int(fields["EXTEND_TIMEOUT_USEC"]) >= 10_000_000, m  # > the 5 s tick
+            assert fields["STATUS"].startswith("waiting to join the coordinator"), m
+        assert not any("READY=1" in m for m in seen), seen
+        proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0
     finally:
         if proc.poll() is None:
