@@ -162,6 +162,11 @@ def main(argv: list[str] | None = None) -> int:
             case "pubkey":
                 import zmq.auth
 
+                from weightwire.daemon.security import missing_key_file
+
+                if missing := missing_key_file(args.file):
+                    print(f"weightwire pubkey: {missing}", file=sys.stderr)
+                    return 1
                 try:
                     key, _ = zmq.auth.load_certificate(args.file)
                 except (OSError, ValueError) as exc:

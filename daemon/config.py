@@ -43,7 +43,8 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     coordinator: str = ""
     # this daemon is the coordinator (exactly one per cluster: it computes the plans)
     is_coordinator: bool = False
-    # this node's key pair, NAME.key_secret from `weightwire keygen`
+    # this node's key pair, NAME.key_secret from `weightwire keygen --dir /etc/weightwire
+    # --name NAME` (NAME: the host name, as in the README's steps)
     curve_secret_key_file: str = ""
     # a directory of the public keys (*.key) of the peers this node trusts; SIGHUP rereads it
     curve_allowed_keys_dir: str = ""

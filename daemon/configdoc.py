@@ -48,7 +48,7 @@ EXAMPLE: dict[str, Any] = {
     "region_dir": "/dev/shm",
     "peer_bind": "tcp://0.0.0.0:7470",
     "coordinator": "tcp://10.0.0.1:7470",
-    "curve_secret_key_file": "/etc/weightwire/node.key_secret",
+    "curve_secret_key_file": "/etc/weightwire/HOSTNAME.key_secret",
     "curve_allowed_keys_dir": "/etc/weightwire/peers.d",
     "transport": "auto",
 }

@@ -19,6 +19,20 @@ from .peers import Security
 log = structlog.get_logger("weightwire.daemon.security")
 
 
+def missing_key_file(path: str) -> str | None:
+    """What to say when a key file does not exist (zmq says only "Invalid certificate
+    file"), or None when it does."""
+    if Path(path).exists():
+        return None
+    p = Path(path)
+    name = p.name.removesuffix(".key_secret").removesuffix(".key")
+    return (
+        f"no such file: {path} (run `weightwire keygen --dir {p.parent} --name {name}` on the "
+        f"node it belongs to: it writes {name}.key, the public key to share, and "
+        f"{name}.key_secret)"
+    )
+
+
 def _public_keys(directory: str) -> set[bytes]:
     keys: set[bytes] = set()
     for path in sorted(Path(directory).glob("*.key")):
@@ -40,6 +54,8 @@ def load(cfg: DaemonConfig) -> Security:
             "peer sockets need CURVE keys: create them with `weightwire keygen` and set "
             "curve_secret_key_file (and curve_allowed_keys_dir), or set insecure = true"
         )
+    if missing := missing_key_file(cfg.curve_secret_key_file):
+        raise ConfigError(f"curve_secret_key_file: {missing}")
     try:
         public, secret = zmq.auth.load_certificate(cfg.curve_secret_key_file)
     except (OSError, ValueError) as exc:

@@ -70,3 +70,15 @@ def test_keygen_refuses_to_overwrite_without_force(tmp_path: Path, capsys) -> No
     assert secret.read_bytes() == before, "the secret key was replaced"
     assert main(["keygen", "--dir", str(tmp_path), "--name", "n1", "--force"]) == 0
     assert secret.read_bytes() != before
+
+
+def test_pubkey_of_a_missing_file_says_so_and_how_to_make_it(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    missing = tmp_path / "peers.d" / "A.key"
+    assert main(["pubkey", str(missing)]) == 1
+    err = capsys.readouterr().err
+    assert f"no such file: {missing}" in err and "Invalid certificate" not in err
+    assert f"weightwire keygen --dir {missing.parent} --name A" in err
+    assert main(["keygen", "--dir", str(tmp_path), "--name", "A"]) == 0
+    capsys.readouterr()
+    assert main(["pubkey", str(tmp_path / "A.key")]) == 0
+    assert len(capsys.readouterr().out.strip()) == 40  # z85 of 32 bytes

@@ -110,3 +110,31 @@ def test_keys_starting_with_a_dash_reach_the_daemon_intact() -> None:
     key = "-" + "a" * 39
     ns = parser.parse_args(daemon_argv({"coordinator-public-key": key, "is-coordinator": ""}))
     assert ns.coordinator_public_key == key and ns.is_coordinator is True
+
+
+def test_a_missing_secret_key_file_is_named_with_how_to_make_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import subprocess
+    import sys
+
+    missing = tmp_path / "gpu-7.key_secret"
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "weightwire.daemon",
+            "--is-coordinator",
+            "--local-socket",
+            str(tmp_path / "s.sock"),
+            "--peer-bind",
+            "tcp://127.0.0.1:0",
+            "--curve-secret-key-file",
+            str(missing),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert f"no such file: {missing}" in out.stdout, out.stdout + out.stderr
+    assert f"weightwire keygen --dir {tmp_path} --name gpu-7" in out.stdout
+    assert "curve_secret_key_file" in out.stdout and "Invalid certificate" not in out.stdout
