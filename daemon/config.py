@@ -46,7 +46,8 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # this node's key pair, NAME.key_secret from `weightwire keygen --dir /etc/weightwire
     # --name NAME` (NAME: the host name, as in the README's steps)
     curve_secret_key_file: str = ""
-    # a directory of the public keys (*.key) of the peers this node trusts; SIGHUP rereads it
+    # a directory of the public keys (*.key) of the peers this node trusts; it must exist
+    # (the daemon will not start without it); SIGHUP rereads it
     curve_allowed_keys_dir: str = ""
     curve_allowed_keys: list[str] = []  # more trusted public keys, z85
     # the coordinator's public key, z85 (`weightwire pubkey A.key`); required on the other

@@ -64,6 +64,11 @@ def load(cfg: DaemonConfig) -> Security:
         raise ConfigError(f"{cfg.curve_secret_key_file} holds no secret key")
     allowed = {k.encode() for k in cfg.curve_allowed_keys}
     if cfg.curve_allowed_keys_dir:
+        if not Path(cfg.curve_allowed_keys_dir).is_dir():  # else no peer would ever be trusted
+            raise ConfigError(
+                f"curve_allowed_keys_dir: no such directory: {cfg.curve_allowed_keys_dir} "
+                "(create it and copy each peer's public <name>.key into it)"
+            )
         allowed |= _public_keys(cfg.curve_allowed_keys_dir)
     allowed.add(public)
     coordinator = None

@@ -138,3 +138,40 @@ def test_a_missing_secret_key_file_is_named_with_how_to_make_it(tmp_path) -> Non
     assert f"no such file: {missing}" in out.stdout, out.stdout + out.stderr
     assert f"weightwire keygen --dir {tmp_path} --name gpu-7" in out.stdout
     assert "curve_secret_key_file" in out.stdout and "Invalid certificate" not in out.stdout
+
+
+def test_a_missing_trusted_keys_directory_is_a_startup_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Without the directory no peer would ever be trusted, silently: refuse to start."""
+    import subprocess
+    import sys
+
+    subprocess.run(
+        [sys.executable, "-m", "weightwire.cli", "keygen", "--dir", str(tmp_path), "--name", "n"],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    missing = tmp_path / "peers.d"
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "weightwire.daemon",
+            "--is-coordinator",
+            "--local-socket",
+            str(tmp_path / "s.sock"),
+            "--peer-bind",
+            "tcp://127.0.0.1:0",
+            "--curve-secret-key-file",
+            str(tmp_path / "n.key_secret"),
+            "--curve-allowed-keys-dir",
+            str(missing),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert f"curve_allowed_keys_dir: no such directory: {missing}" in out.stdout, (
+        out.stdout + out.stderr
+    )
