@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import shutil
 import subprocess
 import sys
 import time
@@ -42,7 +43,7 @@ def run(args: Any) -> int:
         cluster.start()
         cluster.wait_joined()
         where = "network namespaces over veth" if use_netns else "loopback"
-        print(f"  {hosts} daemons on {where} (logs in {cluster.workdir})")
+        print(f"  {hosts} daemons on {where} (logs in {cluster.workdir}, removed if all goes well)")
         for d in cluster.daemons:
             roles = []
             if d.host in trainer_hosts:
@@ -174,6 +175,7 @@ def run(args: Any) -> int:
     if not clean:
         print(f"  daemons exited with {codes} (logs in {cluster.workdir})")
     if ok and clean:
+        shutil.rmtree(cluster.workdir, ignore_errors=True)  # logs and keys kept only on failure
         print(
             f"verified {args.versions} versions, {total_verified} bytes "
             f"({total_verified / 1e9:.2f} GB) across {args.engines} engine ranks: every "
