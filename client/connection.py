@@ -98,6 +98,7 @@ class DaemonConnection:
         self._epoch = 0  # counts sessions established (each Welcome)
         self.region_dir = SHM_DIR  # where the daemon maps rank region files from (Welcome)
         self.fd_socket = ""  # where the daemon takes file descriptors (Welcome; "": nowhere)
+        self.features: frozenset[str] = frozenset()  # what the daemon does (Welcome)
         self.max_message_bytes = 0  # the daemon's limit on a request (Welcome; 0: unknown)
         self._reset_lock = threading.Lock()
         self._notes: queue.SimpleQueue[LocalMessage | None] = queue.SimpleQueue()
@@ -210,6 +211,7 @@ class DaemonConnection:
             self.session = reply.session
             self.region_dir = reply.region_dir or SHM_DIR
             self.fd_socket = reply.fd_socket
+            self.features = frozenset(reply.features)
             self.max_message_bytes = reply.max_message_bytes
             self._epoch += 1
         return reply

@@ -43,18 +43,22 @@ class Poster:
         started: float,
         delta: list[tuple[int, int, int]] | None = None,
         in_place: bool = False,
+        queued: bool = False,
     ) -> None:
         """Bucket `bucket` is queued for packing on `device` (its stream's work so far);
         `delta`: (bucket, delta slot, bytes) of its payloads, encoded in staging too;
         `in_place`: packed straight into its destinations (posted once its event is done,
-        as every bucket, so the bytes are visible before any immediate is delivered)."""
+        as every bucket, so the bytes are visible before any immediate is delivered);
+        `queued`: posted now, its packing only queued (the daemon's copies wait on the GPU
+        for the pack counter, `BeginVersion.gate_offset`); its `ready` time is then when it
+        was posted, not when it was packed."""
         self.started[bucket] = started
         if in_place:
             self._in_place.add(bucket)
         if delta:
             self._delta[bucket] = delta
         event = None
-        if device.type == "cuda":
+        if device.type == "cuda" and not queued:
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(torch.cuda.current_stream(device))
         self._pending.append((bucket, event))
@@ -173,6 +177,7 @@ class PublishStats:
     begin_request_seconds: float = 0.0  # of it, the BeginVersion request's round trip alone
     compared: int = 0  # units compared with the shadow (each slot's width: 2 bytes, fp8 1)
     timeline: dict[str, float] = field(default_factory=dict)  # PublishResult.timeline
+    gated: bool = False  # buckets posted once queued: the copies waited for the pack counter
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,11 @@ Before packing a bucket into a ring slot, the packing stream waits on the GPU
 (cuStreamWaitValue32, GEQ) for the slot's counter to reach the sequence number of the
 bucket packed there before; the daemon writes it once that bucket's reads are done. The
 rank's thread never waits for the daemon: only for its own packing, to tell the daemon
-which buckets are packed. A version that did not land releases every counter (writes the
-version's last sequence number from a stream of its own), so that no wait is left behind
-on the GPU, whatever became of the daemon.
+which buckets are packed; with a pack counter (`packed`) not even for that: the packing
+stream writes the counter after each bucket, and the daemon's copies wait on the GPU for
+it. A version that did not land releases every slot counter (writes the version's last
+sequence number from a stream of its own), so that no wait is left behind on the GPU,
+whatever became of the daemon.
 """
 
 from __future__ import annotations
@@ -43,8 +45,8 @@ class SlotWaits:
         return self._usable
 
     def fresh(self, counters: torch.Tensor) -> None:
-        """New counters (new staging): all at `base`, which no wait of a later version
-        takes as reached (the daemon has written none of them yet)."""
+        """New counters (new staging; the pack counter too): all at `base`, which no wait
+        of a later version takes as reached (none of them is written yet)."""
         counters.fill_(_signed(self.base))
 
     def wait(self, counters: torch.Tensor, slot: int, bucket: int) -> None:
@@ -56,6 +58,18 @@ class SlotWaits:
         stream = torch.cuda.current_stream(device).cuda_stream
         address = counters.data_ptr() + 4 * slot
         self._drv.wait_value32(stream, address, sequence(self.base, bucket))
+
+    def packed(self, gate: torch.Tensor, bucket: int) -> None:
+        """The current stream of the pack counter's device (the packing stream) writes
+        bucket `bucket`'s sequence number into it once the work queued so far (the bucket's
+        packing) is done: the daemon's copies of the bucket wait on the GPU for that
+        (`BeginVersion.gate_offset`). Packing is in bucket order on this one stream, so the
+        counter only grows."""
+        assert self._drv is not None
+        device = gate.device
+        self._drv.use(device.index if device.index is not None else torch.cuda.current_device())
+        stream = torch.cuda.current_stream(device).cuda_stream
+        self._drv.write_value32(stream, gate.data_ptr(), sequence(self.base, bucket))
 
     def release(self, counters: torch.Tensor, buckets: int) -> None:
         """The version did not land: every counter to its last sequence number, from a

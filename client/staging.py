@@ -30,22 +30,34 @@ class Staging:
         rank: int,
         directory: str = SHM_DIR,
         fence_slots: int = 0,
+        gate: bool = False,
     ):
         """`fence_slots`: GPU staging ends with that many 32-bit ring-slot counters, at
-        `fence_offset` (past `nbytes`), registered with it (`BeginVersion.fence_offset`)."""
+        `fence_offset` (past `nbytes`), registered with it (`BeginVersion.fence_offset`);
+        `gate`: and one more word past them, the pack counter (`gate_offset`,
+        `BeginVersion.gate_offset`)."""
         self.nbytes = nbytes
         self.placement = placement
         self.shared: SharedFile | None = None
         self._pinned = False
         self.fence_slots = fence_slots if placement == "gpu" else 0
-        self.fence_offset = -(-nbytes // FENCE_ALIGN) * FENCE_ALIGN if self.fence_slots else -1
+        self.gate = gate and placement == "gpu"
+        words = self.fence_slots + self.gate
+        self.fence_offset = -(-nbytes // FENCE_ALIGN) * FENCE_ALIGN if words else -1
+        self.gate_offset = self.fence_offset + 4 * self.fence_slots if self.gate else -1
+        self.words: torch.Tensor | None = None  # the slot counters, then the pack counter
         self.counters: torch.Tensor | None = None
+        self.gate_word: torch.Tensor | None = None
+        self.length = self.fence_offset + 4 * words if words else nbytes  # what registers
         if placement == "gpu":
-            total = self.fence_offset + 4 * self.fence_slots if self.fence_slots else nbytes
-            self.tensor = torch.zeros(total, dtype=torch.uint8, device=device)
+            self.tensor = torch.zeros(self.length, dtype=torch.uint8, device=device)
             self._whole = self.tensor  # what registers: the ring's bytes and its counters
-            if self.fence_slots:
-                self.counters = self.tensor[self.fence_offset :].view(torch.int32)
+            if words:
+                self.words = self.tensor[self.fence_offset :].view(torch.int32)
+                if self.fence_slots:
+                    self.counters = self.words[: self.fence_slots]
+                if self.gate:
+                    self.gate_word = self.words[self.fence_slots :]
                 self.tensor = self.tensor[:nbytes]
         else:
             self.shared = create_shared(
@@ -62,7 +74,7 @@ class Staging:
         """What registers it (made anew each time: VMM memory's fds go with one request)."""
         if self.shared is not None:
             return RegisterRegion(path=self.shared.path, length=self.nbytes, purpose="staging")
-        length = self.fence_offset + 4 * self.fence_slots if self.fence_slots else self.nbytes
+        length = self.length
         info = cuda.region_of(
             self._whole, fd_socket=fd_socket, what="the staging buffer", prefer_ipc=True
         )

@@ -43,6 +43,7 @@ from .delta.inplace import needs_staging
 from .delta.sender import DeltaSender, Mode
 from .direct import Direct
 from .dtypes import name_of
+from .gilswitch import fast_switching
 from .layouts import Full, Layout, Part, local_box
 from .modules import Rename, local_of, module_shards
 from .pack import Packer
@@ -81,6 +82,7 @@ class Trainer(RankClient):
         direct: bool = False,
         slot_events: bool = True,
         slot_counters: bool = True,
+        gate_copies: bool = True,
     ) -> None:
         """`staging`: where buckets are packed. "gpu" (the default when the tensors are on a
         GPU) keeps everything on the device; "cpu" is the pinned CPU replica in the
@@ -104,6 +106,15 @@ class Trainer(RankClient):
         where the driver has stream memory operations and the plan sends no deltas; it
         takes precedence over `slot_events`.
 
+        `gate_copies`: with GPU staging (a ring or the whole send), each bucket is posted
+        to the daemon as soon as its packing is queued, not once it is done: the packing
+        stream then writes the bucket's number into a pack counter at the end of staging
+        (cuStreamWriteValue32), and the daemon's copies wait on the GPU for it
+        (`BeginVersion.gate_offset`). With slot counters too, this thread never waits on the
+        GPU within a version: packing, posting and copying chain on the GPU alone. Used
+        where the driver has stream memory operations, the daemon says it can, and the plan
+        sends no deltas and packs nothing in place (`direct`).
+
         `delta`: sparse delta sync to engine ranks that registered a delta area: "auto"
         sends each bucket as a delta payload where that is smaller, "on" wherever it fits,
         "off" always dense. Those engines verify every version (checksums) either way. It
@@ -120,6 +131,7 @@ class Trainer(RankClient):
         self.staging_buckets = staging_buckets
         self.slot_events = slot_events
         self.slot_counters = slot_counters
+        self.gate_copies = gate_copies
         self._slots = SlotWaits()
         self._ipc_events: dict[bytes, torch.cuda.Event] = {}  # opened once per handle
         self._delta = DeltaSender(delta)
@@ -328,10 +340,12 @@ class Trainer(RankClient):
             else self.placement
         )
         fence = ring.slots if self._counters_wanted(plan, ring, placement) else 0
+        gate = self._gate_wanted(plan, placement)
         if (
             self._staging is None
             or self._staging.nbytes < need
             or self._staging.fence_slots < fence
+            or (gate and not self._staging.gate)
         ):
             staging = Staging(
                 need,
@@ -341,9 +355,10 @@ class Trainer(RankClient):
                 self.rank,
                 self._conn.region_dir,
                 fence_slots=fence,
+                gate=gate,
             )
-            if staging.counters is not None:
-                self._slots.fresh(staging.counters)
+            if staging.words is not None:
+                self._slots.fresh(staging.words)
             try:
                 expect(self._conn.request(staging.request(self._conn.fd_socket)), RegionRegistered)
             except BaseException:
@@ -363,6 +378,23 @@ class Trainer(RankClient):
             and self._direct is None  # in-place buckets land out of their slots' order
             and self._slots.usable()
         )
+
+    def _gate_wanted(self, plan: RankPlan, placement: str) -> bool:
+        return (
+            self.gate_copies
+            and "pack_gate" in self._conn.features  # an older daemon would not wait for it
+            and placement == "gpu"
+            and not plan.delta_bytes
+            and self._direct is None  # in-place buckets are posted once their bytes are there
+            and self._slots.usable()
+        )
+
+    def _gate(self, plan: RankPlan) -> torch.Tensor | None:
+        """The staging's pack counter, where this version's copies wait on it."""
+        st = self._staging
+        if st is None or st.gate_word is None:
+            return None
+        return st.gate_word if self._gate_wanted(plan, st.placement) else None
 
     def _counters(self, plan: RankPlan, ring: StagingRing) -> torch.Tensor | None:
         """The staging's slot counters, where this version waits for slots on them."""
@@ -434,6 +466,7 @@ class Trainer(RankClient):
             out = self._ensure_delta_out(plan, device)
             ring = self.ring(plan)
             counters = self._counters(plan, ring)
+            gate = self._gate(plan)
             try:
                 t_req = time.perf_counter()
                 self._conn.request(
@@ -446,6 +479,9 @@ class Trainer(RankClient):
                         if counters is not None and self._staging is not None
                         else -1,
                         fence_base=self._slots.base,
+                        gate_offset=self._staging.gate_offset
+                        if gate is not None and self._staging is not None
+                        else -1,
                     )
                 )
                 begun = time.perf_counter() - t0
@@ -466,6 +502,8 @@ class Trainer(RankClient):
         what = f"version {version} of trainer rank {self.rank}"
         result: PublishResult | None = None
         self._delta.begin(version, plan, staging)
+        switching = fast_switching(gate is not None)  # the connection's thread sends promptly
+        switching.__enter__()
         try:
             try:
                 in_place: set[int] = set()  # buckets of this version packed in place
@@ -473,6 +511,8 @@ class Trainer(RankClient):
                 for bucket in plan.buckets:
                     direct = self._direct.targets(plan, bucket, device) if self._direct else None
                     reuse = -1 if direct else slot_wait(ring, bucket.index, in_place)
+                    if gate is not None and landed.ended:
+                        break  # the version failed: its result says why
                     if reuse >= 0 and counters is not None:  # the GPU waits for the slot
                         if not poster.await_posted(landed, reuse, self.timeout_s, what):
                             break  # the version failed: its result says why
@@ -510,8 +550,16 @@ class Trainer(RankClient):
                     if unpacked is not None and needs_staging(bucket, delta):
                         assert staging is not None  # `in_place` gives None without it
                         self._packer.pack_bucket(ops, current, staging)
+                    if gate is not None:  # the daemon's copies wait for this on the GPU
+                        self._slots.packed(gate, bucket.index)
                     self._post_bucket(
-                        poster, bucket.index, device, started, delta, in_place=bool(direct)
+                        poster,
+                        bucket.index,
+                        device,
+                        started,
+                        delta,
+                        in_place=bool(direct),
+                        queued=gate is not None,
                     )
                     pack_s += time.perf_counter() - p0
                 else:
@@ -537,6 +585,7 @@ class Trainer(RankClient):
                 f"{self.timeout_s:.0f} s"
             ) from None
         finally:
+            switching.__exit__(None, None, None)
             with self._lock:
                 self._results.pop(version, None)
                 self._landed.pop(version, None)
@@ -572,6 +621,7 @@ class Trainer(RankClient):
             slot_events=by_event,
             slot_landings=by_landing,
             slot_counters=by_counter,
+            gated=gate is not None,
             begin_seconds=begun,
             begin_request_seconds=begin_request,
             compared=self._delta.last_compared,
@@ -623,8 +673,9 @@ class Trainer(RankClient):
         started: float,
         delta: list[tuple[int, int, int]],
         in_place: bool = False,
+        queued: bool = False,
     ) -> None:
-        poster.post(index, device, started, delta, in_place)
+        poster.post(index, device, started, delta, in_place, queued)
 
     def _current(self, tensors: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         current = {name: r.tensor for name, r in self._tensors.items()}

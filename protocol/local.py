@@ -51,6 +51,9 @@ class Welcome(LocalMsg, frozen=True, tag="welcome"):
     region_dir: str = ""  # where the rank makes its shared region files ("": /dev/shm)
     max_message_bytes: int = 0  # the largest request the daemon takes (0: not said)
     fd_socket: str = ""  # where the rank passes file descriptors (memory.fdpass; "": nowhere)
+    # what this daemon does that an older one would silently not do (a field it would
+    # ignore): "pack_gate" (`BeginVersion.gate_offset`)
+    features: tuple[str, ...] = ()
 
 
 # --- registration ----------------------------------------------------------
@@ -169,11 +172,23 @@ class BeginVersion(LocalMsg, frozen=True, tag="begin_version"):
     for the daemon (no `BucketsIssued`). A failed version's counters are all set to its last
     sequence number, releasing every wait. -1: no counters."""
     fence_base: Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)] = 0
+    gate_offset: Annotated[int, msgspec.Meta(ge=-1)] = -1
+    """>= 0: GPU staging's pack counter, one 32-bit word at this byte offset of the staging
+    region (past the ring's bytes and its slot counters). The rank's packing stream writes
+    bucket b's sequence number there (`fence_base + b + 1`, mod 2**32, cuStreamWriteValue32)
+    right after b's packing, and the rank sends `BucketReady` as soon as that is queued,
+    not once it is done: the daemon's copies of b wait on the GPU for the counter
+    (cuStreamWaitValue32, GEQ) before reading staging (any other transport: the daemon
+    waits for it). Buckets are packed in order, so one word serves them all. A failed
+    version's counter is set to its last sequence number by the daemon, so that no wait of
+    its own is left behind (the rank may be gone). -1: BucketReady follows the packing."""
 
 
 class BucketReady(LocalMsg, frozen=True, tag="bucket_ready"):
     """Bucket `bucket` of `version` is packed in staging, and so are the buckets in `more`
-    (those that finished packing meanwhile, in one message): post their writes. No reply."""
+    (those that finished packing meanwhile, in one message): post their writes. No reply.
+    With a pack counter (`BeginVersion.gate_offset`): their packing is queued on the GPU,
+    the counter tells when it is done."""
 
     version: Version
     bucket: NonNeg

@@ -208,9 +208,10 @@ if ((NGPU >= 1)); then
     bench 1x1 180 50 --pairs 1x1 --trace "$OUT/$TAG-bench-1x1-trace.json"
     # opt-in (SUITE_STAGES=rings): the staging ring at 2 and 4 slots against the whole send,
     # 1x1 (colocated on one GPU), each run verified, ratios in the table and JSON; slots
-    # waited for on GPU counters (the default), then the same rings the older way (the
-    # daemon's IPC events, `N:events`) in the same process. SUITE_RINGS overrides the list.
-    bench rings 480 0 --pairs 1x1 --staging-buckets "${SUITE_RINGS:-0,2,4,2:events,4:events}" \
+    # waited for on GPU counters with buckets posted before they are packed (the default),
+    # then the same posted once packed (`N:packed`: the host in the loop) in the same
+    # process. SUITE_RINGS overrides the list (`N:events`: the daemon's IPC events).
+    bench rings 480 0 --pairs 1x1 --staging-buckets "${SUITE_RINGS:-0,2,4,0:packed,2:packed,4:packed}" \
         --no-baseline
     bench replica 90 0 --replica --layers 8 --versions 2 --trace "$OUT/$TAG-bench-replica-trace.json"
     if ((NGPU >= 4)); then FP8PAIR=2x2; else FP8PAIR=1x1; fi

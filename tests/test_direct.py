@@ -194,8 +194,8 @@ def test_daemon_refuses_in_place_buckets_that_are_not_colocated() -> None:
         lie = {"on": True}
         post = Trainer._post_bucket
 
-        def claim(self, poster, index, device, started, delta, in_place=False):  # type: ignore[no-untyped-def]
-            post(self, poster, index, device, started, delta, in_place or lie["on"])
+        def claim(self, poster, index, device, started, delta, in_place=False, queued=False):  # type: ignore[no-untyped-def]
+            post(self, poster, index, device, started, delta, in_place or lie["on"], queued)
 
         Trainer._post_bucket = claim  # type: ignore[method-assign]
         try:

@@ -92,6 +92,7 @@ def sync(
     versions: tuple[int, ...] = (1, 2),
     slot_counters: bool = True,
     abort_at: int = 0,
+    gate_copies: bool = True,
 ) -> dict[str, Any]:
     """`abort_at` > 0: version `abort_at` is aborted by rank 0 once its packing stream
     waits for a slot on the GPU (its counter), and must fail (not hang); the versions after
@@ -120,6 +121,7 @@ def sync(
     nbytes, staged, held, slots, writes = 0, 0, 0, 0, 0
     waited = True  # with a ring: every bucket packed only after its slot's last one landed
     by_event, by_landing, by_counter, reuses, issued, aborted = 0, 0, 0, 0, 0, 0
+    gated, published = 0, 0
     try:
         for version in versions:
             hf = random_hf(CFG, seed=version)
@@ -142,6 +144,7 @@ def sync(
                         direct=direct,
                         slot_events=slot_events,
                         slot_counters=slot_counters,
+                        gate_copies=gate_copies,
                     )
                     tr.register(
                         mine,
@@ -204,6 +207,8 @@ def sync(
             by_event += sum(s.slot_events for s in stats)
             by_landing += sum(s.slot_landings for s in stats)
             by_counter += sum(s.slot_counters for s in stats)
+            gated += sum(s.gated for s in stats)
+            published += len(stats)
             reuses += sum(max(len(s.buckets) - slots, 0) for s in stats) if slots else 0
             issued += sum(
                 int(p["buckets_issued"])
@@ -241,6 +246,8 @@ def sync(
         "by_event": by_event,
         "by_landing": by_landing,
         "by_counter": by_counter,
+        "gated": gated,  # publishes whose copies waited on the GPU for the pack counter
+        "published": published,
         "aborted": aborted,
         "reuses": reuses,
         "issued": issued,
@@ -338,16 +345,55 @@ def test_gpu_staging_ring_slots_on_gpu_counters(
     assert got["issued"] > 0, got  # counters written on the GPU after the copies
 
 
-def test_gpu_ring_counters_released_when_a_version_fails(small_buckets: LocalCluster) -> None:
+@pytest.mark.parametrize("gate", [True, False])
+def test_gpu_ring_counters_released_when_a_version_fails(
+    small_buckets: LocalCluster, gate: bool
+) -> None:
     """Version 2 is aborted while rank 0's packing stream waits on a slot counter: both
     ranks' publishes fail with ABORTED (none hangs), their GPU streams drain (the counters
-    were released), the engines fail version 2, and versions 3 and 4 land bitwise."""
+    were released), the engines fail version 2, and versions 3 and 4 land bitwise. With
+    the pack counter (`gate`), the daemon's copies of buckets posted before their packing
+    ran wait on the GPU meanwhile: they end too."""
     got = sync(
-        small_buckets, "gpu-ring-counters-abort", "", "gpu", trainer_host=0,
-        staging_buckets=2, versions=(1, 2, 3, 4), abort_at=2,
+        small_buckets, f"gpu-ring-counters-abort-{gate}", "", "gpu", trainer_host=0,
+        staging_buckets=2, versions=(1, 2, 3, 4), abort_at=2, gate_copies=gate,
     )  # fmt: skip
     assert got["aborted"] == 1, got
     assert got["by_counter"] > 0 and got["slots"] == 2, got
+    assert got["gated"] == (got["published"] if gate else 0), got
+
+
+@pytest.mark.parametrize("slots", [0, 2, 4])
+@pytest.mark.parametrize("dest", ["", "fp8"])
+def test_gpu_buckets_posted_before_packed(
+    small_buckets: LocalCluster, dest: str, slots: int
+) -> None:
+    """The whole send and rings of 2 and 4 slots with the pack counter: every bucket is
+    posted as soon as its packing is queued, and the daemon's copies wait on the GPU for
+    the packing stream's counter (with a ring, the packing waits for the slot counters the
+    daemon writes after the copies: no host in the loop). Four versions, all bitwise."""
+    job = f"gpu-gated-{dest or 'bf16'}-{slots}"
+    got = sync(
+        small_buckets, job, dest, "gpu", trainer_host=0, staging_buckets=slots,
+        versions=(1, 2, 3, 4),
+    )  # fmt: skip
+    assert got["gated"] == got["published"] == 8, got
+    assert got["cuda"] == got["bytes"] > 0, got
+    assert got["slots"] == slots, got
+    if slots:
+        assert got["by_counter"] == got["reuses"] > 0, got
+        assert got["by_event"] == got["by_landing"] == 0, got
+
+
+def test_gpu_ring_counters_without_the_pack_counter(small_buckets: LocalCluster) -> None:
+    """`gate_copies=False`: the older way (each bucket posted once its packing is done, as
+    its CUDA event tells), still bitwise with slot counters."""
+    got = sync(
+        small_buckets, "gpu-ring-counters-ungated", "", "gpu", trainer_host=0,
+        staging_buckets=2, versions=(1, 2, 3), gate_copies=False,
+    )  # fmt: skip
+    assert got["gated"] == 0 and got["by_counter"] == got["reuses"] > 0, got
+    assert got["cuda"] == got["bytes"] > 0, got
 
 
 def _abort_once_waiting(tr: Trainer, version: int) -> None:

@@ -13,7 +13,7 @@ from tests.conformance.suite import *  # noqa: F403
 from weightwire.memory.cudadrv import available, driver
 from weightwire.protocol.errors import PeerLostError
 from weightwire.protocol.regions import RegionDescriptor
-from weightwire.transport.base import LocalRegion, Transport, WriteRequest
+from weightwire.transport.base import Gate, LocalRegion, Transport, WriteRequest
 
 OK, WHY = available()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not OK, reason=f"no GPU here: {WHY}")]
@@ -257,5 +257,47 @@ def test_prepared_writes_follow_a_destination_registered_again(kit: TransportKit
         assert p.kit.read(new, 0, n) == rand(n, 42)  # noqa: F405
         assert p.kit.read(old, 0, n) == bytes(n)
         assert p.b.imms == [(1, "node-a"), (1, "node-a"), (2, "node-a")]
+
+    run(kit, body)  # noqa: F405
+
+
+@pytest.mark.parametrize(("start", "want"), [(5, 7), (0xFFFFFFFE, 1)])  # and across the wrap
+def test_gated_post_waits_on_the_gpu_for_the_pack_counter(
+    kit: TransportKit, start: int, want: int
+) -> None:
+    """A post gated on a 32-bit word (`post_gated`, a rank's pack counter): its lane's
+    stream waits on the GPU until the word reaches the gate's value (cyclically), so
+    nothing is copied before; once the word is written, it lands bitwise, with its
+    immediate, and the lane goes on working."""
+
+    async def body(p: Pair) -> None:
+        src, dst, desc, data = _filled(p)
+        assert src.device is not None
+        drv = p.kit.drv  # type: ignore[attr-defined]
+        drv.use(src.device)
+        word, s = drv.alloc(4), drv.stream()
+        try:
+            drv.write_value32(s, word, start)
+            drv.synchronize(s)
+            p.kit.fill(dst, 0, bytes(CHUNK))
+            t = p.a.transport
+            prepared = t.prepare([WriteRequest(src, 0, desc, 0, CHUNK, None)])
+            posted = asyncio.ensure_future(
+                t.post_gated(prepared, [7], Gate(src.device, word, want))  # type: ignore[attr-defined]
+            )
+            await asyncio.sleep(0.3)
+            assert not posted.done(), "the copy did not wait for the counter"
+            assert p.kit.read(dst, 0, CHUNK) == bytes(CHUNK)
+            drv.use(src.device)
+            drv.write_value32(s, word, want)
+            drv.synchronize(s)
+            assert await asyncio.wait_for(posted, 30) == [None]
+            assert p.kit.read(dst, 0, CHUNK) == data[:CHUNK]
+            assert p.b.imms == [(7, "node-a")]
+            await t.write(WriteRequest(src, CHUNK, desc, CHUNK, CHUNK, 8))
+            assert p.kit.read(dst, CHUNK, CHUNK) == data[CHUNK : 2 * CHUNK]
+        finally:
+            drv.use(src.device)
+            drv.free(word)
 
     run(kit, body)  # noqa: F405

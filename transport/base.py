@@ -134,6 +134,30 @@ class SlotFencing(Protocol):
     ) -> list[BaseException | None]: ...
 
 
+@dataclass(frozen=True, slots=True)
+class Gate:
+    """A post's copies from `device` wait on the GPU (cuStreamWaitValue32, GEQ, cyclic)
+    until the 32-bit word at `address` (of this process, on `device`) reaches `value`: the
+    rank's packing of what they read is done (`BeginVersion.gate_offset`)."""
+
+    device: int
+    address: int
+    value: int
+
+
+@runtime_checkable
+class GpuGating(Protocol):
+    """A transport whose copies can wait on the GPU for a rank's pack counter (cuda)."""
+
+    async def post_gated(
+        self,
+        prepared: Prepared,
+        imms: Sequence[int | None],
+        gate: Gate,
+        fencing: tuple[Hashable, Callable[[tuple[bytes, ...]], None]] | None = None,
+    ) -> list[BaseException | None]: ...
+
+
 @runtime_checkable
 class CudaEvents(Protocol):
     """A fencing transport whose events this process can wait on directly (the cuda

@@ -61,7 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N[,N...]",
         help="trainer staging: a ring of N bucket slots (0: the whole send). Several values "
         "(e.g. 0,2,4) make one run per value for each pair, each compared with the first. "
-        "N:events or N:landing waits for slots the older ways (default: GPU slot counters)",
+        "N:packed posts each bucket once packed (not before, the copies waiting on the GPU "
+        "for the pack counter), N:events or N:landing waits for slots the older ways "
+        "(default: GPU slot counters and the pack counter)",
     )
     p.add_argument(
         "--zero-copy",

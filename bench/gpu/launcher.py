@@ -111,10 +111,11 @@ def main(args: Any) -> int:
 
 def ring_spec(text: str) -> tuple[int, str]:
     """`--staging-buckets` value: "N" (slots freed as the trainer chooses: GPU counters
-    where it can) or "N:counters", "N:events", "N:landing" (`rank --slot-wait`)."""
+    where it can, buckets posted before they are packed) or "N:counters", "N:packed",
+    "N:events", "N:landing" (`rank --slot-wait`)."""
     n, _, wait = text.strip().partition(":")
-    if wait not in ("", "counters", "events", "landing"):
+    if wait not in ("", "counters", "packed", "events", "landing"):
         raise SystemExit(
-            f"--staging-buckets {text!r}: the slot wait is counters, events or landing"
+            f"--staging-buckets {text!r}: the slot wait is counters, packed, events or landing"
         )
     return int(n), wait

@@ -69,10 +69,12 @@ def main() -> None:
     p.add_argument("--staging-buckets", type=int, default=4, help="0: the whole send")
     p.add_argument(
         "--slot-wait",
-        choices=["counters", "events", "landing"],
+        choices=["counters", "packed", "events", "landing"],
         default="counters",
-        help="how a ring slot is waited for: GPU counters (Trainer(slot_counters=True)), the "
-        "daemon's IPC events (slot_events), or the landing on this thread",
+        help="how a ring slot is waited for: GPU counters (Trainer(slot_counters=True)) with "
+        "each bucket posted before it is packed (gate_copies, the copies wait on the GPU), "
+        "the same posted once packed (packed), the daemon's IPC events (slot_events), or "
+        "the landing on this thread",
     )
     p.add_argument("--trainer-layout", choices=["fsdp", "full"], default="fsdp")
     p.add_argument("--bucket-mb", type=int, default=1024)

@@ -42,7 +42,8 @@ class TrainerRank(Rank):
             staging_buckets=args.staging_buckets,
             direct=args.direct,
             slot_events=args.slot_wait != "landing",
-            slot_counters=args.slot_wait == "counters",
+            slot_counters=args.slot_wait in ("counters", "packed"),
+            gate_copies=args.slot_wait == "counters",
         )
         layout = Full() if self.full else Shard(0, self.index, self.T)
         self.tr.register(
@@ -105,6 +106,7 @@ class TrainerRank(Rank):
             "begin_seconds": s.begin_seconds,  # publish call -> version accepted
             "begin_request_seconds": s.begin_request_seconds,  # of it, BeginVersion's trip
             "timeline": s.timeline,  # the daemon's first events, s after it accepted
+            "gated": s.gated,  # posted before packed: the copies waited for the pack counter
             "buckets": [
                 [b.index, b.nbytes, b.prepare_start, b.prepared, b.posted, b.landed]
                 for b in s.buckets

@@ -134,6 +134,8 @@ class Post:
         """The first time (monotonic) `key` happened to a chunk of this post, if asked."""
         if self.stamps is not None and key not in self.stamps:
             self.stamps[key] = time.monotonic()
+    gate: tuple[int, int] | None = None  # (address, value): the stream waits for it first
+    gate_failed: BaseException | None = None  # the wait could not be queued: nothing copies
 
     def settle(self, failures: Failures) -> None:
         if failures:
@@ -152,6 +154,7 @@ class Batch:
     post: Post
     blocking: bool
     last: bool = False  # the post's last chunk: its fence is recorded after it
+    first: bool = False  # the post's first chunk: its gate is waited for before it
     taken: int = 0  # of the lane's budget
     event: int = 0
     failures: Failures = field(default_factory=dict)
@@ -194,12 +197,23 @@ class Lane:
         *,
         blocking: bool = False,
         fence: Fence | None = None,
+        gate: tuple[int, int] | None = None,
     ) -> asyncio.Future[Failures]:
         """Queue chunks with their immediates and issue what the budget allows now; the
         future resolves with the failures once every chunk has landed or failed.
         `blocking`: issuing may wait for the copy itself (pageable host memory).
-        `fence`: recorded once the last chunk is issued (whenever the budget lets it be)."""
-        post = Post(self._loop.create_future(), len(posted), fence=fence, stamps=POST_STAMPS.get())
+        `fence`: recorded once the last chunk is issued (whenever the budget lets it be).
+        `gate`: (address, value): the stream waits on the GPU until the 32-bit word at
+        `address` reaches `value` (cuStreamWaitValue32, GEQ) before the first copy. Posts
+        are issued in the order they are made, so a caller whose gates depend on one
+        another's copies (a rank's ring) posts them in that order."""
+        post = Post(
+            self._loop.create_future(),
+            len(posted),
+            fence=fence,
+            gate=gate,
+            stamps=POST_STAMPS.get(),
+        )
         if self._closed:
             err = PeerLostError("the cuda transport is closing")
             post.future.set_result({c.index: err for ch, _ in posted for c in ch.copies})
@@ -208,7 +222,8 @@ class Lane:
             post.future.set_result({})
             return post.future
         for i, (chunk, imms) in enumerate(posted):
-            self._waiting.append(Batch(chunk, imms, post, blocking, last=i == len(posted) - 1))
+            batch = Batch(chunk, imms, post, blocking, last=i == len(posted) - 1, first=i == 0)
+            self._waiting.append(batch)
         self._pump()
         return post.future
 
@@ -256,7 +271,15 @@ class Lane:
     def _issue(self, batch: Batch) -> None:
         try:
             self._drv.use(self.device)
-            for c in batch.chunk.copies:
+            post = batch.post
+            if batch.first and post.gate is not None:
+                try:
+                    self._drv.wait_value32(self._stream, *post.gate)
+                except CudaError as exc:  # not waited for: none of the post may be copied
+                    post.gate_failed = exc
+            if post.gate_failed is not None:
+                batch.failures = {c.index: post.gate_failed for c in batch.chunk.copies}
+            for c in batch.chunk.copies if post.gate_failed is None else ():
                 try:
                     _issue(self._drv, c, self.device, self._stream)
                 except CudaError as exc:

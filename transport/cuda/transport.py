@@ -33,6 +33,7 @@ from weightwire.protocol.regions import (
 )
 from weightwire.transport.base import (
     Admit,
+    Gate,
     ImmHandler,
     LocalRegion,
     Prepared,
@@ -323,6 +324,19 @@ class CudaTransport(Transport):
         (then only the landing tells that the source is free)."""
         return await self._post(self._current(prepared, imms), imms, (slot, on_issued))
 
+    async def post_gated(
+        self,
+        prepared: Prepared,
+        imms: Sequence[int | None],
+        gate: Gate,
+        fencing: tuple[Hashable, Callable[[tuple[bytes, ...]], None]] | None = None,
+    ) -> list[BaseException | None]:
+        """As `post` (`post_fenced` with `fencing`: (slot, on_issued)), the copies of each
+        lane from `gate.device` waiting on the GPU for `gate` first (they are the ones that
+        read the rank's staging; the others read what no packing writes). Its lanes get
+        the post at once, in this call: posts made in an order are issued in that order."""
+        return await self._post(self._current(prepared, imms), imms, fencing, gate)
+
     def events_of(self, handles: Sequence[bytes]) -> list[int] | None:
         """The events behind slot events' IPC handles (as `post_fenced` gave them), for a
         stream of this process to wait on; None if one is not this transport's."""
@@ -333,9 +347,11 @@ class CudaTransport(Transport):
         p: CudaPrepared,
         imms: Sequence[int | None],
         fencing: tuple[Hashable, Callable[[tuple[bytes, ...]], None]] | None = None,
+        gate: Gate | None = None,
     ) -> list[BaseException | None]:
         """Issue resolved writes on their lanes; each one's outcome, in order. `fencing`:
-        (slot, on_issued), as `post_fenced`."""
+        (slot, on_issued), as `post_fenced`; `gate`, as `post_gated`. Every lane's post
+        is made before the first await."""
         refused = self._refused(p, imms)
         if refused is not None:
             return [refused] * len(imms)
@@ -359,7 +375,9 @@ class CudaTransport(Transport):
                         results[c.index] = exc
                 continue
             posted = [(chunk, [imms[c.index] for c in chunk.copies]) for chunk in chunks]
-            posts.append(lane.post(posted, blocking=pageable, fence=fence_of.get(key)))
+            gated = gate is not None and key[0] == gate.device
+            wait = (gate.address, gate.value) if gate is not None and gated else None
+            posts.append(lane.post(posted, blocking=pageable, fence=fence_of.get(key), gate=wait))
         for failures in await asyncio.gather(*posts):
             for i, failure in failures.items():
                 results[i] = failure
