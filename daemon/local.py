@@ -55,6 +55,7 @@ from weightwire.protocol.local import (
 )
 
 from .lograte import Throttled
+from .packgate import features as FEATURES
 from .sessions import Session
 
 log = structlog.get_logger("weightwire.daemon.local")
@@ -102,7 +103,7 @@ class Requests(Protocol):
         plan_hash: str,
         staging_buckets: int = 0,
         slot_events: bool = False,
-        fence: tuple[int, int] = (-1, 0),
+        fence: tuple[int, int, int] = (-1, 0, -1),
     ) -> Ok: ...
 
     def begin_version_now(
@@ -113,7 +114,7 @@ class Requests(Protocol):
         plan_hash: str,
         staging_buckets: int = 0,
         slot_events: bool = False,
-        fence: tuple[int, int] = (-1, 0),
+        fence: tuple[int, int, int] = (-1, 0, -1),
     ) -> Ok | None: ...
 
     def bucket_ready(self, session: Session, msg: BucketReady) -> bool:
@@ -317,7 +318,7 @@ class LocalServer:
             case GetPlan(timeout_s=timeout_s):
                 self._spawn(identity, msg.req, d.plan_for(session, msg.req, timeout_s))
             case BeginVersion(version=version, plan_hash=plan_hash, staging_buckets=slots):
-                fence = (msg.fence_offset, msg.fence_base)
+                fence = (msg.fence_offset, msg.fence_base, msg.gate_offset)
                 args = (session, msg.req, version, plan_hash, slots, msg.slot_events, fence)
                 ok = d.begin_version_now(*args)  # no task hop unless writes are in flight
                 if ok is not None:
@@ -395,6 +396,7 @@ class LocalServer:
                 region_dir=self.identity.region_dir,
                 max_message_bytes=self.codec.max_bytes,
                 fd_socket=self.inbox.path if self.inbox is not None else "",
+                features=FEATURES(),
             ),
         )
 

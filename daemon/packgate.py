@@ -29,16 +29,19 @@ import asyncio
 import ctypes
 import threading
 import time
+from collections.abc import Callable
+from typing import Protocol
 
 from weightwire.memory.cudadrv import CudaError, Driver, driver
-from weightwire.protocol.errors import ErrorCode, PlanError, TimeoutError_
-from weightwire.protocol.plan import StagingRing
+from weightwire.protocol.errors import ErrorCode, PlanError, TimeoutError_, VersionError
+from weightwire.protocol.plan import RankPlan, StagingRing
 from weightwire.transport.base import Gate, LocalRegion
 
 from .slotfence import WORD, sequence
 
 NOT_READY = 600  # CUDA_ERROR_NOT_READY: cuEventQuery's "not yet"
 POLL_S = 100e-6  # how often a host wait looks at its event
+WAIT_S = 300.0  # the longest a bucket waits on the daemon's thread for its packing
 
 _streams: dict[tuple[str, int, int], int] = {}  # of this process: (what, device, address)
 _lock = threading.Lock()
@@ -55,6 +58,21 @@ def _stream(drv: Driver, what: str, device: int, address: int) -> int:
             drv.use(device)
             s = _streams[key] = drv.stream()
         return s
+
+
+_supported: bool | None = None
+
+
+def features() -> tuple[str, ...]:
+    """What this daemon tells ranks it does (`Welcome.features`): "pack_gate" where this
+    process's CUDA driver has the stream memory operations (checked once)."""
+    global _supported
+    if _supported is None:
+        try:
+            _supported = driver().stream_mem_ops()
+        except CudaError:
+            _supported = False
+    return ("pack_gate",) if _supported else ()
 
 
 class PackGate:
@@ -144,3 +162,42 @@ class PackGate:
         drv.use(self.device)
         drv.write_value32(s, self.address, sequence(self.base, self.buckets - 1))
         drv.synchronize(s)
+
+
+def check_plan(plan: RankPlan) -> None:
+    """PlanError (INVALID) where a plan cannot post buckets before they are packed."""
+    if plan.delta_bytes:
+        raise PlanError(
+            "a pack counter (buckets posted before they are packed) cannot go with delta "
+            "payloads, encoded once the packing is done",
+            code=ErrorCode.INVALID,
+        )
+
+
+def check_order(version: int, buckets: tuple[int, ...], posted: set[int]) -> None:
+    """VersionError (INVALID) unless `buckets` come in order after every one `posted`:
+    gated copies waiting on a later bucket's packing would hold back an earlier one's."""
+    last = max(posted, default=-1)
+    if list(buckets) != sorted(buckets) or buckets[0] <= last:
+        raise VersionError(
+            f"buckets {list(buckets)} of version {version} posted out of order (after bucket "
+            f"{last}): with a pack counter, buckets are posted in order",
+            code=ErrorCode.INVALID,
+        )
+
+
+class Gated(Protocol):
+    """What the publisher asks of a version's pack counter."""
+
+    chain: asyncio.Future[None] | None
+
+    def gate(self, bucket: int) -> Gate: ...
+
+    async def wait(self, bucket: int, timeout_s: float) -> None: ...
+
+    def release(self) -> None: ...
+
+
+MakeGate = Callable[[LocalRegion | None, StagingRing, int, int, int, tuple[int, int]], Gated]
+"""(staging, ring, gate offset, base, buckets, (fence offset, slots)) -> a version's pack
+counter (PackGate)."""

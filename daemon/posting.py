@@ -7,18 +7,20 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
+from contextvars import Token
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from weightwire.protocol.errors import ErrorCode, TransferError, WeightwireError
 from weightwire.protocol.plan import WriteOp, encode_imm
-from weightwire.transport.base import POST_STAMPS, SlotFencing, Transport
+from weightwire.transport.base import POST_STAMPS, GpuGating, SlotFencing, Transport
 
 from .deltas import bucket_writes
 from .metrics import Recorder
+from .packgate import WAIT_S
 from .prepared import Part, PreparedWrites
-from .ringslots import Issued, RingSlots
+from .ringslots import RingSlots
 from .runs import Run
 
 T = TypeVar("T")
@@ -97,19 +99,55 @@ class Poster:
         return parts
 
     async def _post_bucket(self, run: Run, bucket: int) -> None:
-        parts = await self._parts(run, bucket)
-        if run.finished:  # failed meanwhile: nothing more of it is sent
-            raise run.error or WeightwireError("the version already failed", code=ErrorCode.ABORTED)
-        parts = [p for p in parts if p.replica not in run.dropped]
-        high = encode_imm(run.version, 0)
-        fenced = self.slots.fencing(run, bucket, parts)
+        gate = run.gate
+        turn: tuple[asyncio.Future[None] | None, asyncio.Future[None]] | None = None
+        if gate is not None:  # a rank's buckets reach its lanes in bucket order
+            turn = (gate.chain, asyncio.get_running_loop().create_future())
+            gate.chain = turn[1]
         stamps: dict[str, float] | None = None
-        if "first_issued" not in run.timeline:  # the version's first post: where start-up goes
-            run.mark("first_routed")
-            stamps = {}
-        token = POST_STAMPS.set(stamps)
+        token: Token[dict[str, float] | None] | None = None
         try:
-            outcomes = await self._post_parts(run, bucket, parts, fenced, high)
+            parts = await self._parts(run, bucket)
+            if turn is not None and turn[0] is not None:
+                await turn[0]  # the bucket before has made its posts
+            if run.finished:  # failed meanwhile: nothing more of it is sent
+                raise run.error or WeightwireError(
+                    "the version already failed", code=ErrorCode.ABORTED
+                )
+            parts = [p for p in parts if p.replica not in run.dropped]
+            on_gpu = gate is not None and all(isinstance(p.transport, GpuGating) for p in parts)
+            if gate is not None and not on_gpu:  # a transport the GPU cannot hold back
+                await gate.wait(bucket, WAIT_S)
+            high = encode_imm(run.version, 0)
+            fenced = self.slots.fencing(run, bucket, parts)
+            if "first_issued" not in run.timeline:  # the version's first post: start-up
+                run.mark("first_routed")
+                stamps = {}
+            token = POST_STAMPS.set(stamps)  # before any task is made: they copy it
+            posts = [
+                self._post_part(run, bucket, p, [high | s for s in p.slots], f, on_gpu)
+                for p, f in zip(parts, fenced, strict=True)
+            ]
+            # The next bucket's turn must find this one's lane posts made. One part is
+            # awaited inline below (gather_now), right after the turn is handed on: this
+            # task goes on without yielding into the transport, which makes every lane's
+            # post before its first await, and only then does the next bucket's task run.
+            # Several parts under a gate are tasks made now, each making its posts in its
+            # first step, scheduled before the next bucket's task is woken.
+            waiting: Awaitable[list[list[BaseException | None] | BaseException]] = (
+                gather_now(*posts)
+                if turn is None or len(posts) == 1
+                else asyncio.gather(*posts, return_exceptions=True)
+            )
+        except BaseException:
+            if token is not None:
+                POST_STAMPS.reset(token)
+            raise
+        finally:
+            if turn is not None and not turn[1].done():
+                turn[1].set_result(None)
+        try:
+            outcomes = await waiting
         finally:
             POST_STAMPS.reset(token)
         for key, at in sorted((stamps or {}).items(), key=lambda kv: kv[1]):
@@ -132,20 +170,24 @@ class Poster:
             raise first
         self._landed(run, bucket)
 
-    async def _post_parts(
-        self, run: Run, bucket: int, parts: list[Part], fenced: list[Issued | None], high: int
-    ) -> list[list[BaseException | None] | BaseException]:
-        """Every part posted on its transport (fenced where the slot asks for it)."""
-        return await gather_now(
-            *(
-                p.transport.post_fenced(
-                    p.prepared, [high | s for s in p.slots], self.slots.slot_key(run, bucket), f
-                )
-                if f is not None and isinstance(p.transport, SlotFencing)
-                else p.transport.post(p.prepared, [high | s for s in p.slots])
-                for p, f in zip(parts, fenced, strict=True)
-            )
-        )
+    def _post_part(
+        self,
+        run: Run,
+        bucket: int,
+        p: Part,
+        imms: list[int],
+        fenced: Callable[[tuple[bytes, ...]], None] | None,
+        gated: bool,
+    ) -> Awaitable[list[BaseException | None]]:
+        """One part's post: gated on the rank's pack counter (`gated`), fenced by slot
+        events (`fenced`), both or neither."""
+        key = self.slots.slot_key(run, bucket)
+        if gated and run.gate is not None and isinstance(p.transport, GpuGating):
+            fencing = (key, fenced) if fenced is not None else None
+            return p.transport.post_gated(p.prepared, imms, run.gate.gate(bucket), fencing)
+        if fenced is not None and isinstance(p.transport, SlotFencing):
+            return p.transport.post_fenced(p.prepared, imms, key, fenced)
+        return p.transport.post(p.prepared, imms)
 
     async def _post_in_place(self, run: Run, bucket: int) -> None:
         """A bucket the rank packed straight into its destinations' memory, on the GPU its
@@ -154,6 +196,11 @@ class Poster:
         delivers those of its own writes, nothing is copied. Refused, failing the version,
         unless every write goes from staging to GPU memory of that same GPU through a
         transport that can deliver immediates so."""
+        if run.gate is not None:
+            raise TransferError(
+                f"bucket {bucket} was said packed in place, but this version posts buckets "
+                "before they are packed (a pack counter): its bytes may not be there yet"
+            )
         b = run.plan.buckets[bucket]
         by: dict[tuple[Transport, str], list[int]] = {}
         high = encode_imm(run.version, 0)

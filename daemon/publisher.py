@@ -29,8 +29,9 @@ from weightwire.protocol.local import Verdict
 from weightwire.protocol.plan import RankPlan, StagingRing
 from weightwire.transport.base import LocalRegion
 
-from . import deltas
+from . import deltas, packgate
 from .metrics import Recorder
+from .packgate import MakeGate, PackGate
 from .posting import Poster
 from .prepared import PreparedWrites, SourceRegion
 from .ringslots import Reply, RingSlots, release
@@ -66,6 +67,7 @@ class Publisher:
     prepared: PreparedWrites = field(init=False)
     _poster: Poster = field(init=False)
     make_counters: MakeCounters = SlotCounters  # a version's GPU slot counters
+    make_gate: MakeGate = PackGate  # a version's pack counter
 
     def __post_init__(self) -> None:
         self.prepared = PreparedWrites(self.pick, self.source_region)
@@ -163,9 +165,12 @@ class Publisher:
         slot_events: bool = False,
         fence_offset: int = -1,
         fence_base: int = 0,
+        gate_offset: int = -1,
     ) -> None:
         """`fence_offset` >= 0: the rank waits for ring slots on the GPU, on counters at
-        that offset of its staging region (`BeginVersion.fence_offset`)."""
+        that offset of its staging region (`BeginVersion.fence_offset`). `gate_offset`
+        >= 0: the rank posts buckets before they are packed, its pack counter there
+        (`BeginVersion.gate_offset`, `daemon/packgate.py`)."""
         if self.plan is None:
             raise PlanError("this rank has no plan yet", code=ErrorCode.NOT_READY)
         if plan_hash != self.plan.plan_hash:
@@ -204,6 +209,13 @@ class Publisher:
             counters = self.make_counters(
                 self.staging, ring, fence_offset, fence_base, len(self.plan.buckets)
             )
+        gate = None
+        if gate_offset >= 0:
+            fence = (fence_offset, ring.slots if counters is not None else 0)
+            packgate.check_plan(self.plan)
+            gate = self.make_gate(
+                self.staging, ring, gate_offset, fence_base, len(self.plan.buckets), fence
+            )
         self.last_version = version
         self.run = Run(
             version=version,
@@ -213,6 +225,7 @@ class Publisher:
             delta_out=self.delta_out,
             slot_events=slot_events and ring.slots > 0 and counters is None,
             counters=counters,
+            gate=gate,
         )
         self.announce(version, "start", "", self.destinations)
         if not self.plan.buckets and not self.plan.trailers:
@@ -257,6 +270,8 @@ class Publisher:
                     f"bucket {bucket} of version {version} was already posted",
                     code=ErrorCode.DUPLICATE,
                 )
+        if run.gate is not None:
+            packgate.check_order(version, buckets, run.posted)
         sent = deltas.check_payloads(run.plan, buckets, delta)
         direct = set(in_place)
         if not direct <= set(buckets) or direct & set(sent):

@@ -4,6 +4,7 @@ as narrow seams rather than callbacks into the daemon."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -139,14 +140,21 @@ class Publishing:
         for pub in self._of_job(job):
             pub.drop_nodes(nodes, reason)
 
-    def session_gone(self, session: Session) -> None:
+    def session_gone(self, session: Session) -> set[asyncio.Task[None]]:
+        """The rank's version in flight fails. Returns the tasks of it still writing
+        where its copies may still read its staging (a pack counter's copies, released by
+        the failure just now): its regions are unmapped once they are done."""
         gone = self.publishers.pop((session.job, session.rank), None)
-        if gone is not None:
-            if gone.run is not None:  # nothing waits on its slot counters any more, and its
-                gone.run.counters = None  # staging is unmapped next: no release write there
-            gone.abort(f"trainer rank {session.rank} disconnected mid-version")
-            if gone.run is not None and gone.run.tasks:
-                self._detached[(session.job, session.rank)] = gone.run
+        if gone is None:
+            return set()
+        if gone.run is not None:  # nothing waits on its slot counters any more, and its
+            gone.run.counters = None  # staging is unmapped next: no release write there
+        gone.abort(f"trainer rank {session.rank} disconnected mid-version")
+        if gone.run is not None and gone.run.tasks:
+            self._detached[(session.job, session.rank)] = gone.run
+            if gone.run.gate is not None:
+                return set(gone.run.tasks)
+        return set()
 
     def abort_all(self, reason: str, code: ErrorCode) -> None:
         for pub in self.publishers.values():

@@ -131,7 +131,7 @@ class Ranks:
         plan_hash: str,
         staging_buckets: int = 0,
         slot_events: bool = False,
-        fence: tuple[int, int] = (-1, 0),
+        fence: tuple[int, int, int] = (-1, 0, -1),
     ) -> Ok:
         pub = self._publishing.publisher(session)
         await pub.drain(self._stall_timeout_s)
@@ -146,7 +146,7 @@ class Ranks:
         plan_hash: str,
         staging_buckets: int = 0,
         slot_events: bool = False,
-        fence: tuple[int, int] = (-1, 0),
+        fence: tuple[int, int, int] = (-1, 0, -1),
     ) -> Ok | None:
         """`begin_version` answered on the spot, without a task, when no write of an earlier
         version is in flight (the usual case); None: it must wait for those first."""
@@ -200,12 +200,25 @@ class Ranks:
     # --- leaving -------------------------------------------------------------
 
     def session_gone(self, session: Session) -> None:
+        reading: set[asyncio.Task[None]] = set()
         if session.role == "trainer":
-            self._publishing.session_gone(session)
+            reading = self._publishing.session_gone(session)
         if session.role == "engine":
             self._plans.release_slot(session.job, session.rank)
-        for region in self._registry.of_session(session.id):
-            self._registry.remove(region.local.id)
+        gone = [region.local.id for region in self._registry.of_session(session.id)]
+        if reading:  # copies released from its pack counter may still read its staging
+
+            def done(task: asyncio.Task[None]) -> None:
+                reading.discard(task)
+                if not reading:
+                    for region_id in gone:
+                        self._registry.remove(region_id)
+
+            for task in list(reading):
+                task.add_done_callback(done)
+        else:
+            for region_id in gone:
+                self._registry.remove(region_id)
         if session.sources or session.destinations:
             self._plans.advertise(session.job)
         if session.role != "admin" and not any(

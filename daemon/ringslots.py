@@ -110,7 +110,13 @@ class RingSlots:
 
 
 def release(run: Run) -> None:
-    """A failed version: the rank's GPU waits on its slot counters all end."""
+    """A failed version: the copies waiting for the rank's packing go ahead (its pack
+    counter), and the rank's GPU waits on its slot counters all end."""
+    if run.gate is not None:
+        try:
+            run.gate.release()
+        except CudaError as exc:
+            log.error("pack counter not released", version=run.version, error=exc.message)
     if run.counters is None:
         return
     try:

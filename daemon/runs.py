@@ -14,6 +14,7 @@ from weightwire.protocol.plan import RankPlan, StagingRing
 from weightwire.protocol.regions import RegionDescriptor
 from weightwire.transport.base import LocalRegion, Transport
 
+from .packgate import Gated
 from .slotfence import Counters
 
 DELTA_OUT = -2  # a write's src_region: the rank's delta-out region (payloads, trailers)
@@ -34,6 +35,7 @@ class Run:
     slot_events: bool = False  # the rank waits for slots on the GPU (`BucketsIssued`)
     issued: int = 0  # buckets reported `BucketsIssued`, or their counters written on the GPU
     counters: Counters | None = None  # the rank waits for slots on the GPU, on these
+    gate: Gated | None = None  # buckets posted before packed: their copies wait for this
     on_gpu: set[int] = field(default_factory=set)  # buckets whose counter the GPU writes
     posted: set[int] = field(default_factory=set)
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
@@ -141,6 +143,7 @@ def progress(
         "staging_buckets": run.ring.slots if run else 0,  # 0: the whole send is staged
         "staging_bytes": run.ring.nbytes if run else 0,
         "slot_events": run.slot_events if run else False,  # slots waited for on the GPU
+        "gated": run.gate is not None if run else False,  # buckets posted before packed
         "slot_counters": run.counters is not None if run else False,  # waited for on
         # GPU counters the daemon writes (`buckets_issued`: those written on the GPU)
         "buckets_issued": run.issued if run else 0,  # of them, reported BucketsIssued

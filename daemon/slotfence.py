@@ -45,6 +45,16 @@ def _stream(drv: Driver, device: int, address: int) -> int:
         return s
 
 
+def _release_stream(drv: Driver, device: int) -> int:
+    """A stream per device for releases only: nothing is ever queued on it to wait."""
+    with _lock:
+        s = _streams.get((device, -1))
+        if s is None:
+            drv.use(device)
+            s = _streams[device, -1] = drv.stream()
+        return s
+
+
 def sequence(base: int, bucket: int) -> int:
     """Bucket `bucket`'s sequence number in a version whose base is `base`."""
     return (base + bucket + 1) & MASK
@@ -119,9 +129,17 @@ class SlotCounters:
         if self.released:
             return
         self.released = True
-        s = _stream(self._drv, self.device, self.address)
         self._drv.use(self.device)
         last = sequence(self.base, self.buckets - 1)
+        # First from a stream that waits on nothing, done at once: the signalling stream
+        # may wait behind copies that wait (pack counter) for packing that waits for one
+        # of these counters. Then after every write queued before (so the counters end
+        # at `last`, whatever those write meanwhile).
+        free = _release_stream(self._drv, self.device)
+        for slot in range(self.ring.slots):
+            self._drv.write_value32(free, self.address + WORD * slot, last)
+        self._drv.synchronize(free)
+        s = _stream(self._drv, self.device, self.address)
         for slot in range(self.ring.slots):
             self._drv.write_value32(s, self.address + WORD * slot, last)
 

@@ -1,0 +1,220 @@
+"""The publisher's side of a rank's pack counter (`BeginVersion.gate_offset`): buckets
+posted before they are packed. Real tcp transports on loopback (the GPU waits themselves:
+tests/test_transport_cuda.py and tests/test_pack_gate.py). Checked: a rank's gated
+buckets reach the transport in bucket order even when an earlier one is slower to
+prepare (a later bucket's copies must never sit in front of an earlier one's on a
+lane); a transport the GPU cannot hold back waits for the counter on the daemon's
+thread; a failed version releases the counter; and the refusals."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Hashable, Sequence
+
+import msgspec
+import pytest
+import uvloop
+
+from tests.conformance.harness import Pair, with_pair
+from tests.conformance.suite import rand
+from tests.test_publisher_posts import publisher
+from tests.test_publisher_prepared import _ring_plan
+from tests.test_transport_tcp import TcpKit
+from weightwire.daemon.publisher import Publisher
+from weightwire.protocol.errors import ErrorCode, PlanError
+from weightwire.protocol.local import BucketsIssued, BucketsLanded, PublishResult
+from weightwire.transport.base import Gate, LocalRegion, Transport
+
+
+class _Gate:
+    """Records what the publisher asks of a version's pack counter."""
+
+    def __init__(self, log: list[tuple[str, int]], base: int) -> None:
+        self.log, self.base = log, base
+        self.chain: asyncio.Future[None] | None = None
+
+    def gate(self, bucket: int) -> Gate:
+        return Gate(0, 0x1000, self.base + bucket + 1)
+
+    async def wait(self, bucket: int, timeout_s: float) -> None:
+        self.log.append(("wait", bucket))
+
+    def release(self) -> None:
+        self.log.append(("release", -1))
+
+
+class _Gating:
+    """A tcp transport that takes gated posts (as the cuda transport's `post_gated`),
+    recording the order they reach it in, with the gate's value."""
+
+    def __init__(self, inner: Transport, log: list[tuple[str, int]]) -> None:
+        self.inner, self.log = inner, log
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    async def post_gated(
+        self,
+        prepared: object,
+        imms: Sequence[int | None],
+        gate: Gate,
+        fencing: tuple[Hashable, Callable[[tuple[bytes, ...]], None]] | None = None,
+    ) -> list[BaseException | None]:
+        self.log.append(("posted", gate.value))
+        return await self.inner.post(prepared, imms)  # type: ignore[arg-type]
+
+
+def _setup(
+    p: Pair, transport: object, seen: list[object], log: list[tuple[str, int]], n: int
+) -> tuple[Publisher, None, LocalRegion]:
+    async def pick(*_: object) -> object:
+        return transport
+
+    pub = publisher(seen, pick)  # type: ignore[arg-type]
+
+    def make(*args: object) -> _Gate:  # (staging, ring, offset, base, buckets, fence)
+        offset, base = args[2], args[3]
+        assert isinstance(offset, int) and isinstance(base, int)
+        log.append(("made", offset))
+        return _Gate(log, base)
+
+    pub.make_gate = make
+    return pub, None, p.region(p.a, 1, n + 64)[0]
+
+
+def test_gated_buckets_reach_the_transport_in_bucket_order() -> None:
+    """Four buckets posted at once, bucket 0 slower to prepare than the others: each is
+    handed to the transport gated on its own sequence number, in bucket order, and lands
+    bitwise; nothing waits on the daemon's thread."""
+    kit = TcpKit()
+    part = 4096
+    n = 4 * part
+
+    async def body(p: Pair) -> None:
+        dst, desc = p.region(p.b, 2, n)
+        seen: list[object] = []
+        log: list[tuple[str, int]] = []
+        pub, _, staging = _setup(p, _Gating(p.a.transport, log), seen, log, n)
+        pub.set_plan(_ring_plan(desc, part))
+        pub.staging = staging
+        parts = pub.prepared.parts
+
+        async def slow_first(run: object, bucket: int, *args: object) -> object:
+            if bucket == 0:
+                await asyncio.sleep(0.2)
+            return await parts(run, bucket, *args)  # type: ignore[arg-type]
+
+        pub.prepared.parts = slow_first  # type: ignore[method-assign]
+        data = rand(n, 1)
+        kit.fill(staging, 0, data)
+        pub.begin(1, "ring", 0, gate_offset=n, fence_base=40)
+        for b in range(4):
+            pub.bucket_ready(1, (b,))
+        await pub.drain(30)
+        assert isinstance(seen[-1], PublishResult) and seen[-1].ok, seen[-1]
+        assert kit.read(dst, 0, n) == data
+        assert log == [("made", n)] + [("posted", 40 + b + 1) for b in range(4)], log
+        assert pub.progress()["gated"] is True
+
+    uvloop.run(asyncio.wait_for(with_pair(kit, body), 60))
+
+
+def test_a_transport_the_gpu_cannot_hold_back_waits_on_the_thread() -> None:
+    """Plain tcp (no `post_gated`): each bucket waits for the counter on the daemon's
+    thread before it is posted; a ring's landings still go out as usual. A version that
+    fails releases the counter (so that no copy waits for a rank that is gone)."""
+    kit = TcpKit()
+    part = 4096
+    n = 4 * part
+
+    async def body(p: Pair) -> None:
+        dst, desc = p.region(p.b, 2, n)
+        seen: list[object] = []
+        log: list[tuple[str, int]] = []
+        pub, _, staging = _setup(p, p.a.transport, seen, log, n)
+        pub.set_plan(_ring_plan(desc, part))
+        pub.staging = staging
+        ring = pub.ring(2)
+        data = rand(n, 2)
+        pub.begin(1, "ring", 2, gate_offset=ring.nbytes + 8)
+        for b in range(4):
+            if ring.reuse[b] >= 0:
+                while not any(
+                    isinstance(m, BucketsLanded) and ring.reuse[b] in m.buckets for m in seen
+                ):
+                    await asyncio.sleep(0.005)
+            kit.fill(staging, ring.slot[b] * part, data[b * part : (b + 1) * part])
+            pub.bucket_ready(1, (b,))
+        await pub.drain(30)
+        assert isinstance(seen[-1], PublishResult) and seen[-1].ok, seen[-1]
+        assert kit.read(dst, 0, n) == data
+        assert [e for e in log if e[0] == "wait"] == [("wait", b) for b in range(4)], log
+        assert not any(isinstance(m, BucketsIssued) for m in seen)
+        log.clear()
+        pub.begin(2, "ring", 2, gate_offset=ring.nbytes + 8)
+        pub.bucket_ready(2, (0,))
+        pub.abort("the test aborts version 2")
+        await pub.drain(30)
+        assert isinstance(seen[-1], PublishResult) and not seen[-1].ok
+        assert ("release", -1) in log, log
+
+    uvloop.run(asyncio.wait_for(with_pair(kit, body), 60))
+
+
+def test_gate_refused_with_deltas_and_for_buckets_packed_in_place() -> None:
+    """A pack counter with a delta-capable plan is refused at BeginVersion (INVALID); a
+    bucket said packed in place in a gated version fails the version, naming why."""
+    kit = TcpKit()
+    part = 4096
+    n = 4 * part
+
+    async def body(p: Pair) -> None:
+        _, desc = p.region(p.b, 2, n)
+        seen: list[object] = []
+        log: list[tuple[str, int]] = []
+        pub, _, staging = _setup(p, p.a.transport, seen, log, n)
+        plan = _ring_plan(desc, part)
+        pub.set_plan(plan)
+        pub.staging = staging
+        pub.begin(1, "ring", 0, gate_offset=n)
+        pub.bucket_ready(1, (0,), in_place=(0,))
+        await pub.drain(30)
+        result = seen[-1]
+        assert isinstance(result, PublishResult) and not result.ok
+        assert "packed in place" in result.message and "before they are packed" in result.message
+        pub.set_plan(msgspec.structs.replace(plan, plan_hash="d", delta_bytes=64))
+        pub.delta_out = staging  # any region of the bytes it needs
+        with pytest.raises(PlanError, match="delta") as err:
+            pub.begin(2, "d", 0, gate_offset=n)
+        assert err.value.code == ErrorCode.INVALID
+
+    uvloop.run(asyncio.wait_for(with_pair(kit, body), 60))
+
+
+def test_gated_buckets_out_of_order_are_refused() -> None:
+    """With a pack counter a later bucket's copies would wait on the GPU in front of an
+    earlier one's: a bucket posted after a later one is refused (INVALID), naming both."""
+    from weightwire.protocol.errors import VersionError
+
+    kit = TcpKit()
+    part = 4096
+    n = 4 * part
+
+    async def body(p: Pair) -> None:
+        _, desc = p.region(p.b, 2, n)
+        seen: list[object] = []
+        log: list[tuple[str, int]] = []
+        pub, _, staging = _setup(p, _Gating(p.a.transport, log), seen, log, n)
+        pub.set_plan(_ring_plan(desc, part))
+        pub.staging = staging
+        pub.begin(1, "ring", 0, gate_offset=n)
+        pub.bucket_ready(1, (1,))
+        with pytest.raises(VersionError, match="out of order") as err:
+            pub.bucket_ready(1, (0,))
+        assert err.value.code == ErrorCode.INVALID
+        with pytest.raises(VersionError, match="out of order"):
+            pub.bucket_ready(1, (3, 2))
+        pub.abort("done")
+        await pub.drain(30)
+
+    uvloop.run(asyncio.wait_for(with_pair(kit, body), 60))
