@@ -17,6 +17,11 @@ A chunk that alone needs more than the budget, or whose source is pageable host 
 issued before it. A writer cancelled before its chunks were issued takes them off the
 queue; chunks already issued finish on their own. A closing lane refuses new posts,
 fails those still queued, and completes those already issued.
+
+A post may be gated (a trainer rank's pack counter, `daemon/packgate.py`): the stream
+waits on the GPU for a 32-bit word to reach a value before the post's first copy, so the
+copies are queued before the rank's packing of what they read is done. The lane's stream
+runs posts in the order they were made, which the publisher keeps in bucket order.
 """
 
 from __future__ import annotations
