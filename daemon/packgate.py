@@ -37,10 +37,8 @@ from weightwire.protocol.errors import ErrorCode, PlanError, TimeoutError_, Vers
 from weightwire.protocol.plan import RankPlan, StagingRing
 from weightwire.transport.base import Gate, LocalRegion
 
-from .slotfence import WORD, sequence
+from .slotfence import NOT_READY, POLL_S, WORD, sequence
 
-NOT_READY = 600  # CUDA_ERROR_NOT_READY: cuEventQuery's "not yet"
-POLL_S = 100e-6  # how often a host wait looks at its event
 WAIT_S = 300.0  # the longest a bucket waits on the daemon's thread for its packing
 
 _streams: dict[tuple[str, int, int], int] = {}  # of this process: (what, device, address)

@@ -5,12 +5,13 @@ as narrow seams rather than callbacks into the daemon."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
+from weightwire.memory.cudadrv import CudaError
 from weightwire.protocol.errors import ErrorCode, WeightwireError
 from weightwire.protocol.local import BucketsIssued, BucketsLanded, PublishResult, Verdict
 from weightwire.protocol.peer import PeerMsg, VersionAbort, VersionStart
@@ -18,11 +19,13 @@ from weightwire.protocol.plan import NodePlan
 from weightwire.transport.base import LocalRegion
 
 from .metrics import Recorder
+from .packgate import WAIT_S
 from .publisher import Publisher
 from .regions import RegionRegistry
 from .runs import Run
 from .seams import PeerSend, PickTransport, RankLink
 from .sessions import Session
+from .slotfence import Counters
 
 log = structlog.get_logger("weightwire.daemon")
 
@@ -140,21 +143,24 @@ class Publishing:
         for pub in self._of_job(job):
             pub.drop_nodes(nodes, reason)
 
-    def session_gone(self, session: Session) -> set[asyncio.Task[None]]:
-        """The rank's version in flight fails. Returns the tasks of it still writing
-        where its copies may still read its staging (a pack counter's copies, released by
-        the failure just now): its regions are unmapped once they are done."""
+    def session_gone(self, session: Session) -> Awaitable[None] | None:
+        """The rank's version in flight fails. Returns what to wait for before its regions
+        are unmapped, where the GPU may still use its staging: the copies released from
+        its pack counter by the failure just now, and its slot counters' writes behind
+        them. None: unmap now."""
         gone = self.publishers.pop((session.job, session.rank), None)
         if gone is None:
-            return set()
-        if gone.run is not None:  # nothing waits on its slot counters any more, and its
-            gone.run.counters = None  # staging is unmapped next: no release write there
+            return None
+        run, counters = gone.run, gone.run.counters if gone.run is not None else None
+        if run is not None:  # nothing waits on its slot counters any more, and its
+            run.counters = None  # staging is unmapped next: no release write there
         gone.abort(f"trainer rank {session.rank} disconnected mid-version")
-        if gone.run is not None and gone.run.tasks:
-            self._detached[(session.job, session.rank)] = gone.run
-            if gone.run.gate is not None:
-                return set(gone.run.tasks)
-        return set()
+        if run is None or not run.tasks:
+            return None
+        self._detached[(session.job, session.rank)] = run
+        if run.gate is None:
+            return None
+        return _settled(set(run.tasks), counters)
 
     def abort_all(self, reason: str, code: ErrorCode) -> None:
         for pub in self.publishers.values():
@@ -165,3 +171,13 @@ class Publishing:
 
     def progress(self) -> list[dict[str, Any]]:
         return [{"job": job, **pub.progress()} for (job, _), pub in sorted(self.publishers.items())]
+
+
+async def _settled(tasks: set[asyncio.Task[None]], counters: Counters | None) -> None:
+    """Until a gone rank's writes are done and its slot counters written (bounded)."""
+    await asyncio.wait(tasks, timeout=WAIT_S)
+    if counters is not None:
+        try:
+            await counters.settled(WAIT_S)
+        except CudaError as exc:
+            log.warning("slot counter writes not awaited", error=exc.message)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 import msgspec
 
@@ -53,6 +53,7 @@ class Ranks:
         self._joining = joining
         self._sessions = sessions
         self._stall_timeout_s = stall_timeout_s
+        self._unmapping: set[asyncio.Task[None]] = set()  # gone ranks' regions, later
 
     # --- declarations --------------------------------------------------------
 
@@ -199,23 +200,24 @@ class Ranks:
 
     # --- leaving -------------------------------------------------------------
 
+    async def _unmap_after(self, reading: Awaitable[None], regions: list[int]) -> None:
+        try:
+            await reading
+        finally:
+            for region_id in regions:
+                self._registry.remove(region_id)
+
     def session_gone(self, session: Session) -> None:
-        reading: set[asyncio.Task[None]] = set()
+        reading: Awaitable[None] | None = None
         if session.role == "trainer":
             reading = self._publishing.session_gone(session)
         if session.role == "engine":
             self._plans.release_slot(session.job, session.rank)
         gone = [region.local.id for region in self._registry.of_session(session.id)]
-        if reading:  # copies released from its pack counter may still read its staging
-
-            def done(task: asyncio.Task[None]) -> None:
-                reading.discard(task)
-                if not reading:
-                    for region_id in gone:
-                        self._registry.remove(region_id)
-
-            for task in list(reading):
-                task.add_done_callback(done)
+        if reading is not None:  # the GPU may still read or write its staging: unmap after
+            task = asyncio.get_running_loop().create_task(self._unmap_after(reading, gone))
+            self._unmapping.add(task)
+            task.add_done_callback(self._unmapping.discard)
         else:
             for region_id in gone:
                 self._registry.remove(region_id)

@@ -15,7 +15,10 @@ version. No torch: the driver alone.
 
 from __future__ import annotations
 
+import asyncio
+import ctypes
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -25,6 +28,8 @@ from weightwire.protocol.plan import StagingRing
 from weightwire.transport.base import LocalRegion
 
 MASK = 0xFFFFFFFF
+NOT_READY = 600  # CUDA_ERROR_NOT_READY: cuEventQuery's "not yet"
+POLL_S = 100e-6
 WORD = 4  # bytes per slot counter
 
 STREAMS = 8  # signalling streams per device: ranks spread over them by their counters
@@ -66,6 +71,8 @@ class Counters(Protocol):
     def signal(self, bucket: int, after: Sequence[int] = ()) -> None: ...
 
     def release(self) -> None: ...
+
+    async def settled(self, timeout_s: float) -> bool: ...
 
 
 class SlotCounters:
@@ -142,6 +149,23 @@ class SlotCounters:
         s = _stream(self._drv, self.device, self.address)
         for slot in range(self.ring.slots):
             self._drv.write_value32(s, self.address + WORD * slot, last)
+
+    async def settled(self, timeout_s: float) -> bool:
+        """Once every counter write queued so far is done (polled, at most `timeout_s`):
+        nothing more is written into the rank's staging. False at the timeout."""
+        s = _stream(self._drv, self.device, self.address)
+        self._drv.use(self.device)
+        event = self._drv.event()
+        try:
+            self._drv.record(event, s)
+            deadline = time.monotonic() + timeout_s
+            while (rc := self._drv.try_call("cuEventQuery", ctypes.c_void_p(event))) != 0:
+                if rc != NOT_READY or time.monotonic() >= deadline:
+                    return False
+                await asyncio.sleep(POLL_S)
+            return True
+        finally:
+            self._drv.destroy_event(event)
 
 
 MakeCounters = Callable[[LocalRegion | None, StagingRing, int, int, int], Counters]
