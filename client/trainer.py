@@ -154,6 +154,7 @@ class Trainer(RankClient):
         self._source_regions = SourceRegions(self._conn, rank)
         self._packer = Packer()
         self._direct = Direct() if direct else None
+        self._pack_streams: dict[int, torch.cuda.Stream] = {}
         self._slot_ops = SlotOps()
         self._ring: tuple[tuple[str, int], StagingRing] | None = None  # of (plan, slots)
         self._module_params: dict[str, torch.Tensor] = {}  # name -> DTensor (register_module)
@@ -504,79 +505,88 @@ class Trainer(RankClient):
         self._delta.begin(version, plan, staging)
         switching = fast_switching(gate is not None)  # the connection's thread sends promptly
         switching.__enter__()
+        pack_stream = self._pack_stream(device)
         try:
-            try:
-                in_place: set[int] = set()  # buckets of this version packed in place
-                gpu_regions = _gpu_regions(plan)  # once per version, not per bucket
-                for bucket in plan.buckets:
-                    direct = self._direct.targets(plan, bucket, device) if self._direct else None
-                    reuse = -1 if direct else slot_wait(ring, bucket.index, in_place)
-                    if gate is not None and landed.ended:
-                        break  # the version failed: its result says why
-                    if reuse >= 0 and counters is not None:  # the GPU waits for the slot
-                        if not poster.await_posted(landed, reuse, self.timeout_s, what):
+            if pack_stream is not None:  # what the training wrote before this call is read
+                pack_stream.wait_stream(torch.cuda.current_stream(device))
+            # This rank packs on a stream of its own: a GPU wait on a slot counter must never
+            # hold another rank's packing (two ranks in one process would share the current
+            # stream, while the daemon's copies of one wait on the GPU for the other's packs).
+            with torch.cuda.stream(pack_stream):
+                try:
+                    in_place: set[int] = set()  # buckets of this version packed in place
+                    gpu_regions = _gpu_regions(plan)  # once per version, not per bucket
+                    for bucket in plan.buckets:
+                        direct = (
+                            self._direct.targets(plan, bucket, device) if self._direct else None
+                        )
+                        reuse = -1 if direct else slot_wait(ring, bucket.index, in_place)
+                        if gate is not None and landed.ended:
                             break  # the version failed: its result says why
-                        self._slots.wait(counters, ring.slot[bucket.index], reuse)
-                        by_counter += 1
-                    elif reuse >= 0:  # wait until the bucket packed in this slot has landed,
-                        poster.flush(reuse)  # or its copies are issued (GPU waits on them)
-                        freed = self._slot_free(poster, landed, reuse, device, ring, what)
-                        if freed == "ended":
-                            break  # the version failed: its result says why
-                        by_event += freed == "events"
-                        by_landing += freed == "landed"
-                    p0 = time.perf_counter()
-                    started = time.time()
-                    unpacked = None  # compared in place, packed only if staging is read
-                    if direct:  # colocated: packing is the transfer
-                        in_place.add(bucket.index)
-                        for region, ops in direct:
-                            self._packer.pack_bucket(ops, current, region)
-                    elif bucket.packs:
-                        assert staging is not None
-                        ops = self._slot_ops.of(plan, ring, bucket)
-                        unpacked = self._delta.in_place(bucket, staging, current)
-                        if unpacked is None:
+                        if reuse >= 0 and counters is not None:  # the GPU waits for the slot
+                            if not poster.await_posted(landed, reuse, self.timeout_s, what):
+                                break  # the version failed: its result says why
+                            self._slots.wait(counters, ring.slot[bucket.index], reuse)
+                            by_counter += 1
+                        elif reuse >= 0:  # wait until the bucket packed in this slot has landed,
+                            poster.flush(reuse)  # or its copies are issued (GPU waits on them)
+                            freed = self._slot_free(poster, landed, reuse, device, ring, what)
+                            if freed == "ended":
+                                break  # the version failed: its result says why
+                            by_event += freed == "events"
+                            by_landing += freed == "landed"
+                        p0 = time.perf_counter()
+                        started = time.time()
+                        unpacked = None  # compared in place, packed only if staging is read
+                        if direct:  # colocated: packing is the transfer
+                            in_place.add(bucket.index)
+                            for region, ops in direct:
+                                self._packer.pack_bucket(ops, current, region)
+                        elif bucket.packs:
+                            assert staging is not None
+                            ops = self._slot_ops.of(plan, ring, bucket)
+                            unpacked = self._delta.in_place(bucket, staging, current)
+                            if unpacked is None:
+                                self._packer.pack_bucket(ops, current, staging)
+                        delta = self._delta.bucket(
+                            bucket,
+                            staging,
+                            ring.shift[bucket.index],
+                            out,
+                            self._source_regions.host_bytes,
+                            gpu_regions,
+                            unpacked,
+                        )
+                        if unpacked is not None and needs_staging(bucket, delta):
+                            assert staging is not None  # `in_place` gives None without it
                             self._packer.pack_bucket(ops, current, staging)
-                    delta = self._delta.bucket(
-                        bucket,
-                        staging,
-                        ring.shift[bucket.index],
-                        out,
-                        self._source_regions.host_bytes,
-                        gpu_regions,
-                        unpacked,
-                    )
-                    if unpacked is not None and needs_staging(bucket, delta):
-                        assert staging is not None  # `in_place` gives None without it
-                        self._packer.pack_bucket(ops, current, staging)
-                    if gate is not None:  # the daemon's copies wait for this on the GPU
-                        self._slots.packed(gate, bucket.index)
-                    self._post_bucket(
-                        poster,
-                        bucket.index,
-                        device,
-                        started,
-                        delta,
-                        in_place=bool(direct),
-                        queued=gate is not None,
-                    )
-                    pack_s += time.perf_counter() - p0
-                else:
-                    ended = False
-                    if counters is None:
-                        poster.finish()
+                        if gate is not None:  # the daemon's copies wait for this on the GPU
+                            self._slots.packed(gate, bucket.index)
+                        self._post_bucket(
+                            poster,
+                            bucket.index,
+                            device,
+                            started,
+                            delta,
+                            in_place=bool(direct),
+                            queued=gate is not None,
+                        )
+                        pack_s += time.perf_counter() - p0
                     else:
-                        ended = not poster.drain(landed, self.timeout_s, what)
-                    if plan.trailers and not ended:
-                        assert out is not None
-                        lengths = self._delta.trailers(plan, out)
-                        self._conn.send(TrailersReady(version=version, lengths=lengths))
-            except Exception as exc:
-                poster.abandon()
-                self._delta.abandon()
-                self._abort(version, f"packing failed on trainer rank {self.rank}: {exc!r}")
-                raise
+                        ended = False
+                        if counters is None:
+                            poster.finish()
+                        else:
+                            ended = not poster.drain(landed, self.timeout_s, what)
+                        if plan.trailers and not ended:
+                            assert out is not None
+                            lengths = self._delta.trailers(plan, out)
+                            self._conn.send(TrailersReady(version=version, lengths=lengths))
+                except Exception as exc:
+                    poster.abandon()
+                    self._delta.abandon()
+                    self._abort(version, f"packing failed on trainer rank {self.rank}: {exc!r}")
+                    raise
             result = fut.result(self.timeout_s)
         except TimeoutError:
             self._delta.settle(version, plan, None)
@@ -586,6 +596,8 @@ class Trainer(RankClient):
             ) from None
         finally:
             switching.__exit__(None, None, None)
+            if pack_stream is not None:  # the caller's later work comes after the packs
+                torch.cuda.current_stream(device).wait_stream(pack_stream)
             with self._lock:
                 self._results.pop(version, None)
                 self._landed.pop(version, None)
@@ -627,6 +639,16 @@ class Trainer(RankClient):
             compared=self._delta.last_compared,
             timeline=dict(result.timeline),
         )
+
+    def _pack_stream(self, device: torch.device) -> torch.cuda.Stream | None:
+        """This rank's packing stream on `device` (made once); None off the GPU."""
+        if device.type != "cuda":
+            return None
+        stream = self._pack_streams.get(device.index or 0)
+        if stream is None:
+            stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            self._pack_streams[device.index or 0] = stream
+        return stream
 
     def _events_on(self, device: torch.device, ring: StagingRing) -> bool:
         """Whether to ask for `BucketsIssued`: a ring packed on a GPU, events not given up."""
