@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -29,6 +30,7 @@ from .copy_kernel import CopyBatch
 from .dtypes import TORCH
 from .fp8 import quantize_blocks
 from .fp8_kernel import Fp8Batch, Fp8Box
+from .streams import own_stream
 
 log = structlog.get_logger("weightwire.client.pack")
 
@@ -135,7 +137,10 @@ class BucketPack:
         tensors: dict[str, torch.Tensor],
         staging: torch.Tensor,
         graphs: bool = True,
+        capture_stream: Callable[[torch.device], torch.cuda.Stream] | None = None,
     ) -> None:
+        """`capture_stream`: the stream the graph is captured on, the caller's alone (see
+        `streams`); None: one made for this bucket."""
         self.ops = ops  # held: its id keys the cache and must not be reused meanwhile
         self.names = tuple(dict.fromkeys(op.source for op in ops))
         self.staging_ptr = staging.data_ptr()
@@ -148,6 +153,7 @@ class BucketPack:
         self.graph: torch.cuda.CUDAGraph | None = None
         self._graphs = graphs and GRAPHS and staging.is_cuda
         self._device = staging.device
+        self._capture_stream = capture_stream
         self._build(tensors, staging)
 
     def _identity(self, tensors: dict[str, torch.Tensor]) -> tuple[tuple[int, int], ...]:
@@ -219,7 +225,13 @@ class BucketPack:
         global _graph_failure_logged
         graph = torch.cuda.CUDAGraph()
         current = torch.cuda.current_stream(self._device)
-        side = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
+        # Captured on a stream no one else has (never torch's pool, whose streams come
+        # round again every 32 draws: another rank's packing stream there would have its
+        # packs captured into this graph instead of run, and its waits on events recorded
+        # outside the capture would invalidate it). The capture is this thread's only
+        # (thread_local): other threads may use their own streams meanwhile.
+        make = self._capture_stream or own_stream
+        side = make(self._device)
         side.wait_stream(current)
         try:
             with torch.cuda.stream(side):

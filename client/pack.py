@@ -21,6 +21,7 @@ from weightwire.protocol.tensors import Box, Cast, Copy, Fp8BlockQuant, Fp8Block
 from .buckets import BucketPack, box_of, merged, merged_copies, slice_box
 from .dtypes import TORCH
 from .fp8 import quantize_blocks
+from .streams import OwnStreams
 
 
 class Packer:
@@ -37,6 +38,9 @@ class Packer:
         self._cache: dict[tuple[Any, ...], _Entry] = {}
         self._buckets: dict[int, BucketPack] = {}
         self._lock = threading.Lock()
+        # where buckets' graphs are captured: this Packer's own stream per device (a Packer
+        # packs from one thread at a time, so no two captures share it)
+        self._capture_streams = OwnStreams()
 
     def __len__(self) -> int:
         return len(self._cache)
@@ -52,7 +56,9 @@ class Packer:
         ops, tensors and staging stay the same objects at the same addresses."""
         entry = self._buckets.get(id(ops))
         if entry is None or not entry.fits(ops, tensors, staging):
-            entry = self._buckets[id(ops)] = BucketPack(ops, tensors, staging, self.graphs)
+            entry = self._buckets[id(ops)] = BucketPack(
+                ops, tensors, staging, self.graphs, self._capture_streams.get
+            )
             while len(self._buckets) > 4096:
                 del self._buckets[next(iter(self._buckets))]
         entry.run()

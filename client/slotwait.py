@@ -17,6 +17,8 @@ import torch
 
 from weightwire.memory.cudadrv import CudaError, Driver, driver
 
+from .streams import OwnStreams
+
 MASK = 0xFFFFFFFF
 
 
@@ -32,7 +34,9 @@ class SlotWaits:
         self.base = 0  # the next version's base: every version takes len(buckets) numbers
         self._usable: bool | None = None
         self._drv: Driver | None = None
-        self._release: dict[int, torch.cuda.Stream] = {}  # a stream per device
+        # a stream per device, never a pool stream (see `streams`): one that is the packing
+        # stream waiting on these counters would queue the release behind that wait
+        self._release = OwnStreams()
 
     def usable(self) -> bool:
         """Whether this process's CUDA driver has the stream memory operations (once)."""
@@ -77,9 +81,7 @@ class SlotWaits:
         assert self._drv is not None
         device = counters.device
         index = device.index if device.index is not None else torch.cuda.current_device()
-        stream = self._release.get(index)
-        if stream is None:
-            stream = self._release[index] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        stream = self._release.get(torch.device("cuda", index))
         self._drv.use(index)
         last = sequence(self.base, buckets - 1)
         for slot in range(counters.numel()):

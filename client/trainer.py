@@ -53,6 +53,7 @@ from .ring import Landed, SlotOps, slot_wait
 from .slotwait import SlotWaits
 from .sources import SourceRegions
 from .staging import Placement, Staging
+from .streams import OwnStreams
 
 if TYPE_CHECKING:
     from .megatron import MegatronSource, Ranks
@@ -154,7 +155,7 @@ class Trainer(RankClient):
         self._source_regions = SourceRegions(self._conn, rank)
         self._packer = Packer()
         self._direct = Direct() if direct else None
-        self._pack_streams: dict[int, torch.cuda.Stream] = {}
+        self._pack_streams = OwnStreams()  # this rank's packing stream per device
         self._slot_ops = SlotOps()
         self._ring: tuple[tuple[str, int], StagingRing] | None = None  # of (plan, slots)
         self._module_params: dict[str, torch.Tensor] = {}  # name -> DTensor (register_module)
@@ -641,14 +642,11 @@ class Trainer(RankClient):
         )
 
     def _pack_stream(self, device: torch.device) -> torch.cuda.Stream | None:
-        """This rank's packing stream on `device` (made once); None off the GPU."""
+        """This rank's packing stream on `device` (made once, never from torch's stream
+        pool: see `streams`); None off the GPU."""
         if device.type != "cuda":
             return None
-        stream = self._pack_streams.get(device.index or 0)
-        if stream is None:
-            stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-            self._pack_streams[device.index or 0] = stream
-        return stream
+        return self._pack_streams.get(device)
 
     def _events_on(self, device: torch.device, ring: StagingRing) -> bool:
         """Whether to ask for `BucketsIssued`: a ring packed on a GPU, events not given up."""
