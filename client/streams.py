@@ -27,7 +27,7 @@ def own_stream(device: torch.device) -> torch.cuda.Stream:
     drv = driver()
     drv.use(index)  # the primary context, the one torch uses
     handle = drv.stream()
-    return torch.cuda.ExternalStream(handle, device=torch.device("cuda", index))
+    return torch.cuda.ExternalStream(handle, device=torch.device("cuda", index))  # type: ignore[no-untyped-call]
 
 
 class OwnStreams:
