@@ -271,7 +271,10 @@ def tune(dtype: torch.dtype, device: torch.device, block: int, mib: int = 48) ->
             b = Fp8Batch(box, staging, block, variant=name)
             staging.zero_()
             b.run()
-            torch.cuda.synchronize(device)
+            # this stream only, not the device: another rank's thread may be capturing a
+            # bucket's graph on a stream of its own (a device-wide sync would take in, and
+            # invalidate, that capture)
+            torch.cuda.current_stream(device).synchronize()
             if want is None:
                 want = staging.clone()
             elif not torch.equal(staging, want):  # the NaN scale too: one constant
