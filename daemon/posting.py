@@ -99,6 +99,14 @@ class Poster:
         return parts
 
     async def _post_bucket(self, run: Run, bucket: int) -> None:
+        if run.gate is not None:  # see `_handed`
+            run.handed[bucket] = asyncio.get_running_loop().create_future()
+        try:
+            await self._post_gated_or_not(run, bucket)
+        finally:
+            self.slots.handed(run, bucket)  # its post ended: nothing of it records a fence
+
+    async def _post_gated_or_not(self, run: Run, bucket: int) -> None:
         gate = run.gate
         turn: tuple[asyncio.Future[None] | None, asyncio.Future[None]] | None = None
         if gate is not None:  # a rank's buckets reach its lanes in bucket order
@@ -110,6 +118,7 @@ class Poster:
             parts = await self._parts(run, bucket)
             if turn is not None and turn[0] is not None:
                 await turn[0]  # the bucket before has made its posts
+            await self._handed(run, bucket)
             if run.finished:  # failed meanwhile: nothing more of it is sent
                 raise run.error or WeightwireError(
                     "the version already failed", code=ErrorCode.ABORTED
@@ -120,6 +129,8 @@ class Poster:
                 await gate.wait(bucket, WAIT_S)
             high = encode_imm(run.version, 0)
             fenced = self.slots.fencing(run, bucket, parts)
+            if all(f is None for f in fenced):
+                self.slots.handed(run, bucket)  # no fence: no event of its slot recorded
             if "first_issued" not in run.timeline:  # the version's first post: start-up
                 run.mark("first_routed")
                 stamps = {}
@@ -146,6 +157,7 @@ class Poster:
         finally:
             if turn is not None and not turn[1].done():
                 turn[1].set_result(None)
+        assert token is not None  # set once nothing before it raised
         try:
             outcomes = await waiting
         finally:
@@ -169,6 +181,20 @@ class Poster:
         if first is not None:
             raise first
         self._landed(run, bucket)
+
+    async def _handed(self, run: Run, bucket: int) -> None:
+        """A gated bucket's posts wait until the bucket packed in its ring slot before it has
+        handed over its slot's fences (every lane issued its last copy, the slot counter's
+        write queued behind their events), or its post ended. Slot events are one per slot
+        and lane, recorded again by each post: were this bucket's last copy on one lane
+        issued (its slot's event recorded again) before the earlier bucket's last copy on
+        another lane, the earlier bucket's counter write would wait for this bucket's
+        copies, which wait (pack counter) for its packing, which waits for that counter.
+        Ungated, a bucket is posted only once packed, after that counter: no such cycle."""
+        earlier = run.ring.reuse[bucket] if run.gate is not None and run.ring.slots else -1
+        before = run.handed.get(earlier) if earlier >= 0 else None
+        if before is not None and not before.done():
+            await before
 
     def _post_part(
         self,

@@ -71,6 +71,8 @@ class RingSlots:
                         events=tuple(dict.fromkeys(events)),
                     )
                 )
+            if not left[0]:  # its slot's events are waited for already: they may be reused
+                self.handed(run, bucket)
 
         return [issued] * len(parts)
 
@@ -91,6 +93,13 @@ class RingSlots:
             return
         run.on_gpu.add(bucket)
         run.issued += 1
+
+    def handed(self, run: Run, bucket: int) -> None:
+        """`bucket` has handed over its slot's fences (or has none, or its post ended):
+        the next gated bucket of its slot may be posted (`Poster._handed`)."""
+        done = run.handed.get(bucket)
+        if done is not None and not done.done():
+            done.set_result(None)
 
     def slot_free(self, run: Run, bucket: int) -> None:
         """Every write of `bucket` landed: its ring slot is free. The rank learns it from

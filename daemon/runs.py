@@ -37,6 +37,9 @@ class Run:
     counters: Counters | None = None  # the rank waits for slots on the GPU, on these
     gate: Gated | None = None  # buckets posted before packed: their copies wait for this
     on_gpu: set[int] = field(default_factory=set)  # buckets whose counter the GPU writes
+    # gated: bucket -> done once its slot's fences are handed over or its post ended
+    # (`Poster._handed`: the next bucket of its slot is posted only then)
+    handed: dict[int, asyncio.Future[None]] = field(default_factory=dict)
     posted: set[int] = field(default_factory=set)
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     started: float = field(default_factory=time.monotonic)

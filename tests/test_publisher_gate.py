@@ -218,3 +218,119 @@ def test_gated_buckets_out_of_order_are_refused() -> None:
         await pub.drain(30)
 
     uvloop.run(asyncio.wait_for(with_pair(kit, body), 60))
+
+
+class _FencedGating(_Gating):
+    """A gated transport that also fences slots (as the cuda transport with slot
+    counters). Each post's copies wait for `packed[b]` (the GPU's wait on the pack
+    counter), and `done[b]` is set once they land; each post's `on_issued` is called at
+    once, except bucket 0's, which the test hands over itself (a lane whose budget holds
+    that bucket's last copy back)."""
+
+    def __init__(self, inner: Transport, log: list[tuple[str, int]], base: int) -> None:
+        super().__init__(inner, log)
+        self.base = base
+        self.held: list[Callable[[tuple[bytes, ...]], None]] = []
+        self.packed = [asyncio.Event() for _ in range(4)]
+        self.done = [asyncio.Event() for _ in range(4)]
+        self.go = asyncio.Event()  # bucket 0's copies may run (the lane issued its last)
+
+    async def post_fenced(
+        self,
+        prepared: object,
+        imms: Sequence[int | None],
+        slot: Hashable,
+        on_issued: Callable[[tuple[bytes, ...]], None],
+    ) -> list[BaseException | None]:
+        raise AssertionError("a gated version posts through post_gated")
+
+    async def post_gated(
+        self,
+        prepared: object,
+        imms: Sequence[int | None],
+        gate: Gate,
+        fencing: tuple[Hashable, Callable[[tuple[bytes, ...]], None]] | None = None,
+    ) -> list[BaseException | None]:
+        bucket = gate.value - self.base - 1
+        self.log.append(("posted", bucket))
+        assert fencing is not None
+        if bucket == 0:
+            self.held.append(fencing[1])
+            await self.go.wait()
+        else:
+            fencing[1](())
+        await self.packed[bucket].wait()
+        try:
+            return await self.inner.post(prepared, imms)  # type: ignore[arg-type]
+        finally:
+            self.done[bucket].set()
+
+
+class _Counters:
+    def __init__(self, log: list[tuple[str, int]]) -> None:
+        self.log = log
+
+    def signal(self, bucket: int, after: Sequence[int] = ()) -> None:
+        self.log.append(("signal", bucket))
+
+    def release(self) -> None:
+        self.log.append(("release counters", -1))
+
+    async def settled(self, timeout_s: float) -> bool:
+        return True
+
+
+def test_a_gated_bucket_waits_for_its_slots_fences_to_be_handed_over() -> None:
+    """Ring of 2, slot counters, four buckets posted at once: bucket 2 (slot 0 again) is
+    handed to the transport only once bucket 0's copies are all issued and its slot
+    counter's write queued (`on_issued`), never before: slot events are one per slot and
+    lane, and bucket 2's last copy re-recording them first would have bucket 0's counter
+    wait for bucket 2's copies, which wait for the packing that waits for that counter.
+    Bucket 1 (slot 1) does not wait for it; all lands bitwise."""
+    kit = TcpKit()
+    part = 4096
+    n = 4 * part
+    base = 40
+
+    async def body(p: Pair) -> None:
+        dst, desc = p.region(p.b, 2, n)
+        seen: list[object] = []
+        log: list[tuple[str, int]] = []
+        gating = _FencedGating(p.a.transport, log, base)
+        pub, _, staging = _setup(p, gating, seen, log, n)
+        pub.make_counters = lambda *_: _Counters(log)  # type: ignore[assignment,return-value]
+        pub.set_plan(_ring_plan(desc, part))
+        pub.staging = staging
+        ring = pub.ring(2)
+        assert ring.reuse[2] == 0 and ring.slot[2] == ring.slot[0]
+        data = rand(n, 3)
+
+        def pack(b: int) -> None:
+            kit.fill(staging, ring.slot[b] * part, data[b * part : (b + 1) * part])
+            gating.packed[b].set()
+
+        pack(0)
+        pack(1)
+        pub.begin(1, "ring", 2, fence_offset=ring.nbytes, fence_base=base,
+                  gate_offset=ring.nbytes + 8)  # fmt: skip
+        for b in range(4):
+            pub.bucket_ready(1, (b,))
+        await asyncio.wait_for(gating.done[1].wait(), 10)
+        for _ in range(20):
+            await asyncio.sleep(0.01)
+        assert [b for what, b in log if what == "posted"] == [0, 1], log
+        assert ("signal", 0) not in log, log  # not landed either
+        (handed,) = gating.held
+        log.append(("handed", 0))
+        handed(())  # bucket 0's last copy issued (the cuda transport: its counter's write)
+        gating.go.set()
+        await asyncio.wait_for(gating.done[0].wait(), 10)  # bucket 0 read its slot
+        pack(2)
+        pack(3)
+        await pub.drain(30)
+        assert isinstance(seen[-1], PublishResult) and seen[-1].ok, seen[-1]
+        assert kit.read(dst, 0, n) == data
+        assert [b for what, b in log if what == "posted"] == [0, 1, 2, 3], log
+        assert log.index(("handed", 0)) < log.index(("posted", 2)), log
+
+    uvloop.run(asyncio.wait_for(with_pair(kit, body), 60))
