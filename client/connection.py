@@ -87,6 +87,9 @@ class DaemonConnection:
         self._codec: Codec[LocalMessage] = Codec(LocalMessage, max_bytes=1 << 30)
         self._reqs = itertools.count(1)
         self._pending: dict[int, asyncio.Future[LocalMessage]] = {}
+        self._read_at: dict[int, float] = {}
+        # perf_counter points of the last request of each kind: called, sent, reply read, woke
+        self.last_traces: dict[type, tuple[float, float, float, float]] = {}
         self._on_notify = on_notify
         self._on_reset = on_reset  # the daemon restarted and forgot us: register again
         self._on_lost = on_lost  # the daemon has not answered for `lost_after_s`
@@ -152,6 +155,7 @@ class DaemonConnection:
                 continue
             fut = self._pending.pop(msg.req, None) if msg.req else None
             if fut is not None:
+                self._read_at[msg.req] = time.perf_counter()
                 if not fut.done():
                     fut.set_result(msg)
             else:
@@ -174,13 +178,18 @@ class DaemonConnection:
             if self._on_notify is not None:
                 self._on_notify(msg)
 
-    async def _request(self, msg: LocalMsg, timeout_s: float) -> LocalMessage:
+    async def _request(
+        self, msg: LocalMsg, timeout_s: float, trace: list[float] | None = None
+    ) -> LocalMessage:
         assert self._sock is not None
         req = next(self._reqs)
         fut: asyncio.Future[LocalMessage] = asyncio.get_running_loop().create_future()
         self._pending[req] = fut
         try:
             await self._sock.send_multipart(self._encode(msgspec.structs.replace(msg, req=req)))
+            if trace is not None:
+                trace.append(time.perf_counter())
+                trace.append(req)
             return await asyncio.wait_for(fut, timeout_s)
         except TimeoutError:
             raise TimeoutError_(
@@ -199,7 +208,11 @@ class DaemonConnection:
         if self._closed:
             raise WeightwireError("the connection is closed", code=ErrorCode.PEER_LOST)
         epoch = self._epoch
-        reply: LocalMessage = self._run(self._request(msg, timeout_s)).result(timeout_s + 5)
+        trace = [time.perf_counter()]
+        reply: LocalMessage = self._run(self._request(msg, timeout_s, trace)).result(timeout_s + 5)
+        if len(trace) == 3:
+            read = self._read_at.pop(int(trace[2]), trace[1])
+            self.last_traces[type(msg)] = (trace[0], trace[1], read, time.perf_counter())
         forgotten = isinstance(reply, Error) and reply.code == ErrorCode.NO_SESSION.value
         if forgotten and self._on_reset is not None and not isinstance(msg, Hello):
             self.reset(epoch)
