@@ -132,7 +132,8 @@ class DaemonConnection:
         sock.connect(f"ipc://{self.path}")
         self._sock = sock
         loop = asyncio.get_running_loop()
-        loop.add_reader(sock.getsockopt(zmq.FD), self._read)
+        self._fd = int(sock.getsockopt(zmq.FD))
+        loop.add_reader(self._fd, self._read)
         self._pinger = loop.create_task(self._ping())
 
     async def _ping(self) -> None:
@@ -188,7 +189,7 @@ class DaemonConnection:
                     self._sock.send_multipart(frames, zmq.NOBLOCK)
                     # the send may have consumed the descriptor's edge for input queued
                     # meanwhile: then the reader would not wake for it
-                    readable = bool(self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+                    readable = bool(int(self._sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
                     break
                 except zmq.Again:
                     pass
@@ -343,7 +344,7 @@ class DaemonConnection:
             with self._sock_lock:
                 if self._sock is None:
                     return
-                asyncio.get_running_loop().remove_reader(self._sock.getsockopt(zmq.FD))
+                asyncio.get_running_loop().remove_reader(self._fd)
                 if self.session is not None:
                     with contextlib.suppress(zmq.ZMQError):
                         self._sock.send_multipart(self._codec.encode(Goodbye()), zmq.NOBLOCK)
