@@ -88,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
     from weightwire.bench.buckets import add_arguments as buckets_arguments
 
     buckets_arguments(bbuckets)
+    brpc = bsub.add_parser(
+        "rpc", allow_abbrev=False, help="a local request's round trip vs raw pyzmq (CPU)"
+    )
+    from weightwire.bench.rpc import add_arguments as rpc_arguments
+
+    rpc_arguments(brpc)
     bgpu = bsub.add_parser(
         "gpu", allow_abbrev=False, help="GPU sync vs the NCCL broadcast baseline (GPU machine)"
     )
@@ -187,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
                     from weightwire.bench.buckets import run as run_buckets
 
                     return run_buckets(args)
+                if args.bench == "rpc":
+                    from weightwire.bench.rpc import run as run_rpc
+
+                    return run_rpc(args)
                 if args.bench == "delta":
                     from weightwire.bench.delta import run as run_delta
 

@@ -1,9 +1,16 @@
-"""A rank's connection to its daemon: synchronous calls over a background event loop.
+"""A rank's connection to its daemon: synchronous calls, replies read on a background thread.
 
-The ZeroMQ socket lives on a private loop thread, so requests from the caller's
-thread and notifications from the daemon (version complete, publish result) never
-share a socket across threads. Notifications are handed to callbacks on a thread
-of their own, so a slow callback never stalls the connection.
+One DEALER socket, owned by a lock rather than by a thread: ZeroMQ sockets are not thread
+safe, but may move between threads with a full memory barrier between uses (the zmq
+guide), which the lock gives. The caller's thread encodes and sends its request itself
+(no hop to another thread on the way out) and waits on a `concurrent.futures.Future`;
+the connection's loop thread watches the socket's file descriptor and, on each edge,
+reads every message queued (non-blocking, under the lock), handing a reply straight to
+its waiter's future and a notification to the notify thread. ZeroMQ's descriptor is
+edge-triggered and any operation on the socket may consume the edge, so a send that
+finds input queued afterwards wakes the reader itself. Notifications (version complete,
+publish result) are handed to callbacks on a thread of their own, so a slow callback
+never stalls the connection.
 """
 
 from __future__ import annotations
@@ -18,11 +25,11 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from weightwire.memory.hostmem import SHM_DIR, SharedFile, create_shared
 from weightwire.protocol.errors import (
@@ -86,7 +93,11 @@ class DaemonConnection:
             )
         self._codec: Codec[LocalMessage] = Codec(LocalMessage, max_bytes=1 << 30)
         self._reqs = itertools.count(1)
-        self._pending: dict[int, asyncio.Future[LocalMessage]] = {}
+        self._pending: dict[int, Future[LocalMessage]] = {}
+        self._sock_lock = threading.Lock()  # every use of the socket holds it
+        self._read_at: dict[int, float] = {}
+        # perf_counter points of the last request of each kind: called, sent, reply read, woke
+        self.last_traces: dict[type, tuple[float, float, float, float]] = {}
         self._on_notify = on_notify
         self._on_reset = on_reset  # the daemon restarted and forgot us: register again
         self._on_lost = on_lost  # the daemon has not answered for `lost_after_s`
@@ -107,8 +118,8 @@ class DaemonConnection:
         self._thread.start()
         self._notifier = threading.Thread(target=self._deliver, name="ww-notify", daemon=True)
         self._notifier.start()
-        self._sock: zmq.asyncio.Socket | None = None
-        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: zmq.Socket[bytes] | None = None
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._closed = False
         self._run(self._open()).result(10)
 
@@ -116,13 +127,15 @@ class DaemonConnection:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     async def _open(self) -> None:
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = zmq.Context()
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(f"ipc://{self.path}")
         self._sock = sock
-        self._reader = asyncio.get_running_loop().create_task(self._read())
-        self._pinger = asyncio.get_running_loop().create_task(self._ping())
+        loop = asyncio.get_running_loop()
+        self._fd = int(sock.getsockopt(zmq.FD))
+        loop.add_reader(self._fd, self._read)
+        self._pinger = loop.create_task(self._ping())
 
     async def _ping(self) -> None:
         """Keep the session alive; notice a daemon that stopped answering or restarted."""
@@ -143,20 +156,51 @@ class DaemonConnection:
             if isinstance(reply, Error) and reply.code == ErrorCode.NO_SESSION.value:
                 self._notes.put(_RESET)
 
-    async def _read(self) -> None:
-        assert self._sock is not None
+    def _read(self) -> None:
+        """Every message queued on the socket (the loop thread, on the descriptor's edge)."""
         while True:
-            frames = await self._sock.recv_multipart(copy=False)
+            with self._sock_lock:
+                if self._sock is None or self._sock.closed:
+                    return
+                try:
+                    frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    return
             try:
                 msg, _ = self._codec.decode(frames)
             except ProtocolError:
                 continue
             fut = self._pending.pop(msg.req, None) if msg.req else None
             if fut is not None:
+                self._read_at[msg.req] = time.perf_counter()
                 if not fut.done():
-                    fut.set_result(msg)
+                    fut.set_result(msg)  # wakes the caller's thread directly
             else:
                 self._notes.put(msg)
+
+    def _send_frames(self, frames: list[Any], timeout_s: float) -> None:
+        """Send from the calling thread, under the socket's lock. A full queue (the daemon not
+        reading) is retried outside the lock until `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._sock_lock:
+                if self._sock is None or self._closed:
+                    raise WeightwireError("the connection is closed", code=ErrorCode.PEER_LOST)
+                try:
+                    self._sock.send_multipart(frames, zmq.NOBLOCK)
+                    # the send may have consumed the descriptor's edge for input queued
+                    # meanwhile: then the reader would not wake for it
+                    readable = bool(int(self._sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+                    break
+                except zmq.Again:
+                    pass
+            if time.monotonic() > deadline:
+                raise TimeoutError_(
+                    f"the daemon at {self.path} took no request within {timeout_s:.0f} s"
+                )
+            time.sleep(0.001)
+        if readable:
+            self._loop.call_soon_threadsafe(self._read)
 
     def _deliver(self) -> None:
         while True:
@@ -175,21 +219,46 @@ class DaemonConnection:
             if self._on_notify is not None:
                 self._on_notify(msg)
 
-    async def _request(self, msg: LocalMsg, timeout_s: float) -> LocalMessage:
-        assert self._sock is not None
+    def _start(self, msg: LocalMsg, timeout_s: float) -> tuple[int, Future[LocalMessage]]:
+        """Send a request from the calling thread; its reply comes to the future."""
         req = next(self._reqs)
-        fut: asyncio.Future[LocalMessage] = asyncio.get_running_loop().create_future()
+        fut: Future[LocalMessage] = Future()
         self._pending[req] = fut
         try:
-            await self._sock.send_multipart(self._encode(msgspec.structs.replace(msg, req=req)))
-            return await asyncio.wait_for(fut, timeout_s)
+            self._send_frames(self._encode(msgspec.structs.replace(msg, req=req)), timeout_s)
+        except BaseException:
+            self._pending.pop(req, None)
+            raise
+        return req, fut
+
+    def _timeout(self, msg: LocalMsg, timeout_s: float) -> TimeoutError_:
+        return TimeoutError_(
+            f"the daemon at {self.path} did not answer {type(msg).__name__} within "
+            f"{timeout_s:.0f} s"
+        )
+
+    async def _request(self, msg: LocalMsg, timeout_s: float) -> LocalMessage:
+        """`_call` for the loop thread (its pings)."""
+        req, fut = self._start(msg, timeout_s)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(fut), timeout_s)
         except TimeoutError:
-            raise TimeoutError_(
-                f"the daemon at {self.path} did not answer {type(msg).__name__} within "
-                f"{timeout_s:.0f} s"
-            ) from None
+            raise self._timeout(msg, timeout_s) from None
         finally:
             self._pending.pop(req, None)
+
+    def _call(self, msg: LocalMsg, timeout_s: float) -> LocalMessage:
+        t0 = time.perf_counter()
+        req, fut = self._start(msg, timeout_s)
+        sent = time.perf_counter()
+        try:
+            reply = fut.result(timeout_s)
+        except FutureTimeout:
+            raise self._timeout(msg, timeout_s) from None
+        finally:
+            self._pending.pop(req, None)
+        self.last_traces[type(msg)] = (t0, sent, self._read_at.pop(req, sent), time.perf_counter())
+        return reply
 
     def request(self, msg: LocalMsg, timeout_s: float = 30.0) -> LocalMessage:
         """Send a request and return its reply; an `Error` reply is raised as its exception.
@@ -200,11 +269,11 @@ class DaemonConnection:
         if self._closed:
             raise WeightwireError("the connection is closed", code=ErrorCode.PEER_LOST)
         epoch = self._epoch
-        reply: LocalMessage = self._run(self._request(msg, timeout_s)).result(timeout_s + 5)
+        reply = self._call(msg, timeout_s)
         forgotten = isinstance(reply, Error) and reply.code == ErrorCode.NO_SESSION.value
         if forgotten and self._on_reset is not None and not isinstance(msg, Hello):
             self.reset(epoch)
-            reply = self._run(self._request(msg, timeout_s)).result(timeout_s + 5)
+            reply = self._call(msg, timeout_s)
         if isinstance(reply, Error):
             raise error_from_code(reply.code, reply.message)
         if isinstance(reply, Welcome):
@@ -227,12 +296,9 @@ class DaemonConnection:
     def fail_pending(self, exc: BaseException) -> None:
         """Fail every request still waiting for a reply (the daemon is gone or restarted)."""
 
-        def fail() -> None:
-            for fut in list(self._pending.values()):
-                if not fut.done():
-                    fut.set_exception(exc)
-
-        self._loop.call_soon_threadsafe(fail)
+        for fut in list(self._pending.values()):
+            if not fut.done():
+                fut.set_exception(exc)
 
     @property
     def socket_gid(self) -> int:
@@ -252,11 +318,10 @@ class DaemonConnection:
             shared.close()
             raise
 
-    def send(self, msg: LocalMsg) -> None:
-        """Send without waiting for a reply (messages keep their order)."""
-        assert self._sock is not None
-        frames = self._encode(msg)
-        self._loop.call_soon_threadsafe(self._send_now, frames)
+    def send(self, msg: LocalMsg, timeout_s: float = 30.0) -> None:
+        """Send without waiting for a reply, from the calling thread (messages keep their
+        order: one thread's sends are in the order it made them)."""
+        self._send_frames(self._encode(msg), timeout_s)
 
     def _encode(self, msg: LocalMsg) -> list[Any]:
         """The message's frames; one larger than the daemon takes is refused here, with the
@@ -271,24 +336,23 @@ class DaemonConnection:
             )
         return frames
 
-    def _send_now(self, frames: list[Any]) -> None:
-        assert self._sock is not None
-        self._sock.send_multipart(frames)
-
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
 
         async def shutdown() -> None:
-            if self._sock is not None and self.session is not None:
-                self._sock.send_multipart(self._codec.encode(Goodbye()))
             self._pinger.cancel()
-            self._reader.cancel()
-            if self._sock is not None:
+            with self._sock_lock:
+                if self._sock is None:
+                    return
+                asyncio.get_running_loop().remove_reader(self._fd)
+                if self.session is not None:
+                    with contextlib.suppress(zmq.ZMQError):
+                        self._sock.send_multipart(self._codec.encode(Goodbye()), zmq.NOBLOCK)
                 self._sock.close(linger=0)
-            if self._ctx is not None:
-                self._ctx.term()
+                if self._ctx is not None:
+                    self._ctx.term()
 
         try:
             self._run(shutdown()).result(5)

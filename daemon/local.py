@@ -115,7 +115,9 @@ class Requests(Protocol):
         staging_buckets: int = 0,
         slot_events: bool = False,
         fence: tuple[int, int, int] = (-1, 0, -1),
-    ) -> Ok | None: ...
+        *,
+        answer: Callable[[Ok], None],
+    ) -> bool: ...
 
     def bucket_ready(self, session: Session, msg: BucketReady) -> bool:
         """True when the rank had nothing being posted: its post should start at once."""
@@ -320,11 +322,9 @@ class LocalServer:
             case BeginVersion(version=version, plan_hash=plan_hash, staging_buckets=slots):
                 fence = (msg.fence_offset, msg.fence_base, msg.gate_offset)
                 args = (session, msg.req, version, plan_hash, slots, msg.slot_events, fence)
-                ok = d.begin_version_now(*args)  # no task hop unless writes are in flight
-                if ok is not None:
-                    self.send(identity, ok)
-                else:
-                    self._spawn(identity, msg.req, d.begin_version(*args))
+                answer = functools.partial(self.send, identity)
+                if not d.begin_version_now(*args, answer=answer):  # no task hop unless
+                    self._spawn(identity, msg.req, d.begin_version(*args))  # writes in flight
             case BucketReady():
                 self._start_post = d.bucket_ready(session, msg)
             case TrailersReady():

@@ -166,11 +166,15 @@ class Publisher:
         fence_offset: int = -1,
         fence_base: int = 0,
         gate_offset: int = -1,
+        *,
+        announce: bool = True,
     ) -> None:
         """`fence_offset` >= 0: the rank waits for ring slots on the GPU, on counters at
         that offset of its staging region (`BeginVersion.fence_offset`). `gate_offset`
         >= 0: the rank posts buckets before they are packed, its pack counter there
-        (`BeginVersion.gate_offset`, `daemon/packgate.py`)."""
+        (`BeginVersion.gate_offset`, `daemon/packgate.py`). `announce` False: the caller
+        answers the rank first, then calls `started` (the version's announce is a send to
+        each destination node, off the BeginVersion's round trip)."""
         if self.plan is None:
             raise PlanError("this rank has no plan yet", code=ErrorCode.NOT_READY)
         if plan_hash != self.plan.plan_hash:
@@ -227,9 +231,17 @@ class Publisher:
             counters=counters,
             gate=gate,
         )
-        self.announce(version, "start", "", self.destinations)
+        if announce:
+            self.started()
+
+    def started(self) -> None:
+        """The version just begun, announced to its destinations (and finished at once when
+        the plan sends nothing)."""
+        run = self.run
+        assert run is not None and self.plan is not None
+        self.announce(run.version, "start", "", self.destinations)
         if not self.plan.buckets and not self.plan.trailers:
-            self._finish(self.run)
+            self._finish(run)
 
     def bucket_ready(
         self,

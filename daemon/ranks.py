@@ -148,14 +148,21 @@ class Ranks:
         staging_buckets: int = 0,
         slot_events: bool = False,
         fence: tuple[int, int, int] = (-1, 0, -1),
-    ) -> Ok | None:
+        *,
+        answer: Callable[[Ok], None],
+    ) -> bool:
         """`begin_version` answered on the spot, without a task, when no write of an earlier
-        version is in flight (the usual case); None: it must wait for those first."""
+        version is in flight (the usual case): the rank is answered (`answer`) before the
+        version is announced to its destinations, so their sends are not on the rank's round
+        trip (engines count immediates before a source's announce arrives: safe). False: it
+        must wait for those writes first (nothing done)."""
         pub = self._publishing.publisher(session)
         if not pub.settled():
-            return None
-        pub.begin(version, plan_hash, staging_buckets, slot_events, *fence)
-        return Ok(req=req, detail=f"version {version}")
+            return False
+        pub.begin(version, plan_hash, staging_buckets, slot_events, *fence, announce=False)
+        answer(Ok(req=req, detail=f"version {version}"))
+        pub.started()
+        return True
 
     def bucket_ready(self, session: Session, msg: BucketReady) -> bool:
         pub = self._publishing.publisher(session)
