@@ -26,9 +26,7 @@ event recorded after is polled, with a timeout.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import threading
-import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -37,7 +35,7 @@ from weightwire.protocol.errors import ErrorCode, PlanError, TimeoutError_, Vers
 from weightwire.protocol.plan import RankPlan, StagingRing
 from weightwire.transport.base import Gate, LocalRegion
 
-from .slotfence import NOT_READY, POLL_S, WORD, sequence
+from .slotfence import NOT_READY, WORD, poll_done, sequence, stream_driver
 
 WAIT_S = 300.0  # the longest a bucket waits on the daemon's thread for its packing
 
@@ -101,15 +99,7 @@ class PackGate:
                 f"staging region, aligned to {WORD}",
                 code=ErrorCode.INVALID,
             )
-        try:
-            self._drv = driver()
-        except CudaError as exc:
-            raise PlanError(f"a pack counter needs CUDA here: {exc.message}") from None
-        if not self._drv.stream_mem_ops():
-            raise PlanError(
-                "this CUDA driver has no stream memory operations (cuStreamWaitValue32_v2)",
-                code=ErrorCode.INVALID,
-            )
+        self._drv = stream_driver("pack counters", "cuStreamWaitValue32_v2")
         self.device = staging.device
         self.address = staging.address + offset
         self.base = base & 0xFFFFFFFF
@@ -128,24 +118,14 @@ class PackGate:
         s = _stream(drv, "wait", self.device, self.address)
         drv.use(self.device)
         drv.wait_value32(s, self.address, sequence(self.base, bucket))
-        event = drv.event()
-        try:
-            drv.record(event, s)
-            deadline = time.monotonic() + timeout_s
-            while True:
-                rc = drv.try_call("cuEventQuery", ctypes.c_void_p(event))
-                if rc == 0:
-                    return
-                if rc != NOT_READY:
-                    raise CudaError(f"cuEventQuery failed: {drv.error_name(rc)}")
-                if time.monotonic() >= deadline:
-                    raise TimeoutError_(
-                        f"bucket {bucket} was not packed within {timeout_s:.0f} s (its pack "
-                        "counter never reached it)"
-                    )
-                await asyncio.sleep(POLL_S)
-        finally:
-            drv.destroy_event(event)
+        rc = await poll_done(drv, s, timeout_s)
+        if rc == NOT_READY:
+            raise TimeoutError_(
+                f"bucket {bucket} was not packed within {timeout_s:.0f} s (its pack counter "
+                "never reached it)"
+            )
+        if rc:
+            raise CudaError(f"cuEventQuery failed: {drv.error_name(rc)}")
 
     def release(self) -> None:
         """The version failed: the counter to its last sequence number, from a stream that

@@ -60,6 +60,37 @@ def _release_stream(drv: Driver, device: int) -> int:
         return s
 
 
+def stream_driver(what: str, op: str) -> Driver:
+    """The CUDA driver for `what` (GPU counters): PlanError where there is none, or (INVALID)
+    where it has no stream memory operations (`op`, the one `what` needs, named)."""
+    try:
+        drv = driver()
+    except CudaError as exc:
+        raise PlanError(f"{what} need CUDA here: {exc.message}") from None
+    if not drv.stream_mem_ops():
+        raise PlanError(
+            f"this CUDA driver has no stream memory operations ({op})", code=ErrorCode.INVALID
+        )
+    return drv
+
+
+async def poll_done(drv: Driver, stream: int, timeout_s: float) -> int:
+    """Records an event on `stream` and polls it (at most `timeout_s`): 0 once everything
+    queued on `stream` before is done, NOT_READY at the timeout, cuEventQuery's other codes
+    as they come."""
+    event = drv.event()
+    try:
+        drv.record(event, stream)
+        deadline = time.monotonic() + timeout_s
+        while (rc := drv.try_call("cuEventQuery", ctypes.c_void_p(event))) == NOT_READY:
+            if time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(POLL_S)
+        return rc
+    finally:
+        drv.destroy_event(event)
+
+
 def sequence(base: int, bucket: int) -> int:
     """Bucket `bucket`'s sequence number in a version whose base is `base`."""
     return (base + bucket + 1) & MASK
@@ -100,15 +131,7 @@ class SlotCounters:
                 f"region, aligned to {WORD}",
                 code=ErrorCode.INVALID,
             )
-        try:
-            self._drv = driver()
-        except CudaError as exc:
-            raise PlanError(f"slot counters need CUDA here: {exc.message}") from None
-        if not self._drv.stream_mem_ops():
-            raise PlanError(
-                "this CUDA driver has no stream memory operations (cuStreamWriteValue32_v2)",
-                code=ErrorCode.INVALID,
-            )
+        self._drv = stream_driver("slot counters", "cuStreamWriteValue32_v2")
         self.device = staging.device
         self.address = staging.address + offset
         self.ring = ring
@@ -155,17 +178,7 @@ class SlotCounters:
         nothing more is written into the rank's staging. False at the timeout."""
         s = _stream(self._drv, self.device, self.address)
         self._drv.use(self.device)
-        event = self._drv.event()
-        try:
-            self._drv.record(event, s)
-            deadline = time.monotonic() + timeout_s
-            while (rc := self._drv.try_call("cuEventQuery", ctypes.c_void_p(event))) != 0:
-                if rc != NOT_READY or time.monotonic() >= deadline:
-                    return False
-                await asyncio.sleep(POLL_S)
-            return True
-        finally:
-            self._drv.destroy_event(event)
+        return await poll_done(self._drv, s, timeout_s) == 0
 
 
 MakeCounters = Callable[[LocalRegion | None, StagingRing, int, int, int], Counters]
