@@ -3,7 +3,10 @@ and plaintext mode exists only behind an explicit setting that warns."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import zmq
 
@@ -15,6 +18,27 @@ from weightwire.protocol.frames import Codec
 from weightwire.protocol.peer import Member, PeerHello, PeerMessage
 
 from .conftest import FAST
+
+
+def start_coordinator(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    """A coordinator daemon run as a process with `flags` (socket and peer port of its own
+    in `tmp_path`), to its exit: its output, for the startup errors it names."""
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "weightwire.daemon",
+            "--is-coordinator",
+            "--local-socket",
+            str(tmp_path / "s.sock"),
+            "--peer-bind",
+            "tcp://127.0.0.1:0",
+            *flags,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
 
 
 def members(cluster: LocalCluster) -> set[str]:
@@ -75,24 +99,7 @@ def test_plaintext_only_when_asked_and_it_warns() -> None:
 
 
 def test_no_keys_and_not_insecure_is_a_clear_startup_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    import subprocess
-    import sys
-
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "weightwire.daemon",
-            "--is-coordinator",
-            "--local-socket",
-            str(tmp_path / "s.sock"),
-            "--peer-bind",
-            "tcp://127.0.0.1:0",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    out = start_coordinator(tmp_path)
     assert out.returncode == 1
     assert "weightwire keygen" in out.stdout and "insecure = true" in out.stdout
 
@@ -113,27 +120,8 @@ def test_keys_starting_with_a_dash_reach_the_daemon_intact() -> None:
 
 
 def test_a_missing_secret_key_file_is_named_with_how_to_make_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    import subprocess
-    import sys
-
     missing = tmp_path / "gpu-7.key_secret"
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "weightwire.daemon",
-            "--is-coordinator",
-            "--local-socket",
-            str(tmp_path / "s.sock"),
-            "--peer-bind",
-            "tcp://127.0.0.1:0",
-            "--curve-secret-key-file",
-            str(missing),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    out = start_coordinator(tmp_path, "--curve-secret-key-file", str(missing))
     assert out.returncode == 1, out.stdout + out.stderr
     assert f"no such file: {missing}" in out.stdout, out.stdout + out.stderr
     assert f"weightwire keygen --dir {tmp_path} --name gpu-7" in out.stdout
@@ -142,9 +130,6 @@ def test_a_missing_secret_key_file_is_named_with_how_to_make_it(tmp_path) -> Non
 
 def test_a_missing_trusted_keys_directory_is_a_startup_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Without the directory no peer would ever be trusted, silently: refuse to start."""
-    import subprocess
-    import sys
-
     subprocess.run(
         [sys.executable, "-m", "weightwire.cli", "keygen", "--dir", str(tmp_path), "--name", "n"],
         check=True,
@@ -152,24 +137,12 @@ def test_a_missing_trusted_keys_directory_is_a_startup_error(tmp_path) -> None: 
         timeout=60,
     )
     missing = tmp_path / "peers.d"
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "weightwire.daemon",
-            "--is-coordinator",
-            "--local-socket",
-            str(tmp_path / "s.sock"),
-            "--peer-bind",
-            "tcp://127.0.0.1:0",
-            "--curve-secret-key-file",
-            str(tmp_path / "n.key_secret"),
-            "--curve-allowed-keys-dir",
-            str(missing),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=30,
+    out = start_coordinator(
+        tmp_path,
+        "--curve-secret-key-file",
+        str(tmp_path / "n.key_secret"),
+        "--curve-allowed-keys-dir",
+        str(missing),
     )
     assert out.returncode == 1, out.stdout + out.stderr
     assert f"curve_allowed_keys_dir: no such directory: {missing}" in out.stdout, (
