@@ -9,7 +9,8 @@ thread; a failed version releases the counter; and the refusals."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
+from dataclasses import dataclass, field
 
 import msgspec
 import pytest
@@ -18,11 +19,12 @@ import uvloop
 from tests.conformance.harness import Pair, with_pair
 from tests.conformance.suite import rand
 from tests.test_publisher_posts import publisher
-from tests.test_publisher_prepared import _ring_plan
+from tests.test_publisher_prepared import Wrapping, _ring_plan
 from tests.test_transport_tcp import TcpKit
 from weightwire.daemon.publisher import Publisher
 from weightwire.protocol.errors import ErrorCode, PlanError
 from weightwire.protocol.local import BucketsIssued, BucketsLanded, PublishResult
+from weightwire.protocol.plan import RankPlan
 from weightwire.transport.base import Gate, LocalRegion, Transport
 
 
@@ -43,15 +45,13 @@ class _Gate:
         self.log.append(("release", -1))
 
 
-class _Gating:
+class _Gating(Wrapping):
     """A tcp transport that takes gated posts (as the cuda transport's `post_gated`),
     recording the order they reach it in, with the gate's value."""
 
     def __init__(self, inner: Transport, log: list[tuple[str, int]]) -> None:
-        self.inner, self.log = inner, log
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.inner, name)
+        super().__init__(inner)
+        self.log = log
 
     async def post_gated(
         self,
@@ -64,9 +64,31 @@ class _Gating:
         return await self.inner.post(prepared, imms)  # type: ignore[arg-type]
 
 
-def _setup(
-    p: Pair, transport: object, seen: list[object], log: list[tuple[str, int]], n: int
-) -> tuple[Publisher, None, LocalRegion]:
+PART = 4096
+N = 4 * PART  # four buckets of one part each, in a ring of 2 slots
+
+
+@dataclass
+class _Rig:
+    """A publisher on node a with a plan of four buckets into node b's region 2 (`dst`),
+    its staging (region 1) and the pack counters it makes recording into `log`."""
+
+    pub: Publisher
+    staging: LocalRegion
+    dst: LocalRegion
+    plan: RankPlan
+    transport: object
+    seen: list[object] = field(default_factory=list)
+    log: list[tuple[str, int]] = field(default_factory=list)
+
+
+def _rig(p: Pair, wrap: Callable[[list[tuple[str, int]]], object] | None = None) -> _Rig:
+    """The rig on plain tcp, or on `wrap(log)` (a transport wrapping p.a's)."""
+    dst, desc = p.region(p.b, 2, N)
+    seen: list[object] = []
+    log: list[tuple[str, int]] = []
+    transport = p.a.transport if wrap is None else wrap(log)
+
     async def pick(*_: object) -> object:
         return transport
 
@@ -79,24 +101,27 @@ def _setup(
         return _Gate(log, base)
 
     pub.make_gate = make
-    return pub, None, p.region(p.a, 1, n + 64)[0]
+    staging = p.region(p.a, 1, N + 64)[0]
+    plan = _ring_plan(desc, PART)
+    pub.set_plan(plan)
+    pub.staging = staging
+    return _Rig(pub, staging, dst, plan, transport, seen, log)
+
+
+def _run(body: Callable[[TcpKit, Pair], Awaitable[None]]) -> None:
+    """`body` on a pair of tcp nodes on loopback, within a minute."""
+    kit = TcpKit()
+    uvloop.run(asyncio.wait_for(with_pair(kit, lambda p: body(kit, p)), 60))
 
 
 def test_gated_buckets_reach_the_transport_in_bucket_order() -> None:
     """Four buckets posted at once, bucket 0 slower to prepare than the others: each is
     handed to the transport gated on its own sequence number, in bucket order, and lands
     bitwise; nothing waits on the daemon's thread."""
-    kit = TcpKit()
-    part = 4096
-    n = 4 * part
 
-    async def body(p: Pair) -> None:
-        dst, desc = p.region(p.b, 2, n)
-        seen: list[object] = []
-        log: list[tuple[str, int]] = []
-        pub, _, staging = _setup(p, _Gating(p.a.transport, log), seen, log, n)
-        pub.set_plan(_ring_plan(desc, part))
-        pub.staging = staging
+    async def body(kit: TcpKit, p: Pair) -> None:
+        rig = _rig(p, lambda log: _Gating(p.a.transport, log))
+        pub, staging, dst, seen, log = rig.pub, rig.staging, rig.dst, rig.seen, rig.log
         parts = pub.prepared.parts
 
         async def slow_first(run: object, bucket: int, *args: object) -> object:
@@ -105,37 +130,30 @@ def test_gated_buckets_reach_the_transport_in_bucket_order() -> None:
             return await parts(run, bucket, *args)  # type: ignore[arg-type]
 
         pub.prepared.parts = slow_first  # type: ignore[method-assign]
-        data = rand(n, 1)
+        data = rand(N, 1)
         kit.fill(staging, 0, data)
-        pub.begin(1, "ring", 0, gate_offset=n, fence_base=40)
+        pub.begin(1, "ring", 0, gate_offset=N, fence_base=40)
         for b in range(4):
             pub.bucket_ready(1, (b,))
         await pub.drain(30)
         assert isinstance(seen[-1], PublishResult) and seen[-1].ok, seen[-1]
-        assert kit.read(dst, 0, n) == data
-        assert log == [("made", n)] + [("posted", 40 + b + 1) for b in range(4)], log
+        assert kit.read(dst, 0, N) == data
+        assert log == [("made", N)] + [("posted", 40 + b + 1) for b in range(4)], log
         assert pub.progress()["gated"] is True
 
-    uvloop.run(asyncio.wait_for(with_pair(kit, body), 60))
+    _run(body)
 
 
 def test_a_transport_the_gpu_cannot_hold_back_waits_on_the_thread() -> None:
     """Plain tcp (no `post_gated`): each bucket waits for the counter on the daemon's
     thread before it is posted; a ring's landings still go out as usual. A version that
     fails releases the counter (so that no copy waits for a rank that is gone)."""
-    kit = TcpKit()
-    part = 4096
-    n = 4 * part
 
-    async def body(p: Pair) -> None:
-        dst, desc = p.region(p.b, 2, n)
-        seen: list[object] = []
-        log: list[tuple[str, int]] = []
-        pub, _, staging = _setup(p, p.a.transport, seen, log, n)
-        pub.set_plan(_ring_plan(desc, part))
-        pub.staging = staging
+    async def body(kit: TcpKit, p: Pair) -> None:
+        rig = _rig(p)
+        pub, staging, dst, seen, log = rig.pub, rig.staging, rig.dst, rig.seen, rig.log
         ring = pub.ring(2)
-        data = rand(n, 2)
+        data = rand(N, 2)
         pub.begin(1, "ring", 2, gate_offset=ring.nbytes + 8)
         for b in range(4):
             if ring.reuse[b] >= 0:
@@ -143,11 +161,11 @@ def test_a_transport_the_gpu_cannot_hold_back_waits_on_the_thread() -> None:
                     isinstance(m, BucketsLanded) and ring.reuse[b] in m.buckets for m in seen
                 ):
                     await asyncio.sleep(0.005)
-            kit.fill(staging, ring.slot[b] * part, data[b * part : (b + 1) * part])
+            kit.fill(staging, ring.slot[b] * PART, data[b * PART : (b + 1) * PART])
             pub.bucket_ready(1, (b,))
         await pub.drain(30)
         assert isinstance(seen[-1], PublishResult) and seen[-1].ok, seen[-1]
-        assert kit.read(dst, 0, n) == data
+        assert kit.read(dst, 0, N) == data
         assert [e for e in log if e[0] == "wait"] == [("wait", b) for b in range(4)], log
         assert not any(isinstance(m, BucketsIssued) for m in seen)
         log.clear()
@@ -158,25 +176,17 @@ def test_a_transport_the_gpu_cannot_hold_back_waits_on_the_thread() -> None:
         assert isinstance(seen[-1], PublishResult) and not seen[-1].ok
         assert ("release", -1) in log, log
 
-    uvloop.run(asyncio.wait_for(with_pair(kit, body), 60))
+    _run(body)
 
 
 def test_gate_refused_with_deltas_and_for_buckets_packed_in_place() -> None:
     """A pack counter with a delta-capable plan is refused at BeginVersion (INVALID); a
     bucket said packed in place in a gated version fails the version, naming why."""
-    kit = TcpKit()
-    part = 4096
-    n = 4 * part
 
-    async def body(p: Pair) -> None:
-        _, desc = p.region(p.b, 2, n)
-        seen: list[object] = []
-        log: list[tuple[str, int]] = []
-        pub, _, staging = _setup(p, p.a.transport, seen, log, n)
-        plan = _ring_plan(desc, part)
-        pub.set_plan(plan)
-        pub.staging = staging
-        pub.begin(1, "ring", 0, gate_offset=n)
+    async def body(kit: TcpKit, p: Pair) -> None:
+        rig = _rig(p)
+        pub, staging, plan, seen = rig.pub, rig.staging, rig.plan, rig.seen
+        pub.begin(1, "ring", 0, gate_offset=N)
         pub.bucket_ready(1, (0,), in_place=(0,))
         await pub.drain(30)
         result = seen[-1]
@@ -185,10 +195,10 @@ def test_gate_refused_with_deltas_and_for_buckets_packed_in_place() -> None:
         pub.set_plan(msgspec.structs.replace(plan, plan_hash="d", delta_bytes=64))
         pub.delta_out = staging  # any region of the bytes it needs
         with pytest.raises(PlanError, match="delta") as err:
-            pub.begin(2, "d", 0, gate_offset=n)
+            pub.begin(2, "d", 0, gate_offset=N)
         assert err.value.code == ErrorCode.INVALID
 
-    uvloop.run(asyncio.wait_for(with_pair(kit, body), 60))
+    _run(body)
 
 
 def test_gated_buckets_out_of_order_are_refused() -> None:
@@ -196,18 +206,9 @@ def test_gated_buckets_out_of_order_are_refused() -> None:
     earlier one's: a bucket posted after a later one is refused (INVALID), naming both."""
     from weightwire.protocol.errors import VersionError
 
-    kit = TcpKit()
-    part = 4096
-    n = 4 * part
-
-    async def body(p: Pair) -> None:
-        _, desc = p.region(p.b, 2, n)
-        seen: list[object] = []
-        log: list[tuple[str, int]] = []
-        pub, _, staging = _setup(p, _Gating(p.a.transport, log), seen, log, n)
-        pub.set_plan(_ring_plan(desc, part))
-        pub.staging = staging
-        pub.begin(1, "ring", 0, gate_offset=n)
+    async def body(kit: TcpKit, p: Pair) -> None:
+        pub = _rig(p, lambda log: _Gating(p.a.transport, log)).pub
+        pub.begin(1, "ring", 0, gate_offset=N)
         pub.bucket_ready(1, (1,))
         with pytest.raises(VersionError, match="out of order") as err:
             pub.bucket_ready(1, (0,))
@@ -217,7 +218,7 @@ def test_gated_buckets_out_of_order_are_refused() -> None:
         pub.abort("done")
         await pub.drain(30)
 
-    uvloop.run(asyncio.wait_for(with_pair(kit, body), 60))
+    _run(body)
 
 
 class _FencedGating(_Gating):
@@ -287,26 +288,20 @@ def test_a_gated_bucket_waits_for_its_slots_fences_to_be_handed_over() -> None:
     lane, and bucket 2's last copy re-recording them first would have bucket 0's counter
     wait for bucket 2's copies, which wait for the packing that waits for that counter.
     Bucket 1 (slot 1) does not wait for it; all lands bitwise."""
-    kit = TcpKit()
-    part = 4096
-    n = 4 * part
     base = 40
 
-    async def body(p: Pair) -> None:
-        dst, desc = p.region(p.b, 2, n)
-        seen: list[object] = []
-        log: list[tuple[str, int]] = []
-        gating = _FencedGating(p.a.transport, log, base)
-        pub, _, staging = _setup(p, gating, seen, log, n)
+    async def body(kit: TcpKit, p: Pair) -> None:
+        rig = _rig(p, lambda log: _FencedGating(p.a.transport, log, base))
+        pub, staging, dst, seen, log = rig.pub, rig.staging, rig.dst, rig.seen, rig.log
+        gating = rig.transport
+        assert isinstance(gating, _FencedGating)
         pub.make_counters = lambda *_: _Counters(log)  # type: ignore[assignment,return-value]
-        pub.set_plan(_ring_plan(desc, part))
-        pub.staging = staging
         ring = pub.ring(2)
         assert ring.reuse[2] == 0 and ring.slot[2] == ring.slot[0]
-        data = rand(n, 3)
+        data = rand(N, 3)
 
         def pack(b: int) -> None:
-            kit.fill(staging, ring.slot[b] * part, data[b * part : (b + 1) * part])
+            kit.fill(staging, ring.slot[b] * PART, data[b * PART : (b + 1) * PART])
             gating.packed[b].set()
 
         pack(0)
@@ -329,8 +324,8 @@ def test_a_gated_bucket_waits_for_its_slots_fences_to_be_handed_over() -> None:
         pack(3)
         await pub.drain(30)
         assert isinstance(seen[-1], PublishResult) and seen[-1].ok, seen[-1]
-        assert kit.read(dst, 0, n) == data
+        assert kit.read(dst, 0, N) == data
         assert [b for what, b in log if what == "posted"] == [0, 1, 2, 3], log
         assert log.index(("handed", 0)) < log.index(("posted", 2)), log
 
-    uvloop.run(asyncio.wait_for(with_pair(kit, body), 60))
+    _run(body)

@@ -268,16 +268,21 @@ def test_a_staging_ring_writes_each_bucket_from_its_slot_prepared_once() -> None
     uvloop.run(asyncio.wait_for(with_pair(kit, body), 60))
 
 
-class _Issuing:
-    """A tcp transport that also reports its posts issued, as the cuda transport does once
-    its copies are queued, with one 64-byte "event handle" per (slot key): the publisher's
-    side of `BucketsIssued` on real writes."""
+class Wrapping:
+    """A transport around a real one (`inner`), doing whatever it does not define itself
+    as `inner` does: the tests' stand-ins for what only the cuda transport does."""
 
     def __init__(self, inner: Transport) -> None:
         self.inner = inner
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.inner, name)
+
+
+class _Issuing(Wrapping):
+    """A tcp transport that also reports its posts issued, as the cuda transport does once
+    its copies are queued, with one 64-byte "event handle" per (slot key): the publisher's
+    side of `BucketsIssued` on real writes."""
 
     async def post_fenced(
         self,
