@@ -10,6 +10,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -49,18 +51,21 @@ def test_example_config_loads() -> None:
         assert "weightwire" in (ROOT / "systemd" / f).read_text()
 
 
-def test_daemon_speaks_sd_notify(tmp_path: Path) -> None:
+@contextmanager
+def notifying_daemon(
+    tmp_path: Path, *flags: str
+) -> Iterator[tuple[subprocess.Popen[bytes], socket.socket]]:
+    """A daemon process (insecure, on loopback, with `flags`) whose NOTIFY_SOCKET (and a
+    1 s watchdog) is the datagram socket yielded with it; killed if still running after."""
     notify = tmp_path / "notify.sock"
     sink = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sink.bind(str(notify))
-    sink.settimeout(10)
     env = {**os.environ, "NOTIFY_SOCKET": str(notify), "WATCHDOG_USEC": "1000000"}
     proc = subprocess.Popen(
         [
             sys.executable,
             "-m",
             "weightwire.daemon",
-            "--is-coordinator",
             "--insecure",
             "--local-socket",
             str(tmp_path / "d.sock"),
@@ -68,16 +73,25 @@ def test_daemon_speaks_sd_notify(tmp_path: Path) -> None:
             "tcp://127.0.0.1:0",
             "--tcp-bind",
             "127.0.0.1",
-            "--heartbeat-interval-s",
-            "0.2",
-            "--heartbeat-timeout-s",
-            "1",
+            *flags,
         ],
         env=env,
         stdout=subprocess.DEVNULL,
     )
-    seen: list[str] = []
     try:
+        yield proc, sink
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        sink.close()
+
+
+def test_daemon_speaks_sd_notify(tmp_path: Path) -> None:
+    with notifying_daemon(
+        tmp_path, "--is-coordinator", "--heartbeat-interval-s", "0.2", "--heartbeat-timeout-s", "1"
+    ) as (proc, sink):
+        sink.settimeout(10)
+        seen: list[str] = []
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline and not (
             any("READY=1" in m for m in seen) and sum("WATCHDOG=1" in m for m in seen) >= 3
@@ -91,10 +105,6 @@ def test_daemon_speaks_sd_notify(tmp_path: Path) -> None:
         while not any("STOPPING=1" in m for m in seen):
             seen.append(sink.recv(4096).decode())
         assert proc.wait(20) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        sink.close()
 
 
 def test_a_node_waiting_for_its_coordinator_extends_the_start_timeout(tmp_path: Path) -> None:
@@ -103,31 +113,9 @@ def test_a_node_waiting_for_its_coordinator_extends_the_start_timeout(tmp_path: 
     with socket.socket() as s:  # a port where no coordinator listens
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    notify = tmp_path / "notify.sock"
-    sink = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    sink.bind(str(notify))
-    sink.settimeout(15)
-    env = {**os.environ, "NOTIFY_SOCKET": str(notify), "WATCHDOG_USEC": "1000000"}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "weightwire.daemon",
-            "--insecure",
-            "--coordinator",
-            f"tcp://127.0.0.1:{port}",
-            "--local-socket",
-            str(tmp_path / "d.sock"),
-            "--peer-bind",
-            "tcp://127.0.0.1:0",
-            "--tcp-bind",
-            "127.0.0.1",
-        ],
-        env=env,
-        stdout=subprocess.DEVNULL,
-    )
-    seen: list[str] = []
-    try:
+    with notifying_daemon(tmp_path, "--coordinator", f"tcp://127.0.0.1:{port}") as (proc, sink):
+        sink.settimeout(15)
+        seen: list[str] = []
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and sum("EXTEND" in m for m in seen) < 3:
             seen.append(sink.recv(4096).decode())
@@ -140,7 +128,3 @@ def test_a_node_waiting_for_its_coordinator_extends_the_start_timeout(tmp_path: 
         assert not any("READY=1" in m for m in seen), seen
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        sink.close()
