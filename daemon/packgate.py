@@ -99,7 +99,7 @@ class PackGate:
                 f"staging region, aligned to {WORD}",
                 code=ErrorCode.INVALID,
             )
-        self._drv = stream_driver("pack counters", "cuStreamWaitValue32_v2")
+        self._drv = stream_driver("a pack counter needs", "cuStreamWaitValue32_v2")
         self.device = staging.device
         self.address = staging.address + offset
         self.base = base & 0xFFFFFFFF

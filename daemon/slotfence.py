@@ -61,12 +61,13 @@ def _release_stream(drv: Driver, device: int) -> int:
 
 
 def stream_driver(what: str, op: str) -> Driver:
-    """The CUDA driver for `what` (GPU counters): PlanError where there is none, or (INVALID)
-    where it has no stream memory operations (`op`, the one `what` needs, named)."""
+    """The CUDA driver for `what` ("slot counters need", "a pack counter needs"): PlanError
+    where there is none, or (INVALID) where it has no stream memory operations (`op`, the
+    one it needs, named)."""
     try:
         drv = driver()
     except CudaError as exc:
-        raise PlanError(f"{what} need CUDA here: {exc.message}") from None
+        raise PlanError(f"{what} CUDA here: {exc.message}") from None
     if not drv.stream_mem_ops():
         raise PlanError(
             f"this CUDA driver has no stream memory operations ({op})", code=ErrorCode.INVALID
@@ -131,7 +132,7 @@ class SlotCounters:
                 f"region, aligned to {WORD}",
                 code=ErrorCode.INVALID,
             )
-        self._drv = stream_driver("slot counters", "cuStreamWriteValue32_v2")
+        self._drv = stream_driver("slot counters need", "cuStreamWriteValue32_v2")
         self.device = staging.device
         self.address = staging.address + offset
         self.ring = ring
