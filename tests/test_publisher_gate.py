@@ -236,13 +236,8 @@ class _FencedGating(_Gating):
         self.done = [asyncio.Event() for _ in range(4)]
         self.go = asyncio.Event()  # bucket 0's copies may run (the lane issued its last)
 
-    async def post_fenced(
-        self,
-        prepared: object,
-        imms: Sequence[int | None],
-        slot: Hashable,
-        on_issued: Callable[[tuple[bytes, ...]], None],
-    ) -> list[BaseException | None]:
+    async def post_fenced(self, *_: object) -> list[BaseException | None]:
+        """There (a SlotFencing transport, as the cuda one), never called."""
         raise AssertionError("a gated version posts through post_gated")
 
     async def post_gated(
