@@ -1,4 +1,9 @@
-"""A shorter GIL switch interval while a publish posts buckets before they are packed.
+"""A shorter GIL switch interval for the whole of a GPU publish, its BeginVersion included.
+
+Every request to the daemon hops between the calling thread and the connection's loop
+thread (it reads the replies), and each hop needs the GIL: at the default 5 ms interval
+any other Python-busy thread of the rank's process delays the version start by up to
+that per hop (`Trainer.publish` enters this before its first request, for GPU tensors).
 
 The rank's messages to the daemon are sent by its connection's thread (it owns the
 socket), which needs the GIL; with buckets posted as soon as their packing is queued

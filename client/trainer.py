@@ -446,6 +446,14 @@ class Trainer(RankClient):
         `tensors` replaces registered tensors by name for this call (same dtype and
         shape); by default the registered tensors are read as they are now.
         """
+        # A GPU publish runs at the short GIL switch interval from its first request on:
+        # the BeginVersion round trip hops between this thread and the connection's loop
+        # thread, each hop waiting up to a switch interval (5 ms by default) behind any
+        # other Python-busy thread of the rank's process. Restored on every path.
+        with fast_switching(self._device().type == "cuda"):
+            return self._publish(version, tensors)
+
+    def _publish(self, version: int, tensors: Mapping[str, torch.Tensor] | None) -> PublishStats:
         t0 = time.perf_counter()
         if self._module_params:
             tensors = {**self._module_tensors(), **(tensors or {})}
@@ -504,8 +512,6 @@ class Trainer(RankClient):
         what = f"version {version} of trainer rank {self.rank}"
         result: PublishResult | None = None
         self._delta.begin(version, plan, staging)
-        switching = fast_switching(gate is not None)  # the connection's thread sends promptly
-        switching.__enter__()
         pack_stream = self._pack_stream(device)
         try:
             if pack_stream is not None:  # what the training wrote before this call is read
@@ -596,7 +602,6 @@ class Trainer(RankClient):
                 f"{self.timeout_s:.0f} s"
             ) from None
         finally:
-            switching.__exit__(None, None, None)
             if pack_stream is not None:  # the caller's later work comes after the packs
                 torch.cuda.current_stream(device).wait_stream(pack_stream)
             with self._lock:
