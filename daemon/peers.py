@@ -86,6 +86,10 @@ class PeerMesh:
     last_seen: dict[str, float] = field(default_factory=dict)
     _router: zmq.asyncio.Socket | None = None
     _dealers: dict[tuple[str, bytes | None], zmq.asyncio.Socket] = field(default_factory=dict)
+    # Each dealer's synchronous shadow (see `send_soon`), and how many awaited sends wait
+    # for room on it (`send`): while any does, `send_soon` queues behind them in order.
+    _shadows: dict[zmq.asyncio.Socket, zmq.Socket[bytes]] = field(default_factory=dict)
+    _queued: dict[zmq.asyncio.Socket, int] = field(default_factory=dict)
     _endpoints: dict[str, tuple[str, bytes | None]] = field(default_factory=dict)
     _pending: dict[int, tuple[str, asyncio.Future[PeerMessage]]] = field(default_factory=dict)
     _reqs: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
@@ -123,9 +127,7 @@ class PeerMesh:
             return
         self._endpoints[node] = (endpoint, public_key)
         if old is not None and old not in self._endpoints.values():
-            sock = self._dealers.pop(old, None)
-            if sock is not None:
-                sock.close(linger=0)
+            self._close_dealer(old)
 
     def _dealer(self, node: str) -> zmq.asyncio.Socket:
         target = self._endpoints.get(node)
@@ -146,7 +148,14 @@ class PeerMesh:
         self.security.client(sock, key)
         sock.connect(endpoint)
         self._dealers[target] = sock
+        self._shadows[sock] = zmq.Socket.shadow(sock.underlying)
         return sock
+
+    def _close_dealer(self, target: tuple[str, bytes | None]) -> None:
+        sock = self._dealers.pop(target, None)
+        if sock is not None:
+            self._shadows.pop(sock, None)
+            sock.close(linger=0)
 
     def socket_to(self, node: str) -> zmq.asyncio.Socket:
         """The (lazily connected) socket that carries messages to `node`."""
@@ -157,21 +166,48 @@ class PeerMesh:
         retry a connection whose CURVE handshake the peer refused: after the peer starts
         trusting this node's key (SIGHUP), only a new socket gets in."""
         target = self._endpoints.get(node)
-        sock = self._dealers.pop(target, None) if target is not None else None
-        if sock is not None:
-            sock.close(linger=0)
+        if target is not None:
+            self._close_dealer(target)
 
     async def send(self, node: str, msg: PeerMsg) -> None:
         sock = self._dealer(node)
+        sent = asyncio.ensure_future(sock.send_multipart(self.codec.encode(msg)))  # a Future
+        if sent.done():  # sent at once: the usual case
+            sent.result()
+            return
+        self._queued[sock] = self._queued.get(sock, 0) + 1  # waits for room: see send_soon
         try:
-            await asyncio.wait_for(sock.send_multipart(self.codec.encode(msg)), 5.0)
+            await asyncio.wait_for(sent, 5.0)
         except TimeoutError:
             raise TimeoutError_(f"sending {type(msg).__name__} to {node} timed out") from None
+        finally:
+            left = self._queued.pop(sock, 1) - 1
+            if left > 0:
+                self._queued[sock] = left
 
     def send_soon(self, node: str, msg: PeerMsg) -> None:
-        """Fire and forget (heartbeats, notices): a lost peer is noticed by liveness, not here."""
+        """Fire and forget (heartbeats, notices): a lost peer is noticed by liveness, not here.
+
+        Sent through the dealer's synchronous shadow (the same libzmq socket), without the
+        zmq.asyncio future, its result and its done callback per message (the VersionStart
+        announce of every version goes here). Safe because this event loop's thread is the
+        only user of the socket (no concurrent use), no one receives on a dealer (so no
+        recv future waits on the edge-triggered descriptor this send may consume), and
+        zmq.asyncio's own NOBLOCK send is this very call on its shadow; only while an
+        awaited `send` waits for room does the message go through zmq.asyncio, which queues
+        it behind that one, in order. A full queue (EAGAIN) falls back to the async send:
+        that reports it as today (dropped, logged) or queues it behind a send waiting.
+        """
         try:
-            sent = self._dealer(node).send_multipart(self.codec.encode(msg), flags=zmq.NOBLOCK)
+            sock = self._dealer(node)
+            frames = self.codec.encode(msg)
+            if not self._queued.get(sock):
+                try:
+                    self._shadows[sock].send_multipart(frames, flags=zmq.NOBLOCK)
+                    return
+                except zmq.Again:
+                    pass
+            sent = sock.send_multipart(frames, flags=zmq.NOBLOCK)
         except (zmq.Again, PeerLostError) as exc:
             log.debug("peer message dropped", peer=node, message=type(msg).__name__, error=str(exc))
             return
@@ -248,6 +284,7 @@ class PeerMesh:
         for sock in self._dealers.values():
             sock.close(linger=0)
         self._dealers.clear()
+        self._shadows.clear()
         if self._router is not None:
             self._router.close(linger=0)
         for _, fut in self._pending.values():
