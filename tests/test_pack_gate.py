@@ -227,3 +227,47 @@ def test_fast_switching_is_counted_across_threads() -> None:
     assert sys.getswitchinterval() == before
     with fast_switching(False):
         assert sys.getswitchinterval() == before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not OK, reason=f"no GPU here: {WHY}")
+@pytest.mark.parametrize("gate_copies", [False, True])
+def test_gpu_publish_switches_fast_from_its_begin(cluster: LocalCluster, gate_copies: bool) -> None:
+    """A GPU publish, gated or not, runs at the short GIL switch interval from its
+    BeginVersion request on (the request is watched where the trainer makes it, not
+    replaced), and the interval is as found after it, also when the publish fails."""
+    import sys
+
+    from weightwire.client.gilswitch import SWITCH_S
+
+    sock = cluster.daemons[0].socket
+    job = f"gil-{gate_copies}"
+    w = torch.randn(1 << 18, device="cuda:0")
+    dst = {"w": torch.zeros_like(w)}
+    eng = Engine(0, 1, socket=sock, job=job, timeout_s=60)
+    eng.register(dst)
+    tr = Trainer(0, 1, socket=sock, job=job, timeout_s=60, gate_copies=gate_copies)
+    tr.register({"w": w})
+    seen: list[float] = []
+    request = tr._conn.request
+
+    def watched(msg: object, *args: object, **kwargs: object) -> object:
+        if isinstance(msg, BeginVersion):
+            seen.append(sys.getswitchinterval())
+        return request(msg, *args, **kwargs)  # type: ignore[arg-type]
+
+    tr._conn.request = watched  # type: ignore[method-assign]
+    before = sys.getswitchinterval()
+    try:
+        stats = tr.publish(1)
+        eng.wait(1, 60)
+        assert torch.equal(dst["w"].view(torch.uint8), w.view(torch.uint8))
+        assert stats.gated == gate_copies, stats
+        assert seen and seen[-1] <= SWITCH_S < before, (seen, before)
+        assert sys.getswitchinterval() == before
+        with pytest.raises(WeightwireError):  # a version not above the last one is refused
+            tr.publish(1)
+        assert sys.getswitchinterval() == before
+    finally:
+        tr.close()
+        eng.close()
