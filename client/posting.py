@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 import torch
 
 from weightwire.protocol.errors import TimeoutError_
-from weightwire.protocol.local import BucketReady, ReplicaOutcome
+from weightwire.protocol.local import BucketReady, PublishResult, ReplicaOutcome
+from weightwire.protocol.plan import RankPlan
 
 from .connection import DaemonConnection
 from .ring import Landed
@@ -191,3 +192,18 @@ class BucketTimes:
     prepared: float
     posted: float
     landed: float
+
+
+def bucket_times(plan: RankPlan, poster: Poster, result: PublishResult) -> tuple[BucketTimes, ...]:
+    """Each bucket's times: packing on this rank (`poster`), posting and landing (`result`)."""
+    return tuple(
+        BucketTimes(
+            index=b.index,
+            nbytes=b.nbytes,
+            prepare_start=poster.started.get(b.index, 0.0),
+            prepared=poster.ready.get(b.index, 0.0),
+            posted=result.buckets[b.index][0] if b.index < len(result.buckets) else 0.0,
+            landed=result.buckets[b.index][1] if b.index < len(result.buckets) else 0.0,
+        )
+        for b in plan.buckets
+    )

@@ -3,66 +3,51 @@
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-import msgspec
 import torch
 
 from weightwire.protocol.errors import (
     ErrorCode,
     PeerLostError,
     PlanError,
-    RegistrationError,
     TimeoutError_,
     error_from_code,
 )
 from weightwire.protocol.local import (
     AbortVersion,
     BeginVersion,
-    BucketsIssued,
-    BucketsLanded,
-    DeclareSources,
     GetPlan,
     LocalMessage,
     PlanReply,
     PublishResult,
-    RegionRegistered,
-    RegisterRegion,
     TrailersReady,
 )
-from weightwire.protocol.plan import RankPlan, StagingRing, staging_ring
-from weightwire.protocol.tensors import SourceTensor
+from weightwire.protocol.plan import RankPlan, StagingRing
 
 from .connection import expect
 from .delta.inplace import needs_staging
 from .delta.sender import DeltaSender, Mode
 from .direct import Direct
-from .dtypes import name_of
 from .gilswitch import fast_switching
-from .layouts import Full, Layout, Part, local_box
-from .modules import Rename, local_of, module_shards
+from .ipcevents import IpcEvents
+from .layouts import Layout
+from .modules import Rename, module_shards
 from .pack import Packer
-from .posting import BucketTimes, Poster, PublishStats
+from .pending import PendingVersions
+from .posting import Poster, PublishStats, bucket_times
 from .rank import RankClient
+from .rankstaging import RankStaging
+from .registry import SourceRegistry
 from .ring import Landed, SlotOps, slot_wait
 from .slotwait import SlotWaits
 from .sources import SourceRegions
-from .staging import Placement, Staging
 from .streams import OwnStreams
 
 if TYPE_CHECKING:
-    from .megatron import MegatronSource, Ranks
-
-
-@dataclass
-class _Registered:
-    tensor: torch.Tensor
-    spec: SourceTensor
+    from .megatron import Ranks
 
 
 class Trainer(RankClient):
@@ -134,12 +119,9 @@ class Trainer(RankClient):
         self.slot_counters = slot_counters
         self.gate_copies = gate_copies
         self._slots = SlotWaits()
-        self._ipc_events: dict[bytes, torch.cuda.Event] = {}  # opened once per handle
+        self._ipc_events = IpcEvents()
         self._delta = DeltaSender(delta)
-        self._delta_out: Staging | None = None
-        self._results: dict[int, Future[PublishResult]] = {}
-        self._landed: dict[int, Landed] = {}
-        self._lock = threading.Lock()
+        self._pending = PendingVersions()
         super().__init__(
             "trainer",
             rank,
@@ -149,17 +131,21 @@ class Trainer(RankClient):
             timeout_s=timeout_s,
             device=device,
         )
-        self._tensors: dict[str, _Registered] = {}
         self._plan: RankPlan | None = None
-        self._staging: Staging | None = None
         self._source_regions = SourceRegions(self._conn, rank)
+        self._sources = SourceRegistry(self._conn, self._source_regions)
         self._packer = Packer()
         self._direct = Direct() if direct else None
+        self._stage = RankStaging(
+            self._conn,
+            rank,
+            self._device,
+            self._slots,
+            self._direct,
+            self,
+        )
         self._pack_streams = OwnStreams()  # this rank's packing stream per device
         self._slot_ops = SlotOps()
-        self._ring: tuple[tuple[str, int], StagingRing] | None = None  # of (plan, slots)
-        self._module_params: dict[str, torch.Tensor] = {}  # name -> DTensor (register_module)
-        self._megatron: list[MegatronSource] = []  # register_megatron
 
     # --- registration --------------------------------------------------------
 
@@ -193,32 +179,7 @@ class Trainer(RankClient):
         and unchanged while a publish runs; publish them as registered (no replacements).
         Tensors from `Trainer.allocate` are always zero-copy.
         """
-        specs = []
-        for name, t in tensors.items():
-            lay = layout.get(name, Full()) if isinstance(layout, Mapping) else (layout or Full())
-            shape = tuple((global_shapes or {}).get(name, tuple(t.shape)))
-            box = local_box(lay, shape, tuple(t.shape))
-            region, offset = self._source_regions.region_of(t, zero_copy)
-            spec = SourceTensor(
-                name=name,
-                dtype=name_of(t.dtype),
-                shape=shape,
-                box=box,
-                region=region,
-                offset=offset,
-            )
-            specs.append(spec)
-        self._declare({s.name: (s, tensors[s.name]) for s in specs})
-
-    def _declare(self, entries: Mapping[str, tuple[SourceTensor, torch.Tensor]]) -> None:
-        for name in entries:
-            if name in self._tensors:
-                raise RegistrationError(
-                    f"tensor {name} is already registered", code=ErrorCode.DUPLICATE
-                )
-        self._conn.request(DeclareSources(tensors=tuple(spec for spec, _ in entries.values())))
-        for name, (spec, t) in entries.items():
-            self._tensors[name] = _Registered(t, spec)
+        self._sources.register(tensors, layout, global_shapes, zero_copy=zero_copy)
         self._plan = None
 
     def register_module(
@@ -233,15 +194,9 @@ class Trainer(RankClient):
         no box of the global tensor raises RegistrationError naming the parameter; nothing
         is registered then. Returns {HF name: (offsets, sizes)} of what was registered.
         """
-        shards = module_shards(module, rename)
-        self.register(
-            {s.name: s.local for s in shards},
-            layout={s.name: Part(s.box.offsets, s.box.sizes) for s in shards},
-            global_shapes={s.name: s.shape for s in shards},
-            zero_copy=zero_copy,
-        )
-        self._module_params.update({s.name: s.param for s in shards})
-        return {s.name: (s.box.offsets, s.box.sizes) for s in shards}
+        boxes = self._sources.add_module(module_shards(module, rename), zero_copy=zero_copy)
+        self._plan = None
+        return boxes
 
     def register_megatron(
         self,
@@ -263,32 +218,9 @@ class Trainer(RankClient):
         from .megatron import MegatronSource
 
         source = MegatronSource(model, config, ranks, skip)
-        pieces = source.pieces
-        entries = {}
-        for p in pieces:
-            region, offset = self._source_regions.region_of(p.local, zero_copy)
-            spec = SourceTensor(
-                name=p.name,
-                dtype=name_of(p.local.dtype),
-                shape=p.shape,
-                box=p.box,
-                region=region,
-                offset=offset,
-            )
-            entries[p.name] = (spec, p.local)
-        self._declare(entries)
-        self._megatron.append(source)
-        return {p.name: (p.box.offsets, p.box.sizes) for p in pieces}
-
-    def _module_tensors(self) -> dict[str, torch.Tensor]:
-        """The module parameters' local tensors that are no longer the ones registered (the
-        parameter was given new storage since)."""
-        out = {}
-        for name, param in self._module_params.items():
-            local, reg = local_of(param), self._tensors[name].tensor
-            if local is not reg and (local.data_ptr(), local.shape) != (reg.data_ptr(), reg.shape):
-                out[name] = local
-        return out
+        boxes = self._sources.add_megatron(source, zero_copy=zero_copy)
+        self._plan = None
+        return boxes
 
     # --- publishing ----------------------------------------------------------
 
@@ -311,127 +243,20 @@ class Trainer(RankClient):
         return plan
 
     def _device(self) -> torch.device:
-        for r in self._tensors.values():
-            if r.tensor.is_cuda:
-                return r.tensor.device
-        return torch.device("cpu")
+        return self._sources.device()
 
     def ring(self, plan: RankPlan | None = None) -> StagingRing:
         """Where this rank packs `plan`'s buckets (default: its current plan): the ring's
         slots (0: the whole send) and the staging memory it takes (`nbytes`)."""
-        plan = plan or self.plan()
-        key = (plan.plan_hash, self.staging_buckets)
-        if self._ring is None or self._ring[0] != key:
-            self._ring = (key, staging_ring(plan, self.staging_buckets))
-        return self._ring[1]
+        return self._stage.ring(plan or self.plan())
 
     @property
     def staging_bytes(self) -> int:
         """Staging memory this rank holds now (0 before `prepare`)."""
-        return self._staging.nbytes if self._staging is not None else 0
+        return self._stage.staging_bytes
 
     def _ensure_staging(self, plan: RankPlan) -> torch.Tensor | None:
-        ring = self.ring(plan)
-        need = ring.nbytes
-        if not need:  # everything is written from zero-copy sources
-            return None
-        device = self._device()
-        placement: Placement = (
-            ("gpu" if device.type == "cuda" else "cpu")
-            if self.placement == "auto"
-            else self.placement
-        )
-        fence = ring.slots if self._counters_wanted(plan, ring, placement) else 0
-        gate = self._gate_wanted(plan, placement)
-        if (
-            self._staging is None
-            or self._staging.nbytes < need
-            or self._staging.fence_slots < fence
-            or (gate and not self._staging.gate)
-        ):
-            staging = Staging(
-                need,
-                placement,
-                device,
-                self._conn.socket_gid,
-                self.rank,
-                self._conn.region_dir,
-                fence_slots=fence,
-                gate=gate,
-            )
-            if staging.words is not None:
-                self._slots.fresh(staging.words)
-            try:
-                expect(self._conn.request(staging.request(self._conn.fd_socket)), RegionRegistered)
-            except BaseException:
-                staging.close()
-                raise
-            if self._staging is not None:
-                self._staging.close()
-            self._staging = staging
-        return self._staging.tensor
-
-    def _counters_wanted(self, plan: RankPlan, ring: StagingRing, placement: str) -> bool:
-        return (
-            self.slot_counters
-            and ring.slots > 0
-            and placement == "gpu"
-            and not plan.delta_bytes
-            and self._direct is None  # in-place buckets land out of their slots' order
-            and self._slots.usable()
-        )
-
-    def _gate_wanted(self, plan: RankPlan, placement: str) -> bool:
-        return (
-            self.gate_copies
-            and "pack_gate" in self._conn.features  # an older daemon would not wait for it
-            and placement == "gpu"
-            and not plan.delta_bytes
-            and self._direct is None  # in-place buckets are posted once their bytes are there
-            and self._slots.usable()
-        )
-
-    def _gate(self, plan: RankPlan) -> torch.Tensor | None:
-        """The staging's pack counter, where this version's copies wait on it."""
-        st = self._staging
-        if st is None or st.gate_word is None:
-            return None
-        return st.gate_word if self._gate_wanted(plan, st.placement) else None
-
-    def _counters(self, plan: RankPlan, ring: StagingRing) -> torch.Tensor | None:
-        """The staging's slot counters, where this version waits for slots on them."""
-        st = self._staging
-        if st is None or st.counters is None or st.fence_slots < ring.slots:
-            return None
-        return st.counters if self._counters_wanted(plan, ring, st.placement) else None
-
-    def _ensure_delta_out(self, plan: RankPlan, device: torch.device) -> torch.Tensor | None:
-        """The region this rank encodes delta payloads and trailers in (delta-capable plans),
-        beside staging: on the staging's device, registered once."""
-        if not plan.delta_bytes:
-            return None
-        if self._delta_out is None or self._delta_out.nbytes < plan.delta_bytes:
-            placement: Placement = "gpu" if device.type == "cuda" else "cpu"
-            out = Staging(
-                plan.delta_bytes,
-                placement,
-                device,
-                self._conn.socket_gid,
-                self.rank,
-                self._conn.region_dir,
-            )
-            try:
-                expect(self._conn.request(self._delta_request(out)), RegionRegistered)
-            except BaseException:
-                out.close()
-                raise
-            if self._delta_out is not None:
-                self._delta_out.close()
-            self._delta_out = out
-        return self._delta_out.tensor
-
-    def _delta_request(self, out: Staging) -> RegisterRegion:
-        return msgspec.structs.replace(out.request(self._conn.fd_socket), purpose="delta")
+        return self._stage.ensure_staging(plan)
 
     @property
     def delta(self) -> DeltaSender:
@@ -455,28 +280,15 @@ class Trainer(RankClient):
 
     def _publish(self, version: int, tensors: Mapping[str, torch.Tensor] | None) -> PublishStats:
         t0 = time.perf_counter()
-        if self._module_params:
-            tensors = {**self._module_tensors(), **(tensors or {})}
-        for source in self._megatron:  # parameters given new storage: read them there
-            for name, t in source.moved().items():
-                reg = self._tensors[name]
-                if reg.spec.region >= 0:
-                    raise RegistrationError(
-                        f"{name} was registered zero-copy, but its Megatron parameter has new "
-                        "storage since: register with zero_copy=False to publish parameters "
-                        "that move (offloaded and reloaded)",
-                        code=ErrorCode.INVALID,
-                    )
-                reg.tensor = t  # from now on, as if registered so
-        current = self._current(tensors)
+        current = self._sources.current(tensors)
         for attempt in range(3):
             plan = self.plan()
             staging = self._ensure_staging(plan)
             device = staging.device if staging is not None else self._device()
-            out = self._ensure_delta_out(plan, device)
+            out = self._stage.ensure_delta_out(plan, device)
             ring = self.ring(plan)
-            counters = self._counters(plan, ring)
-            gate = self._gate(plan)
+            counters = self._stage.counters(plan, ring)
+            gate = self._stage.gate(plan)
             try:
                 t_req = time.perf_counter()
                 self._conn.request(
@@ -485,12 +297,12 @@ class Trainer(RankClient):
                         plan_hash=plan.plan_hash,
                         staging_buckets=ring.slots,
                         slot_events=counters is None and self._events_on(device, ring),
-                        fence_offset=self._staging.fence_offset
-                        if counters is not None and self._staging is not None
+                        fence_offset=self._stage.staging.fence_offset
+                        if counters is not None and self._stage.staging is not None
                         else -1,
                         fence_base=self._slots.base,
-                        gate_offset=self._staging.gate_offset
-                        if gate is not None and self._staging is not None
+                        gate_offset=self._stage.staging.gate_offset
+                        if gate is not None and self._stage.staging is not None
                         else -1,
                     )
                 )
@@ -501,11 +313,7 @@ class Trainer(RankClient):
                 if exc.code not in (ErrorCode.PLAN_CHANGED, ErrorCode.NOT_READY) or attempt == 2:
                     raise
                 self._plan = None
-        fut: Future[PublishResult] = Future()
-        landed = Landed()
-        with self._lock:
-            self._results[version] = fut
-            self._landed[version] = landed
+        fut, landed = self._pending.open(version)
         poster = Poster(self._conn, version)
         pack_s = 0.0
         by_event = by_landing = by_counter = 0
@@ -604,26 +412,14 @@ class Trainer(RankClient):
         finally:
             if pack_stream is not None:  # the caller's later work comes after the packs
                 torch.cuda.current_stream(device).wait_stream(pack_stream)
-            with self._lock:
-                self._results.pop(version, None)
-                self._landed.pop(version, None)
+            self._pending.close(version)
             if counters is not None and not (result is not None and result.ok):
                 self._slots.release(counters, len(plan.buckets))  # no GPU wait left behind
             self._slots.advance(len(plan.buckets))
         self._delta.settle(version, plan, result)
         if not result.ok:
             raise error_from_code(result.code, f"version {version}: {result.message}")
-        times = tuple(
-            BucketTimes(
-                index=b.index,
-                nbytes=b.nbytes,
-                prepare_start=poster.started.get(b.index, 0.0),
-                prepared=poster.ready.get(b.index, 0.0),
-                posted=result.buckets[b.index][0] if b.index < len(result.buckets) else 0.0,
-                landed=result.buckets[b.index][1] if b.index < len(result.buckets) else 0.0,
-            )
-            for b in plan.buckets
-        )
+        times = bucket_times(plan, poster, result)
         return PublishStats(
             version=version,
             nbytes=result.nbytes,
@@ -675,16 +471,8 @@ class Trainer(RankClient):
         events = landed.events(reuse) if issued else ()
         if not events:
             return "landed"
-        try:
-            stream = torch.cuda.current_stream(device)
-            for handle in events:
-                ev = self._ipc_events.get(handle)
-                if ev is None:
-                    ev = torch.cuda.Event.from_ipc_handle(device, handle)  # type: ignore[no-untyped-call]
-                    self._ipc_events[handle] = ev
-                stream.wait_event(ev)
-        except RuntimeError:  # the events cannot be opened here: wait for landings instead
-            self.slot_events = False
+        if not self._ipc_events.wait(device, events):
+            self.slot_events = False  # they cannot be opened here: wait for landings instead
             landed.forget_issued()
             ok = poster.await_landed(landed, reuse, self.timeout_s, what)
             return "landed" if ok else "ended"
@@ -702,35 +490,6 @@ class Trainer(RankClient):
     ) -> None:
         poster.post(index, device, started, delta, in_place, queued)
 
-    def _current(self, tensors: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-        current = {name: r.tensor for name, r in self._tensors.items()}
-        for name, t in (tensors or {}).items():
-            reg = self._tensors.get(name)
-            if reg is None:
-                raise RegistrationError(
-                    f"publish got tensor {name!r}, which this rank never registered",
-                    code=ErrorCode.UNKNOWN_TENSOR,
-                )
-            if reg.spec.region >= 0 and t is not reg.tensor:
-                raise RegistrationError(
-                    f"tensor {name} is zero-copy (the daemon reads its registered memory): "
-                    "update it in place instead of passing another tensor to publish",
-                    code=ErrorCode.INVALID,
-                )
-            if t.dtype != reg.tensor.dtype:
-                raise RegistrationError(
-                    f"tensor {name}: published as {t.dtype}, registered as {reg.tensor.dtype}",
-                    code=ErrorCode.DTYPE_MISMATCH,
-                )
-            if t.shape != reg.tensor.shape:
-                raise RegistrationError(
-                    f"tensor {name}: published with shape {list(t.shape)}, registered with "
-                    f"{list(reg.tensor.shape)}",
-                    code=ErrorCode.SHAPE_MISMATCH,
-                )
-            current[name] = t
-        return current
-
     def _abort(self, version: int, reason: str) -> None:
         """Tell the daemon the version will not be finished (its engines learn it failed);
         best effort: the caller raises the reason itself."""
@@ -738,68 +497,24 @@ class Trainer(RankClient):
             self._conn.request(AbortVersion(version=version, reason=reason), timeout_s=5)
 
     def _on_notify(self, msg: LocalMessage) -> None:
-        if isinstance(msg, BucketsLanded):
-            with self._lock:
-                landed = self._landed.get(msg.version)
-            if landed is not None:
-                landed.add(msg.buckets)
-        elif isinstance(msg, BucketsIssued):
-            with self._lock:
-                landed = self._landed.get(msg.version)
-            if landed is not None:
-                landed.issue(msg.buckets, msg.events)
-        elif isinstance(msg, PublishResult):
-            with self._lock:
-                fut = self._results.get(msg.version)
-                landed = self._landed.get(msg.version)
-            if fut is not None and not fut.done():
-                fut.set_result(msg)
-            if landed is not None:
-                landed.end()
+        self._pending.notify(msg)
 
     def _replay(self) -> None:
         """The daemon restarted: register everything again, on a fresh session."""
         self._fail_pending(PeerLostError("the daemon restarted mid-version; publish again"))
         super()._replay()
-        self._reregister_sources()
-        if self._tensors:
-            self._conn.request(
-                DeclareSources(tensors=tuple(r.spec for r in self._tensors.values()))
-            )
-        if self._staging is not None:
-            self._conn.request(self._staging.request(self._conn.fd_socket))
-        if self._delta_out is not None:
-            self._conn.request(self._delta_request(self._delta_out))
+        self._sources.declare_again()
+        self._stage.register_again()
         self._plan = None
         self._ipc_events.clear()  # the new daemon's events are others
 
-    def _reregister_sources(self) -> None:
-        """Zero-copy source regions again (the new daemon numbers them anew), and the
-        tensor specs pointed at their new ids."""
-        renamed = self._source_regions.register_again()
-        for reg in self._tensors.values():
-            if reg.spec.region in renamed:
-                reg.spec = msgspec.structs.replace(reg.spec, region=renamed[reg.spec.region])
-
     def _fail_pending(self, exc: Exception) -> None:
         super()._fail_pending(exc)
-        with self._lock:
-            pending = list(self._results.values())
-            ends = list(self._landed.values())
-        for fut in pending:
-            if not fut.done():
-                fut.set_exception(exc)
-        for landed in ends:
-            landed.end()
+        self._pending.fail(exc)
 
     def close(self) -> None:
         super().close()
-        if self._staging is not None:
-            self._staging.close()
-            self._staging = None
-        if self._delta_out is not None:
-            self._delta_out.close()
-            self._delta_out = None
+        self._stage.close()
         self._source_regions.close()
         if self._direct is not None:
             self._direct.close()

@@ -205,9 +205,10 @@ class GarblesAPayload(Trainer):
         if poster.version == self.at and delta:
             _, slot, nbytes = delta[0]
             ds = self.plan().buckets[index].deltas[slot]
-            assert self._delta_out is not None
+            out = self._stage.delta_out
+            assert out is not None
             at = ds.src_offset + (nbytes - 1 if self.where == "value" else 8)
-            self._delta_out.tensor[at] ^= 0x10
+            out.tensor[at] ^= 0x10
             self.at = -1
         super()._post_bucket(poster, index, device, started, delta, *args, **kwargs)
 

@@ -1,0 +1,62 @@
+"""A trainer rank's versions in flight: each one's result future and what of it has landed
+or been issued, fed by the daemon's notifications (on the connection's thread)."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+
+from weightwire.protocol.local import BucketsIssued, BucketsLanded, LocalMessage, PublishResult
+
+from .ring import Landed
+
+
+class PendingVersions:
+    def __init__(self) -> None:
+        self._results: dict[int, Future[PublishResult]] = {}
+        self._landed: dict[int, Landed] = {}
+        self._lock = threading.Lock()
+
+    def open(self, version: int) -> tuple[Future[PublishResult], Landed]:
+        fut: Future[PublishResult] = Future()
+        landed = Landed()
+        with self._lock:
+            self._results[version] = fut
+            self._landed[version] = landed
+        return fut, landed
+
+    def close(self, version: int) -> None:
+        with self._lock:
+            self._results.pop(version, None)
+            self._landed.pop(version, None)
+
+    def notify(self, msg: LocalMessage) -> None:
+        if isinstance(msg, BucketsLanded):
+            with self._lock:
+                landed = self._landed.get(msg.version)
+            if landed is not None:
+                landed.add(msg.buckets)
+        elif isinstance(msg, BucketsIssued):
+            with self._lock:
+                landed = self._landed.get(msg.version)
+            if landed is not None:
+                landed.issue(msg.buckets, msg.events)
+        elif isinstance(msg, PublishResult):
+            with self._lock:
+                fut = self._results.get(msg.version)
+                landed = self._landed.get(msg.version)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+            if landed is not None:
+                landed.end()
+
+    def fail(self, exc: Exception) -> None:
+        """Every version in flight fails with `exc` (the daemon restarted or was lost)."""
+        with self._lock:
+            pending = list(self._results.values())
+            ends = list(self._landed.values())
+        for fut in pending:
+            if not fut.done():
+                fut.set_exception(exc)
+        for landed in ends:
+            landed.end()

@@ -1,0 +1,189 @@
+"""What a trainer rank declared: its named tensors (plain, module parameters, Megatron
+pieces), their specs and zero-copy regions, and the tensors a publish reads (checked
+against what was registered)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import msgspec
+import torch
+
+from weightwire.protocol.errors import ErrorCode, RegistrationError
+from weightwire.protocol.local import DeclareSources, LocalMessage, LocalMsg
+from weightwire.protocol.tensors import SourceTensor
+
+from .dtypes import name_of
+from .layouts import Full, Layout, Part, local_box
+from .modules import ModuleShard, local_of
+from .sources import SourceRegions
+
+if TYPE_CHECKING:
+    from .megatron import MegatronSource
+
+
+class Requests(Protocol):
+    """The daemon session, as the registry uses it: requests only."""
+
+    def request(self, msg: LocalMsg, timeout_s: float = 30.0) -> LocalMessage: ...
+
+
+@dataclass
+class Registered:
+    tensor: torch.Tensor
+    spec: SourceTensor
+
+
+class SourceRegistry:
+    """The tensors a trainer rank declared to its daemon (see `Trainer.register`)."""
+
+    def __init__(self, conn: Requests, regions: SourceRegions) -> None:
+        self._conn = conn
+        self.regions = regions
+        self.tensors: dict[str, Registered] = {}
+        self._module_params: dict[str, torch.Tensor] = {}  # name -> DTensor (register_module)
+        self._megatron: list[MegatronSource] = []  # register_megatron
+
+    def register(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        layout: Layout | Mapping[str, Layout] | None,
+        global_shapes: Mapping[str, tuple[int, ...]] | None,
+        zero_copy: bool,
+    ) -> None:
+        """Named tensors this rank holds (see `Trainer.register`)."""
+        specs = []
+        for name, t in tensors.items():
+            lay = layout.get(name, Full()) if isinstance(layout, Mapping) else (layout or Full())
+            shape = tuple((global_shapes or {}).get(name, tuple(t.shape)))
+            box = local_box(lay, shape, tuple(t.shape))
+            region, offset = self.regions.region_of(t, zero_copy)
+            spec = SourceTensor(
+                name=name,
+                dtype=name_of(t.dtype),
+                shape=shape,
+                box=box,
+                region=region,
+                offset=offset,
+            )
+            specs.append(spec)
+        self.declare({s.name: (s, tensors[s.name]) for s in specs})
+
+    def declare(self, entries: Mapping[str, tuple[SourceTensor, torch.Tensor]]) -> None:
+        for name in entries:
+            if name in self.tensors:
+                raise RegistrationError(
+                    f"tensor {name} is already registered", code=ErrorCode.DUPLICATE
+                )
+        self._conn.request(DeclareSources(tensors=tuple(spec for spec, _ in entries.values())))
+        for name, (spec, t) in entries.items():
+            self.tensors[name] = Registered(t, spec)
+
+    def add_module(
+        self, shards: Sequence[ModuleShard], *, zero_copy: bool = False
+    ) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+        """A module's parameters, as `module_shards` gives them (see `Trainer.register_module`)."""
+        self.register(
+            {s.name: s.local for s in shards},
+            layout={s.name: Part(s.box.offsets, s.box.sizes) for s in shards},
+            global_shapes={s.name: s.shape for s in shards},
+            zero_copy=zero_copy,
+        )
+        self._module_params.update({s.name: s.param for s in shards})
+        return {s.name: (s.box.offsets, s.box.sizes) for s in shards}
+
+    def add_megatron(
+        self, source: MegatronSource, *, zero_copy: bool = False
+    ) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+        """A Megatron model's pieces (see `Trainer.register_megatron`)."""
+        pieces = source.pieces
+        entries = {}
+        for p in pieces:
+            region, offset = self.regions.region_of(p.local, zero_copy)
+            spec = SourceTensor(
+                name=p.name,
+                dtype=name_of(p.local.dtype),
+                shape=p.shape,
+                box=p.box,
+                region=region,
+                offset=offset,
+            )
+            entries[p.name] = (spec, p.local)
+        self.declare(entries)
+        self._megatron.append(source)
+        return {p.name: (p.box.offsets, p.box.sizes) for p in pieces}
+
+    def device(self) -> torch.device:
+        for r in self.tensors.values():
+            if r.tensor.is_cuda:
+                return r.tensor.device
+        return torch.device("cpu")
+
+    def current(self, tensors: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """What a publish reads: the registered tensors, module parameters and Megatron
+        parameters given new storage since, and `tensors` in place of registered ones."""
+        if self._module_params:
+            tensors = {**self._module_tensors(), **(tensors or {})}
+        for source in self._megatron:  # parameters given new storage: read them there
+            for name, t in source.moved().items():
+                reg = self.tensors[name]
+                if reg.spec.region >= 0:
+                    raise RegistrationError(
+                        f"{name} was registered zero-copy, but its Megatron parameter has new "
+                        "storage since: register with zero_copy=False to publish parameters "
+                        "that move (offloaded and reloaded)",
+                        code=ErrorCode.INVALID,
+                    )
+                reg.tensor = t  # from now on, as if registered so
+        return self._current(tensors)
+
+    def _module_tensors(self) -> dict[str, torch.Tensor]:
+        """The module parameters' local tensors that are no longer the ones registered (the
+        parameter was given new storage since)."""
+        out = {}
+        for name, param in self._module_params.items():
+            local, reg = local_of(param), self.tensors[name].tensor
+            if local is not reg and (local.data_ptr(), local.shape) != (reg.data_ptr(), reg.shape):
+                out[name] = local
+        return out
+
+    def _current(self, tensors: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        current = {name: r.tensor for name, r in self.tensors.items()}
+        for name, t in (tensors or {}).items():
+            reg = self.tensors.get(name)
+            if reg is None:
+                raise RegistrationError(
+                    f"publish got tensor {name!r}, which this rank never registered",
+                    code=ErrorCode.UNKNOWN_TENSOR,
+                )
+            if reg.spec.region >= 0 and t is not reg.tensor:
+                raise RegistrationError(
+                    f"tensor {name} is zero-copy (the daemon reads its registered memory): "
+                    "update it in place instead of passing another tensor to publish",
+                    code=ErrorCode.INVALID,
+                )
+            if t.dtype != reg.tensor.dtype:
+                raise RegistrationError(
+                    f"tensor {name}: published as {t.dtype}, registered as {reg.tensor.dtype}",
+                    code=ErrorCode.DTYPE_MISMATCH,
+                )
+            if t.shape != reg.tensor.shape:
+                raise RegistrationError(
+                    f"tensor {name}: published with shape {list(t.shape)}, registered with "
+                    f"{list(reg.tensor.shape)}",
+                    code=ErrorCode.SHAPE_MISMATCH,
+                )
+            current[name] = t
+        return current
+
+    def declare_again(self) -> None:
+        """The daemon restarted: zero-copy source regions again (the new daemon numbers
+        them anew), the tensor specs pointed at their new ids, and declared again."""
+        renamed = self.regions.register_again()
+        for reg in self.tensors.values():
+            if reg.spec.region in renamed:
+                reg.spec = msgspec.structs.replace(reg.spec, region=renamed[reg.spec.region])
+        if self.tensors:
+            self._conn.request(DeclareSources(tensors=tuple(r.spec for r in self.tensors.values())))
