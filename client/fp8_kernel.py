@@ -54,6 +54,8 @@ from typing import Any
 
 import torch
 
+from . import fp8_triton
+
 try:
     import triton
     import triton.language as tl
@@ -320,137 +322,5 @@ def _kernel() -> Any:
     """The kernel, jit-compiled on first use (interpreted under TRITON_INTERPRET=1)."""
     if not _KERNEL:
         assert triton is not None
-        _KERNEL.append(triton.jit(_quantize))
+        _KERNEL.append(triton.jit(fp8_triton.quantize))
     return _KERNEL[0]
-
-
-if triton is not None:
-
-    @triton.jit  # type: ignore[untyped-decorator,unused-ignore]
-    def _codes(xf, scale, fast, HW_CVT: tl.constexpr, FAST_DIV: tl.constexpr):  # type: ignore[no-untyped-def]
-        """e4m3fn codes (int32) of float32(x) / scale, the quotient IEEE-rounded."""
-        xbits = xf.to(tl.int32, bitcast=True)
-        if FAST_DIV:
-            if fast:  # a finite tile, amax < 2**80: Markstein's correction, exact here
-                y = tl.math.div_rn(1.0, scale)  # RN(1/scale), once per tile
-                negs = tl.full(xf.shape, 0.0, tl.float32) - scale
-                q = xf * y
-                q = tl.math.fma(tl.math.fma(negs, q, xf), y, q)  # within 1 ulp
-                q = tl.math.fma(tl.math.fma(negs, q, xf), y, q)  # = RN(x / scale)
-                # |x| < 2**-40: |x / scale| < 2**-18, code 0 keeping x's sign (and the
-                # remainders above would leave float32's normal range)
-                tiny = (xbits & 0x7FFFFFFF) < (87 << 23)
-                q = tl.where(tiny, (xbits & -0x80000000).to(tl.float32, bitcast=True), q)
-            else:
-                q = tl.math.div_rn(xf, tl.full(xf.shape, 0.0, tl.float32) + scale)
-        else:
-            q = tl.math.div_rn(xf, tl.full(xf.shape, 0.0, tl.float32) + scale)
-        bits = q.to(tl.int32, bitcast=True)
-        neg = bits < 0
-        if HW_CVT:  # cvt.rn.satfinite: c10's codes for |q| < 464; NaN keeps its sign
-            hw = q.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
-            res = tl.where(q != q, tl.where(neg, 0xFF, 0x7F), hw.to(tl.int32))
-        else:
-            mag = bits & 0x7FFFFFFF
-            # c10's fp8e4m3fn_from_fp32_value, in integers
-            den = (mag.to(tl.float32, bitcast=True) + 16384.0).to(tl.int32, bitcast=True)
-            den = den - (141 << 23)
-            nb = mag + ((-120 << 23) + 0x7FFFF) + ((mag >> 20) & 1)
-            nrm = (nb >> 20) & 0xFF
-            nrm = tl.where(nrm == 0x7F, 0x7E, nrm)
-            big = tl.where(mag > 0x7F800000, 0x7F, 0x7E)
-            res = tl.where(mag >= (1087 << 20), big, tl.where(mag < (121 << 23), den, nrm))
-            res = res | tl.where(neg, 0x80, 0)
-        return res
-
-    @triton.jit  # type: ignore[untyped-decorator,unused-ignore]
-    def _amax_bits(x):  # type: ignore[no-untyped-def]
-        # one reduction for the amax and the NaN test: |x|'s bits order as integers as
-        # the values do, and a NaN's bits are above +inf's (0x7F800000)
-        xb = x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
-        return tl.max(tl.max(xb, axis=1), axis=0)
-
-    def _quantize(  # type: ignore[no-untyped-def]
-        src,
-        dst,
-        desc,
-        tiles,
-        BLOCK: tl.constexpr,
-        STEP: tl.constexpr,
-        ALIGNED: tl.constexpr,
-        VEC: tl.constexpr,
-        HW_CVT: tl.constexpr,
-        FAST_DIV: tl.constexpr,
-    ):
-        """One program per tile: its box's descriptor, its scale, its codes. STEP rows
-        at a time: STEP == BLOCK reads the tile once and keeps it in registers; less
-        reads it twice (the amax, then the codes; the second read hits L2) with fewer
-        registers per program, so more programs (more bytes in flight) per SM."""
-        pid = tl.program_id(0)
-        d = tl.load(tiles + pid * 3).to(tl.int64)
-        ti = tl.load(tiles + pid * 3 + 1).to(tl.int64)
-        tj = tl.load(tiles + pid * 3 + 2).to(tl.int64)
-        at = desc + d * 8
-        rows = tl.load(at + 1)
-        scales_at = tl.load(at + 6)
-        if ALIGNED:  # stored in vectors: multiples of constants, which Triton can see;
-            # offsets inside the tile in int32 (the batch checked that they fit)
-            off = tl.load(at) * VEC
-            s0 = tl.load(at + 3).to(tl.int32) * VEC
-            cols = tl.load(at + 7).to(tl.int32) * 16
-            codes_at = tl.load(at + 5) * 16
-            r = tl.arange(0, STEP)
-            c = tl.arange(0, BLOCK)
-            nr = (rows - ti * BLOCK).to(tl.int32)
-            nc = cols - tj.to(tl.int32) * BLOCK
-            x_at = src + off + ti * BLOCK * s0 + tj * BLOCK
-            out_at = dst + codes_at + ti * BLOCK * cols + tj * BLOCK
-            ncols = cols
-        else:
-            off = tl.load(at)
-            s0 = tl.load(at + 3)
-            s1 = tl.load(at + 4)
-            ncols = tl.load(at + 2)
-            codes_at = tl.load(at + 5)
-            r = tl.arange(0, STEP).to(tl.int64)
-            c = tl.arange(0, BLOCK).to(tl.int64)
-            nr = rows - ti * BLOCK
-            nc = ncols - tj * BLOCK
-            x_at = src + off + ti * BLOCK * s0 + tj * BLOCK * s1
-            out_at = dst + codes_at + ti * BLOCK * ncols + tj * BLOCK
-            c = c * s1
-        if STEP == BLOCK:
-            inside = (r[:, None] < nr) & (tl.arange(0, BLOCK)[None, :] < nc)
-            x = tl.load(x_at + r[:, None] * s0 + c[None, :], mask=inside, other=0.0)
-            amax_bits = _amax_bits(x)
-        else:
-            amax_bits = tl.full((), 0, tl.int32)
-            for k in tl.range(0, BLOCK, STEP):
-                rk = r + k
-                inside = (rk[:, None] < nr) & (tl.arange(0, BLOCK)[None, :] < nc)
-                x = tl.load(x_at + rk[:, None] * s0 + c[None, :], mask=inside, other=0.0)
-                amax_bits = tl.maximum(amax_bits, _amax_bits(x))
-        amax = amax_bits.to(tl.float32, bitcast=True)
-        floor = tl.full((), 1e-4, tl.float32)
-        scale = tl.math.div_rn(tl.maximum(amax, floor), tl.full((), 448.0, tl.float32))
-        scale = tl.where(amax_bits > 0x7F800000, float("nan"), scale)
-        fast = amax_bits < 0x67800000  # finite and below 2**80
-        if scales_at >= 0:  # four bytes: a scale's offset is only 4-aligned in staging
-            sbits = scale.to(tl.int32, bitcast=True)
-            k4 = tl.arange(0, 4)
-            sb = ((sbits >> (k4 * 8)) & 0xFF).to(tl.uint8)
-            tl.store(dst + scales_at + (ti * ((ncols + BLOCK - 1) // BLOCK) + tj) * 4 + k4, sb)
-        if codes_at >= 0:
-            cc = tl.arange(0, BLOCK)
-            if STEP == BLOCK:
-                res = _codes(x.to(tl.float32), scale, fast, HW_CVT, FAST_DIV)
-                out = out_at + (r[:, None] * ncols + cc[None, :])
-                tl.store(out, res.to(tl.uint8), mask=inside)
-            else:
-                for k in tl.range(0, BLOCK, STEP):
-                    rk = r + k
-                    inside = (rk[:, None] < nr) & (cc[None, :] < nc)
-                    x = tl.load(x_at + rk[:, None] * s0 + c[None, :], mask=inside, other=0.0)
-                    res = _codes(x.to(tl.float32), scale, fast, HW_CVT, FAST_DIV)
-                    out = out_at + (rk[:, None] * ncols + cc[None, :])
-                    tl.store(out, res.to(tl.uint8), mask=inside)
