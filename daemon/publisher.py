@@ -20,7 +20,6 @@ import structlog
 from weightwire.protocol.errors import (
     ErrorCode,
     PeerLostError,
-    PlanError,
     TransferError,
     VersionError,
     WeightwireError,
@@ -34,6 +33,7 @@ from .metrics import Recorder
 from .packgate import MakeGate, PackGate
 from .posting import Poster
 from .prepared import PreparedWrites, SourceRegion
+from .publishchecks import check_buckets, check_in_place, check_regions, check_version
 from .ringslots import Reply, RingSlots, release
 from .runs import Run, progress
 from .seams import PickTransport
@@ -175,55 +175,25 @@ class Publisher:
         (`BeginVersion.gate_offset`, `daemon/packgate.py`). `announce` False: the caller
         answers the rank first, then calls `started` (the version's announce is a send to
         each destination node, off the BeginVersion's round trip)."""
-        if self.plan is None:
-            raise PlanError("this rank has no plan yet", code=ErrorCode.NOT_READY)
-        if plan_hash != self.plan.plan_hash:
-            raise PlanError(
-                f"publish used plan {plan_hash}, the current plan is {self.plan.plan_hash}",
-                code=ErrorCode.PLAN_CHANGED,
-            )
-        if version <= self.last_version:
-            raise VersionError(
-                f"version {version} does not follow version {self.last_version} of trainer "
-                f"rank {self.rank}: versions only go forwards"
-            )
+        plan = check_version(self.plan, plan_hash, version, self.last_version, self.rank)
         ring = self.ring(staging_buckets)
-        staging_ok = self.staging is not None and self.staging.length >= ring.nbytes
-        if ring.nbytes and not staging_ok:
-            slots = f" ({ring.slots} slots)" if ring.slots else ""
-            raise PlanError(
-                f"the plan needs a staging region of {ring.nbytes} bytes{slots}; "
-                f"register one first",
-                code=ErrorCode.NOT_READY,
-            )
-        out_ok = self.delta_out is not None and self.delta_out.length >= self.plan.delta_bytes
-        if self.plan.delta_bytes and not out_ok:
-            raise PlanError(
-                f"the plan needs a delta-out region of {self.plan.delta_bytes} bytes; "
-                f"register one first (purpose delta)",
-                code=ErrorCode.NOT_READY,
-            )
-        for run in (self.previous, self.run):
-            if run is not None and run.tasks:
-                raise VersionError(
-                    f"version {run.version} still has writes in flight", code=ErrorCode.NOT_READY
-                )
+        check_regions(plan, ring, self.staging, self.delta_out, (self.previous, self.run))
         counters = None
         if fence_offset >= 0:
             counters = self.make_counters(
-                self.staging, ring, fence_offset, fence_base, len(self.plan.buckets)
+                self.staging, ring, fence_offset, fence_base, len(plan.buckets)
             )
         gate = None
         if gate_offset >= 0:
             fence = (fence_offset, ring.slots if counters is not None else 0)
-            packgate.check_plan(self.plan)
+            packgate.check_plan(plan)
             gate = self.make_gate(
-                self.staging, ring, gate_offset, fence_base, len(self.plan.buckets), fence
+                self.staging, ring, gate_offset, fence_base, len(plan.buckets), fence
             )
         self.last_version = version
         self.run = Run(
             version=version,
-            plan=self.plan,
+            plan=plan,
             staging=self.staging,
             ring=ring,
             delta_out=self.delta_out,
@@ -256,42 +226,13 @@ class Publisher:
         `delta`: (bucket, delta slot, payload bytes) of those sent as delta payloads.
         `in_place`: those the rank packed straight into their destinations (colocated):
         only their immediates are delivered (`Poster._post_in_place`)."""
-        run = self.run
-        if run is not None and version < run.version:
-            raise VersionError(
-                f"bucket {buckets[0]} of version {version}, older than version {run.version} "
-                f"being published"
-            )
-        if run is None or run.version != version:
-            raise VersionError(
-                f"bucket {buckets[0]} of version {version}, which was never begun "
-                f"(BeginVersion first)",
-                code=ErrorCode.INVALID,
-            )
-        if run.finished:
+        run = check_buckets(self.run, version, buckets)
+        if run is None:
             return False  # the version already failed; the rank learns why from PublishResult
-        for bucket in buckets:
-            if not 0 <= bucket < len(run.plan.buckets):
-                raise VersionError(
-                    f"bucket {bucket} does not exist (the plan has {len(run.plan.buckets)})",
-                    code=ErrorCode.INVALID,
-                )
-        for i, bucket in enumerate(buckets):
-            if bucket in run.posted or bucket in buckets[:i]:
-                raise VersionError(
-                    f"bucket {bucket} of version {version} was already posted",
-                    code=ErrorCode.DUPLICATE,
-                )
         if run.gate is not None:
             packgate.check_order(version, buckets, run.posted)
         sent = deltas.check_payloads(run.plan, buckets, delta)
-        direct = set(in_place)
-        if not direct <= set(buckets) or direct & set(sent):
-            raise VersionError(
-                f"buckets {sorted(direct)} said packed in place are not all posted now, or "
-                f"also sent as delta payloads",
-                code=ErrorCode.INVALID,
-            )
+        direct = check_in_place(buckets, sent, in_place)
         run.posted.update(buckets)
         if not run.first_post:
             run.first_post = time.monotonic()
