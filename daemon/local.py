@@ -15,15 +15,14 @@ import socket
 import stat
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import structlog
 import zmq
 import zmq.asyncio
 
 from weightwire.memory.fdpass import FdPassError, Inbox
-from weightwire.protocol import PROTOCOL_VERSION, check_protocol
+from weightwire.protocol import PROTOCOL_VERSION
 from weightwire.protocol.errors import ErrorCode, ProtocolError, WeightwireError
 from weightwire.protocol.frames import HARD_LIMIT_FACTOR, Codec, request_id
 from weightwire.protocol.local import (
@@ -41,22 +40,20 @@ from weightwire.protocol.local import (
     LocalMsg,
     Ok,
     Ping,
-    PlanReply,
     Pong,
-    RegionRegistered,
     RegisterRegion,
     RemapRegion,
     StatusReply,
     StatusRequest,
     TrailersReady,
-    VersionComplete,
     WaitVersion,
     Welcome,
 )
 
 from .lograte import Throttled
 from .packgate import features as FEATURES
-from .sessions import Session
+from .rankrequests import Identity, Requests
+from .sessions import Session, check_hello
 
 log = structlog.get_logger("weightwire.daemon.local")
 
@@ -78,72 +75,6 @@ def _remove_stale_socket(path: str) -> None:
     finally:
         probe.close()
     raise WeightwireError(f"another daemon is serving {path}", code=ErrorCode.DUPLICATE)
-
-
-class Requests(Protocol):
-    """What a rank's requests are served by (ranks.py)."""
-
-    def declare_sources(self, session: Session, msg: DeclareSources) -> None: ...
-
-    def declare_destinations(self, session: Session, msg: DeclareDestinations) -> None: ...
-
-    async def register(
-        self, session: Session, msg: RegisterRegion, alive: Callable[[], bool]
-    ) -> RegionRegistered: ...
-
-    async def remap(self, session: Session, msg: RemapRegion) -> Ok: ...
-
-    async def plan_for(self, session: Session, req: int, timeout_s: float) -> PlanReply: ...
-
-    async def begin_version(
-        self,
-        session: Session,
-        req: int,
-        version: int,
-        plan_hash: str,
-        staging_buckets: int = 0,
-        slot_events: bool = False,
-        fence: tuple[int, int, int] = (-1, 0, -1),
-    ) -> Ok: ...
-
-    def begin_version_now(
-        self,
-        session: Session,
-        req: int,
-        version: int,
-        plan_hash: str,
-        staging_buckets: int = 0,
-        slot_events: bool = False,
-        fence: tuple[int, int, int] = (-1, 0, -1),
-        *,
-        answer: Callable[[Ok], None],
-    ) -> bool: ...
-
-    def bucket_ready(self, session: Session, msg: BucketReady) -> bool:
-        """True when the rank had nothing being posted: its post should start at once."""
-        ...
-
-    def trailers_ready(self, session: Session, msg: TrailersReady) -> None: ...
-
-    def abort_version(self, session: Session, msg: AbortVersion) -> None: ...
-
-    def applied(self, session: Session, msg: Applied) -> None: ...
-
-    async def wait_version(
-        self, session: Session, req: int, version: int, timeout_s: float
-    ) -> VersionComplete: ...
-
-    def session_gone(self, session: Session) -> None: ...
-
-
-@dataclass(frozen=True)
-class Identity:
-    """What a rank is told in `Welcome`."""
-
-    node: str
-    incarnation: str
-    version: str
-    region_dir: str
 
 
 class LocalServer:
@@ -356,30 +287,7 @@ class LocalServer:
         return self.sessions.get(session.identity) is session
 
     def _hello(self, identity: bytes, hello: Hello) -> None:
-        check_protocol(hello.protocol, f"rank (pid {hello.pid})")
-        if identity in self.sessions:
-            raise ProtocolError("this connection already said hello", code=ErrorCode.DUPLICATE)
-        if hello.role != "admin":
-            for s in self.sessions.values():
-                if (s.job, s.role) != (hello.job, hello.role):
-                    continue
-                if s.rank == hello.rank:
-                    raise ProtocolError(
-                        f"{hello.role} rank {hello.rank} of job {hello.job!r} is already "
-                        f"registered here (pid {s.hello.pid})",
-                        code=ErrorCode.DUPLICATE,
-                    )
-                if s.hello.world_size != hello.world_size:
-                    raise ProtocolError(
-                        f"world size {hello.world_size} disagrees with {s.label}'s "
-                        f"{s.hello.world_size}",
-                        code=ErrorCode.INVALID,
-                    )
-            if hello.rank >= hello.world_size:
-                raise ProtocolError(
-                    f"rank {hello.rank} is not below world size {hello.world_size}",
-                    code=ErrorCode.INVALID,
-                )
+        check_hello(identity, hello, self.sessions)
         session = Session(identity=identity, hello=hello)
         self.sessions[identity] = session
         (log.debug if hello.role == "admin" else log.info)(  # `weightwire status`: no chatter

@@ -34,13 +34,14 @@ from .coordinator import Coordinator
 from .dataplane import DataPlane
 from .engines import EngineOutbox
 from .joining import JoinWatch
-from .local import Identity, LocalServer
+from .local import LocalServer
 from .membership import Membership
 from .metrics import Prometheus, Recorders
 from .notify import Notifier
 from .peers import COORDINATOR, PeerMesh
 from .plans import PlanBook
 from .publishing import Publishing
+from .rankrequests import Identity
 from .ranks import Ranks
 from .regions import RegionRegistry
 from .rekey import reload_keys

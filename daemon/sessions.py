@@ -5,9 +5,11 @@ from __future__ import annotations
 import itertools
 import secrets
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from weightwire.protocol.errors import ErrorCode, RegistrationError
+from weightwire.protocol import check_protocol
+from weightwire.protocol.errors import ErrorCode, ProtocolError, RegistrationError
 from weightwire.protocol.local import EngineLayout, Hello
 from weightwire.protocol.tensors import ITEMSIZE, DestTensor, SourceTensor
 
@@ -103,3 +105,32 @@ class Session:
         self.destinations.update(new)
         if layout is not None:
             self.layout = layout
+
+
+def check_hello(identity: bytes, hello: Hello, sessions: Mapping[bytes, Session]) -> None:
+    """A connection's hello may open a session: a protocol this daemon speaks, a first
+    hello, and (but for admin) a rank not registered yet that agrees with its job's others."""
+    check_protocol(hello.protocol, f"rank (pid {hello.pid})")
+    if identity in sessions:
+        raise ProtocolError("this connection already said hello", code=ErrorCode.DUPLICATE)
+    if hello.role != "admin":
+        for s in sessions.values():
+            if (s.job, s.role) != (hello.job, hello.role):
+                continue
+            if s.rank == hello.rank:
+                raise ProtocolError(
+                    f"{hello.role} rank {hello.rank} of job {hello.job!r} is already "
+                    f"registered here (pid {s.hello.pid})",
+                    code=ErrorCode.DUPLICATE,
+                )
+            if s.hello.world_size != hello.world_size:
+                raise ProtocolError(
+                    f"world size {hello.world_size} disagrees with {s.label}'s "
+                    f"{s.hello.world_size}",
+                    code=ErrorCode.INVALID,
+                )
+        if hello.rank >= hello.world_size:
+            raise ProtocolError(
+                f"rank {hello.rank} is not below world size {hello.world_size}",
+                code=ErrorCode.INVALID,
+            )
