@@ -10,15 +10,16 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .engine import Engine, Recipe, Rows, VersionInfo
+    from .engine import Engine, VersionInfo
+    from .feeds import Recipe, Rows
     from .layouts import Full, Part, Shard
     from .posting import PublishStats
     from .trainer import Trainer
 
 _WHERE = {
     "Engine": "engine",
-    "Recipe": "engine",
-    "Rows": "engine",
+    "Recipe": "feeds",
+    "Rows": "feeds",
     "VersionInfo": "engine",
     "Full": "layouts",
     "Part": "layouts",

@@ -30,34 +30,15 @@ from weightwire.protocol.local import (
     VersionFailed,
     WaitVersion,
 )
-from weightwire.protocol.tensors import Box, DestTensor, Piece
+from weightwire.protocol.tensors import DestTensor
 
 from .connection import aligned, expect
 from .delta.receiver import DeltaReceiver, Target
 from .dtypes import name_of
+from .feeds import Recipe as Recipe  # also importable from here, as before
+from .feeds import Rows as Rows
+from .feeds import Source, pieces_of
 from .rank import RankClient
-
-
-@dataclass(frozen=True)
-class Rows:
-    """The destination is rows [start, stop) (dim 0) of a global tensor of `shape`."""
-
-    shape: tuple[int, ...]
-    start: int
-    stop: int
-
-    def pieces(self, name: str, dtype_size: int) -> tuple[Piece, ...]:
-        return (Piece(source=name, box=Box.rows(self.shape, self.start, self.stop), dst_offset=0),)
-
-
-@dataclass(frozen=True)
-class Recipe:
-    """Explicit pieces (see weightwire.protocol.tensors.Piece)."""
-
-    pieces: tuple[Piece, ...]
-
-
-Source = Rows | Recipe
 
 
 @dataclass(frozen=True)
@@ -230,7 +211,7 @@ class Engine(RankClient):
                 shape=tuple(t.shape),
                 region=region,
                 offset=off,
-                pieces=self._pieces(name, t, sources.get(name), layout),
+                pieces=pieces_of(name, t, sources.get(name), layout),
             )
             for name, t, off in placed
         )
@@ -324,26 +305,6 @@ class Engine(RankClient):
             assert self._delta is not None
             return self._delta.region
         return self._declared[i][1][0].region
-
-    @staticmethod
-    def _pieces(
-        name: str, t: torch.Tensor, source: Source | None, layout: EngineLayout | None
-    ) -> tuple[Piece, ...] | None:
-        match source:
-            case Rows():
-                if source.stop - source.start != t.shape[0] or source.shape[1:] != t.shape[1:]:
-                    raise RegistrationError(
-                        f"tensor {name} {list(t.shape)} is not rows {source.start}:{source.stop} "
-                        f"of {list(source.shape)}",
-                        code=ErrorCode.SHAPE_MISMATCH,
-                    )
-                return source.pieces(name, t.element_size())
-            case Recipe(pieces=pieces):
-                return pieces
-            case None if layout is not None:
-                return None
-            case None:
-                return (Piece(source=name, box=Box.full(tuple(t.shape)), dst_offset=0),)
 
     def wait(self, version: int, timeout_s: float | None = None) -> VersionInfo:
         """Block until `version` has fully landed in this rank's tensors."""
