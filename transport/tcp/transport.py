@@ -26,8 +26,6 @@ import structlog
 from weightwire.protocol.errors import (
     PeerLostError,
     RegionError,
-    TimeoutError_,
-    error_from_code,
 )
 from weightwire.protocol.regions import (
     RegionDescriptor,
@@ -51,7 +49,7 @@ from weightwire.transport.tcp.data import (
     Write,
 )
 
-from . import auth, handshake, wire
+from . import auth, dial, handshake, wire
 from .admission import Admission, Backoff
 from .incoming import IncomingStream
 from .regions import RegionTable
@@ -185,28 +183,6 @@ class TcpTransport(Transport):
         """A writer asks for a ticket; `node` is the name the control channel authenticated."""
         return handshake.grant(self._tickets, self.mode, node, payload)
 
-    async def _ticket(self, node: str) -> auth.TicketGrant | None:
-        """A ticket for connections to `node` (None: both ends run unauthenticated)."""
-        payload = auth.encode(auth.TicketRequest(mode=int(self.mode)))
-        if node == self.node:
-            answer = await self.on_signal(node, payload)
-        elif self._signal is None:
-            if self.mode is auth.Mode.OFF:
-                return None
-            raise auth.AuthError(
-                f"tcp security {self.mode.name.lower()} needs the control channel to {node} "
-                "(set_signal was not called)"
-            )
-        else:
-            try:
-                answer = await asyncio.wait_for(self._signal(node, payload), self.connect_timeout_s)
-            except TimeoutError:
-                raise TimeoutError_(f"{node} issued no tcp ticket in time") from None
-        reply = auth.decode_reply(answer)
-        if isinstance(reply, auth.TicketRefused):
-            raise error_from_code(reply.code, f"{node} refused a tcp ticket: {reply.message}")
-        return reply if reply.mode != auth.Mode.OFF else None
-
     # --- receive side --------------------------------------------------------
 
     def set_admission(self, admit: Admit) -> None:
@@ -305,60 +281,21 @@ class TcpTransport(Transport):
                     s.close("reconnecting")
             streams = []
             try:
-                ticket = await self._ticket(node)
+                ticket = await dial.ticket(
+                    self.node, node, self.mode, self.on_signal, self._signal, self.connect_timeout_s
+                )
                 for _ in range(max(1, min(self.streams, ep.streams))):
-                    streams.append(await self._open_stream(node, ep, ticket))
+                    stream = await dial.open_stream(
+                        self._loop, self.node, node, ep, ticket,
+                        self.connect_timeout_s, self.stall_timeout_s, self._count_sent,
+                    )  # fmt: skip
+                    streams.append(stream)
             except BaseException:
                 for s in streams:
                     s.close("connect failed")
                 raise
             self._peers[node] = streams
             log.debug("tcp connected", peer=node, streams=len(streams))
-
-    async def _open_stream(
-        self, node: str, ep: TcpEndpoint, ticket: auth.TicketGrant | None
-    ) -> OutgoingStream:
-        assert self._loop is not None
-        infos = await self._loop.getaddrinfo(ep.host, ep.port, type=socket.SOCK_STREAM)
-        family, _, _, _, addr = infos[0]
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setblocking(False)
-        try:
-            await asyncio.wait_for(self._loop.sock_connect(sock, addr), self.connect_timeout_s)
-        except TimeoutError:
-            sock.close()
-            raise TimeoutError_(
-                f"tcp connect to {node} at {ep.host}:{ep.port} timed out after "
-                f"{self.connect_timeout_s:.0f} s"
-            ) from None
-        except OSError as exc:
-            sock.close()
-            raise PeerLostError(f"tcp connect to {node} at {ep.host}:{ep.port}: {exc}") from None
-        try:
-            channel = await asyncio.wait_for(
-                handshake.connect(self._loop, sock, self.node, node, ticket),
-                self.connect_timeout_s,
-            )
-        except TimeoutError:
-            sock.close()
-            raise TimeoutError_(f"tcp handshake with {node} timed out") from None
-        except OSError as exc:
-            sock.close()
-            raise PeerLostError(f"tcp handshake with {node}: {exc}") from None
-        except BaseException:
-            sock.close()
-            raise
-        tune(sock, self.stall_timeout_s)
-        stream = OutgoingStream(
-            node=node,
-            sock=sock,
-            loop=self._loop,
-            stall_timeout_s=self.stall_timeout_s,
-            on_sent=self._count_sent,
-            channel=channel,
-        )
-        stream.start()
-        return stream
 
     async def disconnect(self, node: str, reason: str) -> None:
         self._tickets.revoke(node)
