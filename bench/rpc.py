@@ -47,7 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--versions", type=int, default=200, help="publishes measured for begin")
     p.add_argument("--writes", type=int, default=512, help="writes in the begin's plan")
     p.add_argument(
-        "--gap-ms", type=float, default=0.0, help="idle time between a version and the next"
+        "--gap-ms",
+        type=float,
+        default=0.0,
+        help="idle time before each ping and each version (a cold round trip: the daemon idle)",
     )
     p.add_argument("--profile", metavar="FILE", help="run the daemon under cProfile into FILE")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
@@ -128,6 +131,8 @@ def run(args: argparse.Namespace) -> int:
             conn = tr._conn
             pings, ptr = [], []
             for i in range(args.iters + 50):
+                if args.gap_ms:
+                    time.sleep(args.gap_ms / 1e3)
                 t = time.perf_counter()
                 conn.request(Ping())
                 if i >= 50:

@@ -211,8 +211,13 @@ if ((NGPU >= 1)); then
     # waited for on GPU counters with buckets posted before they are packed (the default),
     # then the same posted once packed (`N:packed`: the host in the loop) in the same
     # process. SUITE_RINGS overrides the list (`N:events`: the daemon's IPC events).
-    bench rings 480 0 --pairs 1x1 --staging-buckets "${SUITE_RINGS:-0,2,4,0:packed,2:packed,4:packed}" \
-        --no-baseline
+    bench rings 480 0 --pairs 1x1 --staging-buckets "${SUITE_RINGS:-0,2,4,8,0:packed,2:packed,4:packed}" \
+        --versions 5 --no-baseline
+    # the same rings with 1 GiB buckets (the coordinator's bucket_bytes): on one GPU the
+    # trainer's packing and the daemon's copies are two processes' contexts, which the GPU
+    # time-slices (no MPS); a ring holding >= 2 GiB lets each context run longer at a time
+    STAGE=rings bench rings-1g 240 0 --pairs 1x1 --staging-buckets 0,2,4 --versions 5 \
+        --daemon-flag bucket-bytes=1073741824 --no-baseline
     bench replica 90 0 --replica --layers 8 --versions 2 --trace "$OUT/$TAG-bench-replica-trace.json"
     if ((NGPU >= 4)); then FP8PAIR=2x2; else FP8PAIR=1x1; fi
     bench fp8 100 0 --pairs $FP8PAIR --dest fp8 --layers 8 --versions 2
