@@ -45,6 +45,7 @@ class SourceRegistry:
         self.tensors: dict[str, Registered] = {}
         self._module_params: dict[str, torch.Tensor] = {}  # name -> DTensor (register_module)
         self._megatron: list[MegatronSource] = []  # register_megatron
+        self._snapshot: dict[str, torch.Tensor] | None = None  # name -> tensor, as registered
 
     def register(
         self,
@@ -80,6 +81,7 @@ class SourceRegistry:
         self._conn.request(DeclareSources(tensors=tuple(spec for spec, _ in entries.values())))
         for name, (spec, t) in entries.items():
             self.tensors[name] = Registered(t, spec)
+        self._snapshot = None
 
     def add_module(
         self, shards: Sequence[ModuleShard], *, zero_copy: bool = False
@@ -137,6 +139,7 @@ class SourceRegistry:
                         code=ErrorCode.INVALID,
                     )
                 reg.tensor = t  # from now on, as if registered so
+                self._snapshot = None
         return self._current(tensors)
 
     def _module_tensors(self) -> dict[str, torch.Tensor]:
@@ -150,7 +153,13 @@ class SourceRegistry:
         return out
 
     def _current(self, tensors: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-        current = {name: r.tensor for name, r in self.tensors.items()}
+        """Read-only for the caller: with no `tensors`, the same dict every publish (made
+        once per registration, not once per publish: 5000 tensors cost 0.3 ms a version)."""
+        if self._snapshot is None:
+            self._snapshot = {name: r.tensor for name, r in self.tensors.items()}
+        if not tensors:
+            return self._snapshot
+        current = dict(self._snapshot)
         for name, t in (tensors or {}).items():
             reg = self.tensors.get(name)
             if reg is None:
