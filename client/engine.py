@@ -18,6 +18,7 @@ from weightwire.protocol.errors import (
 )
 from weightwire.protocol.local import (
     Applied,
+    ApplyBucket,
     ApplyVersion,
     CudaRegion,
     DeclareDestinations,
@@ -332,6 +333,10 @@ class Engine(RankClient):
                     self._cond.notify_all()
             case VersionFailed(rank=rank) if rank == self.rank:
                 event = error_from_code(msg.code, f"version {msg.version}: {msg.message}")
+            case ApplyBucket(rank=rank) if rank == self.rank:
+                if self._delta is not None and msg.region == self._delta.region:
+                    self._delta.apply_bucket(msg)  # no reply: ApplyVersion settles it
+                return
             case ApplyVersion(rank=rank) if rank == self.rank:
                 if self._delta is None or msg.region != self._delta.region:
                     reply = Applied(

@@ -13,6 +13,7 @@ from weightwire.protocol.errors import ErrorCode, PlanError
 from weightwire.protocol.peer import (
     Advertise,
     AssignPlan,
+    BucketLanded,
     Heartbeat,
     Member,
     Membership,
@@ -192,6 +193,12 @@ class Cluster:
                 for rc in self._completions.of_job(job):
                     if src in rc.expect.sources:
                         rc.on_start(version, src)
+            case BucketLanded(job=job, source_node=src, parts=parts):
+                by_slot = {p.slot: p for p in parts}
+                for rc in self._completions.of_job(job):
+                    part = by_slot.get(rc.expect.slot)
+                    if part is not None and src in rc.expect.sources:
+                        rc.on_bucket(msg, part)
             case VersionAbort(job=job, version=version, source_node=src, message=message):
                 for rc in self._completions.of_job(job):
                     if src in rc.expect.sources:

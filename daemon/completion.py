@@ -18,6 +18,7 @@ import structlog
 
 from weightwire.protocol.errors import ErrorCode, WeightwireError, error_from_code
 from weightwire.protocol.local import VersionComplete, VersionFailed
+from weightwire.protocol.peer import BucketLanded, LandedPart
 from weightwire.protocol.plan import Expect, version_low
 
 from .metrics import Recorder
@@ -30,6 +31,9 @@ Notify = Callable[[str, int, VersionComplete | VersionFailed], None]
 Apply = Callable[["RankCompletion", int], None]
 """apply(rank, version): every write landed at a rank with a delta area: the engine must
 apply and verify the version (it answers through `on_applied`)."""
+ApplyBucket = Callable[["RankCompletion", BucketLanded, LandedPart], None]
+"""apply_bucket(rank, note, its part): a bucket of a version in progress landed at the
+rank: the engine may apply and checksum it before the version's end."""
 Verdict = Callable[["RankCompletion", int, bool, str, str], None]
 """verdict(rank, version, ok, code, message): tell the version's sources the outcome."""
 
@@ -66,6 +70,7 @@ class RankCompletion:
     apply: Apply | None = None
     verdict: Verdict | None = None
     metrics: Recorder | None = None
+    apply_bucket: ApplyBucket | None = None
 
     @property
     def verified(self) -> bool:
@@ -130,6 +135,20 @@ class RankCompletion:
         st.sources.add(source)
         if st.count == self.expect.count:
             self._landed(st)
+
+    def on_bucket(self, note: BucketLanded, part: LandedPart) -> None:
+        """A source says every write of one bucket landed here: the engine applies and
+        checksums it now (only for a version not settled here; whether the version
+        completes is still decided by the immediates and the trailers' checksums)."""
+        version = note.version
+        if not self.verified or self.apply_bucket is None:
+            return
+        if version in self.failed or self._completed(version) or version < self.last_complete:
+            return
+        st = self.current.get(version_low(version))
+        if st is not None and (st.applying or st.version not in (None, version)):
+            return  # being applied already (the note came late), or another version
+        self.apply_bucket(self, note, part)
 
     def _landed(self, st: _InProgress) -> None:
         """Every write is in: complete, or first have the engine apply and verify it."""

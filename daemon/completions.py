@@ -11,7 +11,7 @@ import structlog
 from weightwire.protocol.errors import ErrorCode
 from weightwire.protocol.plan import Expect, decode_imm
 
-from .completion import Apply, Fence, Notify, RankCompletion, Verdict
+from .completion import Apply, ApplyBucket, Fence, Notify, RankCompletion, Verdict
 from .metrics import Recorder
 
 log = structlog.get_logger("weightwire.daemon.completion")
@@ -26,6 +26,7 @@ class Completions:
     verdict: Verdict | None = None
     fence: Fence | None = None
     metrics: Recorder | None = None
+    apply_bucket: ApplyBucket | None = None
     ranks: dict[tuple[str, int], RankCompletion] = field(default_factory=dict)
     by_slot: dict[int, RankCompletion] = field(default_factory=dict)
 
@@ -48,6 +49,7 @@ class Completions:
                 verdict=self.verdict,
                 fence=self.fence,
                 metrics=self.metrics,
+                apply_bucket=self.apply_bucket,
             )
             if old is not None:
                 old.fail_in_progress(ErrorCode.PLAN_CHANGED, "the plan changed mid-version")

@@ -8,6 +8,7 @@ import msgspec
 
 from weightwire.protocol.errors import ErrorCode, VersionError, WeightwireError
 from weightwire.protocol.local import Verdict
+from weightwire.protocol.peer import LandedPart
 from weightwire.protocol.plan import Bucket, DeltaSlot, RankPlan, Trailer, WriteOp
 
 from .runs import DELTA_OUT
@@ -119,3 +120,51 @@ def _code(code: str) -> ErrorCode:
         return ErrorCode(code)
     except ValueError:
         return ErrorCode.TRANSFER
+
+
+Ranges = dict[tuple[str, int], tuple[tuple[int, int, int, int, int], ...]]
+
+
+def _bucket_ranges(plan: RankPlan, b: Bucket) -> Ranges:
+    """(engine node, slot) -> the ranges bucket `b` writes there that a trailer covers,
+    in the order the rank's checksum takes them (`DeltaSender`: the bucket's writes)."""
+    dsts = {(t.dst_node, t.slot) for t in plan.trailers}
+    out: dict[tuple[str, int], list[tuple[int, int, int, int, int]]] = {}
+    for w in b.writes:
+        if (w.dst_node, w.slot) in dsts:
+            r = (w.dst_region, w.dst_offset, w.length, w.count, w.dst_stride)
+            out.setdefault((w.dst_node, w.slot), []).append(r)
+    return {k: tuple(v) for k, v in out.items()}
+
+
+class LandedNotes:
+    """What a landed bucket tells its engine nodes (`BucketLanded`): per engine rank, the
+    ranges it wrote there and its delta payloads; the ranges kept per plan."""
+
+    def __init__(self) -> None:
+        self._plan = ""
+        self._ranges: dict[int, Ranges] = {}
+
+    def parts(
+        self, plan: RankPlan, bucket: int, sent: dict[int, int]
+    ) -> dict[str, tuple[LandedPart, ...]]:
+        """node -> its parts, for a delta-capable plan (none otherwise)."""
+        if not plan.trailers:
+            return {}
+        if plan.plan_hash != self._plan:
+            self._plan, self._ranges = plan.plan_hash, {}
+        b = plan.buckets[bucket]
+        ranges = self._ranges.get(bucket)
+        if ranges is None:
+            ranges = self._ranges[bucket] = _bucket_ranges(plan, b)
+        payloads: dict[tuple[str, int], list[tuple[int, int]]] = {}
+        for index, nbytes in sorted(sent.items()):
+            ds = b.deltas[index]
+            payloads.setdefault((ds.dst_node, ds.slot), []).append((ds.dst_offset, nbytes))
+        out: dict[str, list[LandedPart]] = {}
+        for key in sorted(set(ranges) | set(payloads)):
+            part = LandedPart(
+                slot=key[1], ranges=ranges.get(key, ()), payloads=tuple(payloads.get(key, ()))
+            )
+            out.setdefault(key[0], []).append(part)
+        return {node: tuple(ps) for node, ps in out.items()}

@@ -3,8 +3,14 @@ complete or failed, apply your deltas) and the nodes that write to it (its verdi
 
 from __future__ import annotations
 
-from weightwire.protocol.local import ApplyVersion, Verdict, VersionComplete, VersionFailed
-from weightwire.protocol.peer import VersionVerdict
+from weightwire.protocol.local import (
+    ApplyBucket,
+    ApplyVersion,
+    Verdict,
+    VersionComplete,
+    VersionFailed,
+)
+from weightwire.protocol.peer import BucketLanded, LandedPart, VersionVerdict
 
 from .completion import RankCompletion
 from .seams import PeerSend, RankLink
@@ -27,6 +33,20 @@ class EngineOutbox:
             version=version,
             region=rc.expect.delta_region,
             trailers=rc.expect.trailers,
+        )
+        self._link.push(rc.job, "engine", rc.rank, msg)
+
+    def apply_bucket(self, rc: RankCompletion, note: BucketLanded, part: LandedPart) -> None:
+        """A bucket of a version in progress landed at an engine rank: it applies its
+        payloads and checksums its ranges now, while later buckets travel."""
+        msg = ApplyBucket(
+            rank=rc.rank,
+            version=note.version,
+            region=rc.expect.delta_region,
+            sender=note.source_rank,
+            bucket=note.bucket,
+            ranges=part.ranges,
+            payloads=part.payloads,
         )
         self._link.push(rc.job, "engine", rc.rank, msg)
 

@@ -26,6 +26,7 @@ import structlog
 from weightwire.protocol.peer import (
     Advertise,
     AssignPlan,
+    BucketLanded,
     Heartbeat,
     Member,
     Membership,
@@ -65,7 +66,11 @@ def body_name(msg: PeerMessage) -> str | None:
             return member.node
         case Heartbeat(node=node) | Advertise(node=node) | TransportSignal(node=node):
             return node
-        case VersionStart(source_node=node) | VersionAbort(source_node=node):
+        case (
+            VersionStart(source_node=node)
+            | VersionAbort(source_node=node)
+            | BucketLanded(source_node=node)
+        ):
             return node
     return None
 

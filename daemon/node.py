@@ -128,6 +128,7 @@ class Daemon:
         self.completions = Completions(
             notify=engines.notify,
             apply=engines.apply,
+            apply_bucket=engines.apply_bucket,
             verdict=engines.verdict,
             fence=self.dataplane.fence,
             metrics=self.metrics,

@@ -55,6 +55,8 @@ class Poster:
     slots: RingSlots
     drop: DropReplica
     metrics: Recorder | None = None
+    on_landed: Callable[[Run, int, dict[int, int]], None] | None = None
+    """on_landed(run, bucket, delta payloads sent): every write of a bucket landed."""
 
     async def post(
         self,
@@ -257,7 +259,7 @@ class Poster:
         writes, payloads = bucket_writes(run.plan.buckets[bucket], sent, run.ring.shift[bucket])
         run.delta_bytes += payloads
         await self.post_writes(run, writes)
-        self._landed(run, bucket)
+        self._landed(run, bucket, sent=sent)
 
     async def post_writes(self, run: Run, writes: list[WriteOp]) -> None:
         """Writes made for this version only (prepared now, not cached)."""
@@ -275,11 +277,16 @@ class Poster:
             for w, _ in items:
                 run.add_landed(w.nbytes, 1, ((w.dst_node, w.nbytes),))
 
-    def _landed(self, run: Run, bucket: int, timed: bool = True) -> None:
-        """Every write of `bucket` landed: its time in the metrics (`timed`), and its ring
-        slot free (`RingSlots.slot_free`)."""
+    def _landed(
+        self, run: Run, bucket: int, timed: bool = True, sent: dict[int, int] | None = None
+    ) -> None:
+        """Every write of `bucket` landed: its time in the metrics (`timed`), its ring
+        slot free (`RingSlots.slot_free`), and its engines told (`on_landed`: they apply
+        and checksum it while later buckets are on their way)."""
         landed = run.bucket_landed[bucket] = time.time()
         run.mark("first_landed")
         if timed and self.metrics is not None:
             self.metrics.bucket_landed(self.job, landed - run.bucket_posted[bucket])
         self.slots.slot_free(run, bucket)
+        if self.on_landed is not None and not run.finished:
+            self.on_landed(run, bucket, sent or {})

@@ -25,6 +25,7 @@ from weightwire.protocol.errors import (
     WeightwireError,
 )
 from weightwire.protocol.local import Verdict
+from weightwire.protocol.peer import LandedPart
 from weightwire.protocol.plan import RankPlan, StagingRing
 from weightwire.transport.base import LocalRegion
 
@@ -41,6 +42,9 @@ from .slotfence import MakeCounters, SlotCounters
 from .versionlog import gbyte_s
 
 log = structlog.get_logger("weightwire.daemon.publisher")
+
+TellLanded = Callable[[str, int, int, tuple[LandedPart, ...]], None]
+"""tell_landed(engine node, version, bucket, its parts there)."""
 
 
 @dataclass
@@ -68,11 +72,28 @@ class Publisher:
     _poster: Poster = field(init=False)
     make_counters: MakeCounters = SlotCounters  # a version's GPU slot counters
     make_gate: MakeGate = PackGate  # a version's pack counter
+    tell_landed: TellLanded | None = None
+    """Delta-capable plans: a landed bucket's engine nodes are told (`BucketLanded`)."""
+    _notes: deltas.LandedNotes = field(init=False)
 
     def __post_init__(self) -> None:
         self.prepared = PreparedWrites(self.pick, self.source_region)
         slots = RingSlots(self.job, self.rank, self.reply, self._fail)
-        self._poster = Poster(self.job, self.rank, self.prepared, slots, self._drop, self.metrics)
+        self._notes = deltas.LandedNotes()
+        self._poster = Poster(
+            self.job, self.rank, self.prepared, slots, self._drop, self.metrics, self._landed
+        )
+
+    def _landed(self, run: Run, bucket: int, sent: dict[int, int]) -> None:
+        """Bucket `bucket` landed everywhere: its engine ranks may apply and checksum it
+        now, off the version's tail (not those of a dropped replica: nothing says its
+        writes landed)."""
+        if self.tell_landed is None or not run.plan.trailers:
+            return
+        dropped = {n for r in run.dropped for n in run.replica_nodes(r)}
+        for node, parts in self._notes.parts(run.plan, bucket, sent).items():
+            if node not in dropped:
+                self.tell_landed(node, run.version, bucket, parts)
 
     def set_plan(
         self, plan: RankPlan | None, reason: str = "", code: ErrorCode = ErrorCode.PLAN_CHANGED

@@ -14,7 +14,13 @@ import structlog
 from weightwire.memory.cudadrv import CudaError
 from weightwire.protocol.errors import ErrorCode, WeightwireError
 from weightwire.protocol.local import BucketsIssued, BucketsLanded, PublishResult, Verdict
-from weightwire.protocol.peer import PeerMsg, VersionAbort, VersionStart
+from weightwire.protocol.peer import (
+    BucketLanded,
+    LandedPart,
+    PeerMsg,
+    VersionAbort,
+    VersionStart,
+)
 from weightwire.protocol.plan import NodePlan
 from weightwire.transport.base import LocalRegion
 
@@ -62,6 +68,18 @@ class _RankOutbox:
             )
         for node in nodes:
             self.mesh.send_soon(node, msg)
+
+    def landed(self, node: str, version: int, bucket: int, parts: tuple[LandedPart, ...]) -> None:
+        s = self.session
+        msg = BucketLanded(
+            job=s.job,
+            version=version,
+            source_node=self.node,
+            source_rank=s.rank,
+            bucket=bucket,
+            parts=parts,
+        )
+        self.mesh.send_soon(node, msg)
 
     def own_region(self, region_id: int) -> LocalRegion:
         region = self.registry.regions.get(region_id)
@@ -111,6 +129,7 @@ class Publishing:
                 pick=self._pick,
                 reply=out.reply,
                 announce=out.announce,
+                tell_landed=out.landed,
                 source_region=out.own_region,
                 metrics=self._metrics,
             )

@@ -310,6 +310,23 @@ class ApplyVersion(LocalMsg, frozen=True, tag="apply_version"):
     trailers: tuple[tuple[NonNeg, NonNeg], ...]
 
 
+class ApplyBucket(LocalMsg, frozen=True, tag="apply_bucket"):
+    """Every write of bucket `bucket` of sender rank `sender` to engine rank `rank` landed
+    (the source saw them all land) before the version's end: apply its payloads (at
+    `payloads`: offset, bytes in the delta area `region`) and checksum its `ranges`
+    (region, offset, length, count, stride) now, overlapped with the buckets still on
+    their way. No reply: `ApplyVersion` finishes the version, checking the trailers with
+    these per-range checksums (and computing any a bucket's message did not bring)."""
+
+    rank: NonNeg
+    version: Version
+    region: NonNeg
+    sender: NonNeg
+    bucket: NonNeg
+    ranges: tuple[tuple[NonNeg, NonNeg, NonNeg, NonNeg, NonNeg], ...] = ()
+    payloads: tuple[tuple[NonNeg, NonNeg], ...] = ()
+
+
 class Applied(LocalMsg, frozen=True, tag="applied"):
     """An engine rank applied and verified `version` (ok), or why not. No reply."""
 
@@ -371,6 +388,7 @@ LocalMessage = (
     | VersionComplete
     | VersionFailed
     | ApplyVersion
+    | ApplyBucket
     | Applied
     | StatusRequest
     | StatusReply

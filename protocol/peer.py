@@ -114,6 +114,28 @@ class VersionVerdict(PeerMsg, frozen=True, tag="version_verdict"):
     verdict: Verdict
 
 
+class LandedPart(msgspec.Struct, frozen=True, kw_only=True):
+    """What one bucket wrote to one engine rank (its immediate `slot`): the ranges its
+    trailer's checksum covers and its delta payloads (offset in the delta area, bytes)."""
+
+    slot: NonNeg
+    ranges: tuple[tuple[NonNeg, NonNeg, NonNeg, NonNeg, NonNeg], ...] = ()
+    payloads: tuple[tuple[NonNeg, NonNeg], ...] = ()
+
+
+class BucketLanded(PeerMsg, frozen=True, tag="bucket_landed"):
+    """Source → destination node, delta-capable plans: every write of `bucket` of version
+    `version` from rank `source_rank` landed; its engine ranks may apply and checksum it
+    before the version's last byte (`ApplyBucket`)."""
+
+    job: str
+    version: Version
+    source_node: str
+    source_rank: NonNeg
+    bucket: NonNeg
+    parts: tuple[LandedPart, ...] = ()
+
+
 class TransportSignal(PeerMsg, frozen=True, tag="transport_signal"):
     """Opaque bring-up data between two nodes' instances of one transport (e.g. QP numbers)."""
 
@@ -147,6 +169,7 @@ PeerMessage = (
     | VersionStart
     | VersionAbort
     | VersionVerdict
+    | BucketLanded
     | TransportSignal
     | PeerError
     | StatusQuery

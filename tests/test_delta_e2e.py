@@ -135,6 +135,65 @@ def test_byte_changed_behind_our_back(pair: Pair) -> None:
     assert bitwise(pair.dst, pair.w)
 
 
+def test_buckets_checksummed_as_they_land(pair: Pair) -> None:
+    """The engine applies and checksums each bucket once its source saw it land
+    (`ApplyBucket`), not all of them after the version's last byte: over a few versions
+    most ranges were checksummed early, and the versions still verify bitwise."""
+    early = tail = 0
+    pair.tr.publish(0)
+    pair.eng.wait(0)
+    rx = pair.eng.delta
+    assert rx is not None
+    for v in range(1, 4):
+        step(pair.w, 0.02, v)
+        assert pair.tr.publish(v).delta_bytes > 4096
+        pair.eng.wait(v)
+        assert bitwise(pair.dst, pair.w) and rx.held == v
+        early, tail = early + rx.early_ranges, tail + rx.tail_ranges
+    assert early > 0, (early, tail)
+    assert early + tail >= 3 * 4  # every range of every version, early or at the end
+
+
+def test_byte_changed_after_its_bucket_was_checked(pair: Pair) -> None:
+    """A byte changed behind weightwire's back in a range whose bucket already landed and
+    was checksummed, before the version's end. That version's checksum attests the bytes
+    as they were when written (as it always did for a change after a version's end), so
+    it completes; the change is caught by the next version, which checksums every range
+    it writes (changed or not): that one fails, never completes, and the one after it is
+    dense and bitwise right."""
+    pair.tr.publish(0)
+    pair.eng.wait(0)
+    rx = pair.eng.delta
+    assert rx is not None
+    apply_bucket = rx.apply_bucket
+    flipped: list[int] = []
+
+    def flip_after(msg):  # type: ignore[no-untyped-def]
+        apply_bucket(msg)
+        if msg.version == 1 and msg.ranges and not flipped:
+            region, offset = msg.ranges[0][:2]
+            rx.pieces(region, offset, 1)[0][0] ^= 0x40  # not by weightwire
+            flipped.append(msg.bucket)
+
+    rx.apply_bucket = flip_after  # type: ignore[method-assign]
+    step(pair.w, 0.02, 1)
+    pair.tr.publish(1)
+    pair.eng.wait(1)
+    assert flipped, "no bucket was applied before the version's end"
+    assert not bitwise(pair.dst, pair.w)  # the change is there, checked only later
+    step(pair.w, 0.02, 2)
+    with pytest.raises(WeightwireError, match="checksum") as failed:
+        pair.tr.publish(2)
+    assert failed.value.code is ErrorCode.CHECKSUM, failed.value
+    with pytest.raises(WeightwireError, match="checksum"):
+        pair.eng.wait(2)
+    assert rx.held == -1
+    step(pair.w, 0.02, 3)
+    assert pair.tr.publish(3).delta_bytes < 4096  # dense: nothing verified was held
+    pair.eng.wait(3)
+    assert bitwise(pair.dst, pair.w)
+
+
 class DropsABucket(Trainer):
     """Never posts bucket `drop` of version `at`: its (delta) writes are lost."""
 

@@ -3,18 +3,28 @@ registered tensors (a scatter on their device), then check every sender's traile
 checksum against the bytes now there. The engine tracks the version its bytes hold; a
 payload against any other base is refused, and a failed check leaves it holding nothing
 (its sources send the next version dense).
+
+Bucket by bucket: when a source says every write of one of its buckets landed here
+(`ApplyBucket`), that bucket's payloads are applied and its ranges checksummed at once,
+while later buckets are still on their way; `ApplyVersion` (every write landed) then
+does only what no bucket message covered and checks each trailer, combining the range
+checksums in the trailer's order. From a version's first bucket on, the rank holds no
+verified version until that version verifies. A range checksummed early attests its
+bytes as they were once its bucket landed and was applied: a byte changed there behind
+weightwire's back later is caught by the next version's check (every version checksums
+every range it writes, changed or not), as a change after the version's end always was.
 """
 
 from __future__ import annotations
 
 import bisect
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from weightwire.protocol.errors import ErrorCode
-from weightwire.protocol.local import Applied, ApplyVersion
+from weightwire.protocol.local import Applied, ApplyBucket, ApplyVersion
 
 from . import codec, decodeloop, digest, frames
 
@@ -27,6 +37,19 @@ class Target:
     offset: int
     nbytes: int
     data: torch.Tensor
+
+
+@dataclass
+class _Early:
+    """A version being applied bucket by bucket, before its `ApplyVersion`."""
+
+    version: int
+    base: int  # the version the rank held verified when its first bucket came
+    sums: dict[tuple[int, frames.Range], int] = field(default_factory=dict)
+    applied: set[tuple[int, int]] = field(default_factory=set)  # (sender, payload offset)
+    nbytes: int = 0
+    error: Exception | None = None
+    seconds: float = 0.0
 
 
 class ApplyError(Exception):
@@ -43,6 +66,11 @@ class DeltaReceiver:
         self.held = -1  # the version this rank's bytes verifiably hold
         self._targets: dict[int, list[Target]] = {}
         self._starts: dict[int, list[int]] = {}
+        self._early: _Early | None = None
+        self._settled = -1  # the last version `apply` answered for
+        self.early_s = 0.0  # seconds spent on buckets of the last version before its end
+        self.early_ranges = 0  # ranges of the last version checksummed as their bucket landed
+        self.tail_ranges = 0  # and those checksummed at its end (`ApplyVersion`)
         if area.device.type == "cpu":
             decodeloop.warm()  # compiled (or loaded from numba's cache) before a version
 
@@ -55,6 +83,7 @@ class DeltaReceiver:
 
     def rename_regions(self, renamed: dict[int, int]) -> None:
         """The daemon restarted and numbered the regions anew."""
+        self._early, self._settled = None, -1
         old = [t for ts in self._targets.values() for t in ts]
         self._targets, self._starts = {}, {}
         self.add_targets(
@@ -84,10 +113,48 @@ class DeltaReceiver:
         ts = self._targets.get(region)
         return ts is not None and bool(ts) and ts[0].data.is_cuda
 
-    def apply(self, msg: ApplyVersion) -> Applied:
+    def apply_bucket(self, msg: ApplyBucket) -> None:
+        """One bucket of a version in progress landed: apply its payloads and checksum its
+        ranges now. A failure is kept and reported by `apply` (the version fails)."""
+        if msg.version <= self._settled:
+            return  # the version was already settled here: a late note
+        early = self._early
+        if early is None or early.version != msg.version:
+            early = self._early = _Early(msg.version, self.held)
+            self.held = -1  # its bytes are changing: nothing verified until it verifies
+        if early.error is not None:
+            return
         t0 = time.perf_counter()
         try:
-            nbytes = self._apply(msg)
+            for offset, length in msg.payloads:
+                if early.base < 0:
+                    raise ApplyError(
+                        f"sender rank {msg.sender} sent a delta in version {msg.version}; "
+                        f"this rank holds no verified version",
+                        ErrorCode.STALE_BASE,
+                    )
+                self._payload(msg.version, early.base, offset, length)
+                early.applied.add((msg.sender, offset))
+                early.nbytes += length
+            for r in msg.ranges:
+                blocks = digest.range_blocks(self.pieces, r)
+                early.sums[(msg.sender, r)] = digest.range_digest(blocks, self.is_gpu(r[0]))
+        except Exception as exc:  # reported when the version ends here
+            early.error = exc
+        early.seconds += time.perf_counter() - t0
+
+    def apply(self, msg: ApplyVersion) -> Applied:
+        t0 = time.perf_counter()
+        early = self._early if self._early and self._early.version == msg.version else None
+        self._early, self._settled = None, max(self._settled, msg.version)
+        self.early_s = early.seconds if early is not None else 0.0
+        self.early_ranges = len(early.sums) if early is not None else 0
+        self.tail_ranges = 0
+        base = early.base if early is not None else self.held
+        try:
+            if early is not None and early.error is not None:
+                raise early.error
+            nbytes = self._apply(msg, base, early)
         except Exception as exc:  # whatever it was, the version is not verified here
             self.held = -1
             if isinstance(exc, ApplyError):
@@ -114,7 +181,7 @@ class DeltaReceiver:
             raise ApplyError(f"{length} bytes at {offset} overrun the delta area")
         return self.area[offset : offset + length].cpu().numpy().tobytes()
 
-    def _apply(self, msg: ApplyVersion) -> int:
+    def _apply(self, msg: ApplyVersion, held: int, early: _Early | None) -> int:
         trailers = [frames.read_trailer(self._area_bytes(o, c)) for o, c in msg.trailers]
         for tr in trailers:
             if tr.version != msg.version:
@@ -123,25 +190,38 @@ class DeltaReceiver:
                     f"not {msg.version}",
                     ErrorCode.TRANSFER,
                 )
-            if tr.deltas and tr.base != self.held:
+            if tr.deltas and tr.base != held:
                 raise ApplyError(
                     f"sender rank {tr.sender} sent a delta against version {tr.base}; this "
-                    f"rank holds {self.held if self.held >= 0 else 'no verified version'}",
+                    f"rank holds {held if held >= 0 else 'no verified version'}",
                     ErrorCode.STALE_BASE,
                 )
-        nbytes = 0
+        applied = early.applied if early is not None else set()
+        sums = early.sums if early is not None else {}
+        nbytes = early.nbytes if early is not None else 0
         for tr in trailers:
             for offset, length in tr.deltas:
-                self._payload(msg.version, tr.base, offset, length)
-                nbytes += length
+                if (tr.sender, offset) not in applied:
+                    self._payload(msg.version, tr.base, offset, length)
+                    nbytes += length
         for tr in trailers:
-            got = digest.digest(tr.ranges, self.pieces, self.is_gpu)
+            got = digest.combine([self._range_sum(sums, tr.sender, r) for r in tr.ranges])
             if got != tr.digest:
                 raise ApplyError(
                     f"checksum mismatch: the bytes from sender rank {tr.sender} "
                     f"({len(tr.ranges)} ranges) are not what it wrote"
                 )
         return nbytes
+
+    def _range_sum(
+        self, sums: dict[tuple[int, frames.Range], int], sender: int, r: frames.Range
+    ) -> int:
+        """Range `r`'s checksum: taken when its bucket landed, or computed now."""
+        got = sums.pop((sender, r), None)
+        if got is None:
+            self.tail_ranges += 1
+            got = digest.range_digest(digest.range_blocks(self.pieces, r), self.is_gpu(r[0]))
+        return got
 
     def _payload(self, version: int, base: int, offset: int, length: int) -> None:
         head = frames.read_payload_head(self._area_bytes(offset, min(length, 1 << 20)), length)
