@@ -37,6 +37,8 @@ class DeltaFlows:
     writes: npt.NDArray[np.float64]
     payloads: int
     dense_groups: int  # (source, destination, bucket) groups that stay dense
+    dense: npt.NDArray[np.float64] | None = None  # dense bytes each flow stands for
+    # (what the engine checksums for it; 0 for the trailers)
 
 
 def delta_flows(
@@ -87,4 +89,35 @@ def delta_flows(
         writes=np.concatenate([counts.astype(np.float64), np.ones(len(pairs))]),
         payloads=payloads,
         dense_groups=kept,
+        dense=np.concatenate([dense, np.zeros(len(pairs))]),
     )
+
+
+def verify_queue(
+    dst: npt.NDArray[np.int64],
+    land: npt.NDArray[np.float64],
+    work: npt.NDArray[np.float64],
+    engines: int,
+) -> npt.NDArray[np.float64]:
+    """Per engine: when it has checksummed every flow it received, checking each flow
+    (`work` seconds) once it landed (`land`), one at a time in landing order (its
+    daemon tells it bucket by bucket). An engine that receives nothing: 0."""
+    done = np.zeros(engines)
+    if dst.size == 0:
+        return done
+    order = np.lexsort((land, dst))
+    d, t, w = dst[order], land[order], work[order]
+    start = np.searchsorted(d, np.arange(engines + 1))
+    cw = np.cumsum(w)
+    base = np.where(start[:-1] > 0, cw[np.maximum(start[:-1] - 1, 0)], 0.0)
+    cw = cw - np.repeat(base, np.diff(start))  # within each engine
+    # finish_k = cw_k + max over j <= k of (land_j - cw_(j-1)), per engine
+    a = t - (cw - w)
+    span = float(np.abs(a).max()) * 2 + 1.0
+    a = a + d * span  # groups sorted: a running max that never crosses a group
+    run = np.maximum.accumulate(a) - d * span
+    finish = cw + run
+    last = start[1:] - 1
+    has = np.diff(start) > 0
+    done[has] = finish[last[has]]
+    return done

@@ -47,6 +47,11 @@ class SimResult:
     pairs: int  # (source, destination) pairs that carry bytes
     flows: int  # (source, destination, bucket) flows
     steps: int  # rate computations
+    # with `land=True`: per (source, destination, bucket) flow, when its last byte landed
+    flow_src: IntArray | None = None
+    flow_dst: IntArray | None = None
+    flow_bucket: IntArray | None = None
+    flow_land: FloatArray | None = None
 
 
 class Fabric:
@@ -133,12 +138,15 @@ def simulate(
     writes: npt.ArrayLike | None = None,
     write_overhead_s: float = 0.0,
     rel_tol: float = 1e-4,
+    land: bool = False,
 ) -> SimResult:
     """Simulate flows `i`: `nbytes[i]` from source NIC `src[i]` to destination NIC
     `dst[i]`, posted with bucket `bucket[i]` of its source. Rates in bytes per second.
 
     `packed_bytes[(s, b)]`: bytes source s packs for bucket b (default: the bytes it sends
     in it), which take `packed / pack_rate` seconds to pack. `writes[i]`: writes in flow i.
+    `land`: also when each (source, destination, bucket) flow's last byte landed (a
+    pair drains its flows in the order they were posted).
     """
     s_arr = np.asarray(src, dtype=np.int64)
     d_arr = np.asarray(dst, dtype=np.int64)
@@ -197,6 +205,7 @@ def simulate(
 
     backlog = np.zeros(npairs)
     p_finish = np.zeros(npairs)
+    lands = _Landing(f_pidx, f_bytes, order, npairs) if land else None
     t = 0.0
     ptr = 0
     steps = 0
@@ -212,6 +221,8 @@ def simulate(
             # a post to a pair already moving changes no rate, only when it drains
             dirty = dirty or bool((backlog[idx] <= 0).any())
             np.add.at(backlog, idx, post_bytes[ptr:end])
+            if lands is not None:
+                np.add.at(lands.posted, idx, post_bytes[ptr:end])
             ptr = end
         if dirty:
             mask = backlog > 0
@@ -238,9 +249,13 @@ def simulate(
         gone = active[done]
         backlog[gone] = 0.0
         p_finish[gone] = drain[done]
+        if lands is not None:
+            lands.step(active, rates, backlog[active], t, np.where(done, drain, t_end))
         t = t_end
         dirty = gone.size > 0
 
+    if lands is not None:
+        lands.close(p_finish)
     src_finish = np.zeros(ns)
     dst_finish = np.zeros(nd)
     np.maximum.at(src_finish, p_src, p_finish)
@@ -254,4 +269,53 @@ def simulate(
         pairs=npairs,
         flows=int(uniq.shape[0]),
         steps=steps,
+        flow_src=f_src if land else None,
+        flow_dst=(f_pair % nd) if land else None,
+        flow_bucket=f_bucket if land else None,
+        flow_land=lands.at if lands is not None else None,
     )
+
+
+class _Landing:
+    """When each flow of a pair lands: its pair drains its flows in posting order, so a
+    flow has landed once the pair's delivered bytes reach the bytes posted up to it."""
+
+    def __init__(self, pair: IntArray, nbytes: FloatArray, post_order: IntArray, npairs: int):
+        n = pair.shape[0]
+        rank = np.empty(n, dtype=np.int64)
+        rank[post_order] = np.arange(n)
+        self.by_pair = np.lexsort((rank, pair))  # flows grouped by pair, in posting order
+        cum = np.cumsum(nbytes[self.by_pair])
+        self.start = np.searchsorted(pair[self.by_pair], np.arange(npairs + 1))
+        base = np.where(self.start[:-1] > 0, cum[np.maximum(self.start[:-1] - 1, 0)], 0.0)
+        self.thr = cum - np.repeat(base, np.diff(self.start))
+        self.next = self.start[:-1].copy()
+        self.posted = np.zeros(npairs)
+        self.at = np.full(n, np.nan)
+        self._pair = pair
+
+    def step(
+        self, active: IntArray, rates: FloatArray, left: FloatArray, t: float, end: FloatArray
+    ) -> None:
+        """Pairs `active` moved at `rates` from `t` until `end` (each), `left` bytes of
+        their backlog still to go."""
+        done = self.posted[active] - np.maximum(left, 0.0)  # delivered by `end`
+        before = done - rates * (end - t)
+        cand, i = active, np.arange(active.shape[0])
+        while cand.size:
+            k = self.next[cand]
+            ok = k < self.start[cand + 1]
+            thr = self.thr[np.minimum(k, self.thr.shape[0] - 1)]
+            hit = ok & (thr <= done[i] + 1e-9 * np.maximum(thr, 1.0))
+            if not hit.any():
+                break
+            cand, i, k = cand[hit], i[hit], k[hit]
+            when = t + np.maximum(self.thr[k] - before[i], 0.0) / rates[i]
+            self.at[self.by_pair[k]] = np.minimum(when, end[i])
+            self.next[cand] += 1
+
+    def close(self, p_finish: FloatArray) -> None:
+        """Any flow not marked (rounding at a pair's last byte) landed with its pair."""
+        miss = np.isnan(self.at)
+        if miss.any():
+            self.at[miss] = p_finish[self._pair[miss]]
