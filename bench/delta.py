@@ -89,6 +89,28 @@ def _density(before: dict[str, Any], after: dict[str, Any]) -> float:
     return changed / total if total else 0.0
 
 
+def _phases(stats: Any, w0: float, eng: Any) -> dict[str, float]:
+    """Where one publish's time went (seconds from the publish call): the daemon accepting
+    the version, the sender's last bucket posted (compare, encode, post; `pack`: its
+    busy part), the last bucket landed, and the rest (trailers, the engine's last check,
+    the verdict back); the engine's work on buckets before the end (`engine_early`) and at
+    it (`engine_tail`); ring slots the sender waited for (`slot_waits`)."""
+    posted = max((b.prepared for b in stats.buckets), default=w0) - w0
+    landed = max((b.landed for b in stats.buckets), default=w0) - w0
+    rx = eng.delta
+    return {
+        "begin": stats.begin_seconds,
+        "pack": stats.pack_seconds,
+        "last_posted": posted,
+        "last_landed": landed,
+        "after_landed": stats.total_seconds - landed,
+        "total": stats.total_seconds,
+        "engine_early": rx.early_s if rx is not None else 0.0,
+        "engine_tail": rx.tail_s if rx is not None else 0.0,
+        "slot_waits": float(stats.slot_landings + stats.slot_events),
+    }
+
+
 def run_lr(cluster: Any, lr: float, args: Any, job: str) -> dict[str, Any]:
     import torch
 
@@ -107,6 +129,7 @@ def run_lr(cluster: Any, lr: float, args: Any, job: str) -> dict[str, Any]:
     verified = _bitwise(dst, model.bf16)
     rows = []
     phases: list[dict[str, float]] = []
+    timing: dict[str, list[dict[str, float]]] = {"delta": [], "dense": []}
     exact: list[float] = []
     for _ in range(args.steps):
         before = {n: t.clone() for n, t in model.bf16.items()}
@@ -117,14 +140,18 @@ def run_lr(cluster: Any, lr: float, args: Any, job: str) -> dict[str, Any]:
         del before
         version += 1
         tr.delta.mode = "auto"
+        w0 = time.time()
         delta = tr.publish(version)
         phases.append(dict(tr.delta.phases))
         eng.wait(version)
+        timing["delta"].append(_phases(delta, w0, eng))
         verified &= _bitwise(dst, model.bf16)
         version += 1
         tr.delta.mode = "off"
+        w0 = time.time()
         dense = tr.publish(version)
         eng.wait(version)
+        timing["dense"].append(_phases(dense, w0, eng))
         verified &= _bitwise(dst, model.bf16)
         rows.append((delta, dense, loss, step_s))
     tr.close()
@@ -158,6 +185,11 @@ def run_lr(cluster: Any, lr: float, args: Any, job: str) -> dict[str, Any]:
         "delta_phases_s": {k: round(med(p.get(k, 0.0) for p in phases), 4) for k in phases[0]}
         if phases
         else {},
+        "timeline_s": {
+            kind: {k: round(med(t[k] for t in ts), 4) for k in ts[0]}
+            for kind, ts in timing.items()
+            if ts
+        },
         "losses": [round(x, 6) for _, _, x, _ in rows],
         "adamw_step_s": round(med(s for _, _, _, s in rows), 3),
         "verified": bool(verified),

@@ -71,6 +71,7 @@ class DeltaReceiver:
         self.early_s = 0.0  # seconds spent on buckets of the last version before its end
         self.early_ranges = 0  # ranges of the last version checksummed as their bucket landed
         self.tail_ranges = 0  # and those checksummed at its end (`ApplyVersion`)
+        self.tail_s = 0.0  # seconds `apply` took for the last version (its end)
         if area.device.type == "cpu":
             decodeloop.warm()  # compiled (or loaded from numba's cache) before a version
 
@@ -168,6 +169,7 @@ class DeltaReceiver:
                 rank=self.rank, version=msg.version, ok=False, code=code.value, message=message
             )
         self.held = msg.version
+        self.tail_s = time.perf_counter() - t0
         return Applied(
             rank=self.rank,
             version=msg.version,

@@ -17,6 +17,7 @@ percent density: `np.flatnonzero` dominates).
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,7 @@ NP_INT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 PROJECT_MARGIN = 1.25  # a block whose first eighth or more projects this far past the limit
 SAMPLE_BYTES = 4096
 SAMPLES_PER_BLOCK = 16
+_local = threading.local()
 
 
 class Changes:
@@ -55,25 +57,44 @@ class Changes:
 
 
 def _words_py(
-    a64: Any, b64: Any, a_el: Any, pos: Any, val: Any, k: int, limit: int, r: int, base: int
+    a64: Any,
+    b64: Any,
+    a_el: Any,
+    pos: Any,
+    val: Any,
+    k: int,
+    limit: int,
+    r: int,
+    base: int,
+    scratch: Any,
 ) -> Any:
     """Compare words a64 with b64 (the shadow, updated where they differ); record
     (base + element position, value) of each differing element of `r` per word from `k` on
     (branch-free within a word: pos and val need `r` spare entries past `limit`).
-    Returns (k, words done): it stops after the word that takes k past `limit`."""
+    Returns (k, words done): it stops after the word that takes k past `limit`.
+
+    Two passes: the indices of the differing words into `scratch` (>= len(a64) + 1
+    entries) without a branch (a streaming read, at memory speed), then only those words.
+    One branch per word mispredicts at a few percent density (16 % of bf16 words differ at
+    4 % of elements): 1.6x slower on the development VM."""
     bits = np.uint64(64 // r)
     mask = np.uint64((1 << (64 // r)) - 1) if r > 1 else np.uint64(0xFFFFFFFFFFFFFFFF)
     n = a64.size
+    m = 0
     for j in range(n):
-        x = a64[j] ^ b64[j]
-        if x != 0:
-            b64[j] = a64[j]
-            for e in range(r):
-                pos[k] = base + j * r + e
-                val[k] = a_el[j * r + e]
-                k += ((x >> (bits * np.uint64(e))) & mask) != 0
-            if k > limit:
-                return k, j + 1
+        scratch[m] = j
+        m += a64[j] != b64[j]
+    for i in range(m):
+        j = scratch[i]
+        aj = a64[j]
+        x = aj ^ b64[j]
+        b64[j] = aj
+        for e in range(r):
+            pos[k] = base + j * r + e
+            val[k] = a_el[j * r + e]
+            k += ((x >> (bits * np.uint64(e))) & mask) != 0
+        if k > limit:
+            return k, j + 1
     return k, n
 
 
@@ -92,7 +113,15 @@ def warm() -> None:
         a = np.zeros(8, dtype=np.uint8)
         el = a.view(dt)
         _words(a.view(np.uint64), a.copy().view(np.uint64), el, np.zeros(1, np.int64),
-               np.zeros(1, dt), 0, 0, 8 // el.itemsize, 0)  # fmt: skip
+               np.zeros(1, dt), 0, 0, 8 // el.itemsize, 0, _scratch())  # fmt: skip
+
+
+def _scratch(words: int = 0) -> np.ndarray:
+    """This thread's word indices for `_words` (at least a chunk's worth, kept)."""
+    buf: np.ndarray | None = getattr(_local, "scratch", None)
+    if buf is None or buf.size <= words:
+        buf = _local.scratch = np.empty(max(words, CHUNK // 8) + 1, dtype=np.int64)
+    return buf
 
 
 def aligned(new: np.ndarray, old: np.ndarray, width: int) -> bool:
@@ -151,6 +180,7 @@ def _scan_chunk(a: np.ndarray, b: np.ndarray, acc: Changes, base: int) -> int:
         acc.k, words = _words(
             a[:whole].view(np.uint64), b[:whole].view(np.uint64),
             a[:whole].view(NP_INT[width]), acc.pos, acc.val, acc.k, limit, r, base,
+            _scratch(whole // 8),
         )  # fmt: skip
         if acc.k > limit:
             return int(words) * 8
