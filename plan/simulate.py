@@ -280,12 +280,14 @@ class _Landing:
     """When each flow of a pair lands: its pair drains its flows in posting order, so a
     flow has landed once the pair's delivered bytes reach the bytes posted up to it."""
 
-    def __init__(self, pair: IntArray, nbytes: FloatArray, post_order: IntArray, npairs: int):
+    def __init__(
+        self, pair: IntArray, nbytes: npt.ArrayLike, post_order: IntArray, npairs: int
+    ) -> None:
         n = pair.shape[0]
         rank = np.empty(n, dtype=np.int64)
         rank[post_order] = np.arange(n)
         self.by_pair = np.lexsort((rank, pair))  # flows grouped by pair, in posting order
-        cum = np.cumsum(nbytes[self.by_pair])
+        cum = np.cumsum(np.asarray(nbytes, dtype=np.float64)[self.by_pair])
         self.start = np.searchsorted(pair[self.by_pair], np.arange(npairs + 1))
         base = np.where(self.start[:-1] > 0, cum[np.maximum(self.start[:-1] - 1, 0)], 0.0)
         self.thr = cum - np.repeat(base, np.diff(self.start))

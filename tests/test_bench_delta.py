@@ -31,3 +31,7 @@ def test_bench_delta_reports_unshaped_and_shaped_runs() -> None:
         assert r["delta_bytes"] < r["dense_bytes"]
         assert r["bytes_ratio"] == pytest.approx(r["delta_bytes"] / r["dense_bytes"], abs=1e-5)
         assert r["speedup"] == pytest.approx(r["dense_s"] / r["delta_s"], rel=0.01)
+        for kind in ("delta", "dense"):  # where each publish's time went, in its order
+            t = r["timeline_s"][kind]
+            assert 0 <= t["begin"] <= t["last_posted"] <= t["last_landed"] <= t["total"], t
+            assert t["after_landed"] == pytest.approx(t["total"] - t["last_landed"], abs=2e-4)

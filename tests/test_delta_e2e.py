@@ -114,16 +114,21 @@ def test_unchanged_and_all_changed_versions(pair: Pair) -> None:
     assert stats.density == 1.0 and bitwise(pair.dst, pair.w)
 
 
+def fails_checksum(pair: Pair, v: int) -> None:
+    """Version v (a step on) fails at the engine with `checksum`, for both sides."""
+    step(pair.w, 0.02, v)
+    with pytest.raises(WeightwireError, match="checksum") as failed:
+        pair.tr.publish(v)
+    assert failed.value.code is ErrorCode.CHECKSUM, failed.value
+    with pytest.raises(WeightwireError, match="checksum"):
+        pair.eng.wait(v)
+
+
 def test_byte_changed_behind_our_back(pair: Pair) -> None:
     pair.tr.publish(0)
     pair.eng.wait(0)
     pair.dst["a"].view(-1).view(torch.uint8)[12345] ^= 0x40  # not by weightwire
-    step(pair.w, 0.02, 1)
-    with pytest.raises(WeightwireError, match="checksum") as failed:
-        pair.tr.publish(1)
-    assert failed.value.code is ErrorCode.CHECKSUM, failed.value
-    with pytest.raises(WeightwireError, match="checksum"):
-        pair.eng.wait(1)
+    fails_checksum(pair, 1)
     step(pair.w, 0.02, 2)
     stats = pair.tr.publish(2)  # the engine held nothing verified: dense again
     pair.eng.wait(2)
@@ -181,12 +186,7 @@ def test_byte_changed_after_its_bucket_was_checked(pair: Pair) -> None:
     pair.eng.wait(1)
     assert flipped, "no bucket was applied before the version's end"
     assert not bitwise(pair.dst, pair.w)  # the change is there, checked only later
-    step(pair.w, 0.02, 2)
-    with pytest.raises(WeightwireError, match="checksum") as failed:
-        pair.tr.publish(2)
-    assert failed.value.code is ErrorCode.CHECKSUM, failed.value
-    with pytest.raises(WeightwireError, match="checksum"):
-        pair.eng.wait(2)
+    fails_checksum(pair, 2)
     assert rx.held == -1
     step(pair.w, 0.02, 3)
     assert pair.tr.publish(3).delta_bytes < 4096  # dense: nothing verified was held
