@@ -176,7 +176,8 @@ def run(
 def _scan_split(new: np.ndarray, old: np.ndarray, acc: scan.Changes, base: int, feed: Any) -> bool:
     """`scan.scan` of a segment, its second half on the helper thread (numba's loop runs
     without the GIL) when the segment is large and a helper is allowed (`THREADS`); the
-    checksums are fed afterwards, in order. The second half's changes go after the first's
+    checksums are fed the first half as the caller compares it, the second after, in
+    order. The second half's changes go after the first's
     (both are in stream order). False when they do not fit."""
     w = acc.width
     size = new.size
@@ -186,10 +187,10 @@ def _scan_split(new: np.ndarray, old: np.ndarray, acc: scan.Changes, base: int, 
     room = acc.limit - acc.k
     second = scan.Changes((size - half) // w, w, room)
     later = _helper().submit(scan.scan, new[half:], old[half:], second, base + half // w, None)
-    fits = scan.scan(new[:half], old[:half], acc, base, None)
+    fits = scan.scan(new[:half], old[:half], acc, base, feed)  # hashed while in cache
     fits = later.result() and fits
-    for at in range(0, size, scan.CHUNK):
-        scan.feed(feed, new[at : at + scan.CHUNK])
+    for at in range(half, size, scan.CHUNK):  # then the second half, in order
+        scan.feed(feed, new[at : min(size, at + scan.CHUNK)])
     if not fits or acc.k + second.k > acc.limit:
         acc.k = max(acc.k, acc.limit + 1)  # past the limit: the caller sees it go dense
         return False
