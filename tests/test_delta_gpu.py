@@ -126,6 +126,14 @@ def test_delta_end_to_end_colocated(gpu_cluster: LocalCluster) -> None:
         delta = tr.publish(version)
         eng.wait(version)
         assert all(torch.equal(dst[n].view(torch.uint8), w[n].view(torch.uint8)) for n in w)
+        rx = eng.delta
+        assert rx is not None  # the engine's checks: as buckets landed, and at the end
+        early = {
+            "early_ranges": rx.early_ranges,
+            "tail_ranges": rx.tail_ranges,
+            "engine_early_s": round(rx.early_s, 4),
+            "engine_tail_s": round(rx.tail_s, 4),
+        }
         version += 1
         tr.delta.mode = "off"
         dense = tr.publish(version)
@@ -140,6 +148,7 @@ def test_delta_end_to_end_colocated(gpu_cluster: LocalCluster) -> None:
                 "delta_s": round(delta.total_seconds, 4),
                 "dense_s": round(dense.total_seconds, 4),
                 "speedup": round(dense.total_seconds / delta.total_seconds, 3),
+                **early,
             }
         )
     tr.close()
