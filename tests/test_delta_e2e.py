@@ -17,6 +17,7 @@ import torch
 from weightwire.client import Engine, Trainer
 from weightwire.harness.localcluster import LocalCluster
 from weightwire.protocol.errors import ErrorCode, WeightwireError
+from weightwire.protocol.plan import DELTA_HEAD
 
 from .conftest import FAST, NETNS, serve
 
@@ -258,7 +259,8 @@ class GarblesAPayload(Trainer):
     all say fine)."""
 
     at = -1
-    where = "value"  # or "head": the payload's header, so that it does not even decode
+    where = "value"  # "head": the payload's header, so that it does not even decode;
+    # "block": where it writes (a range of its sender's, or none)
 
     def _post_bucket(self, poster, index, device, started, delta, *args, **kwargs):  # type: ignore[no-untyped-def]
         if poster.version == self.at and delta:
@@ -266,13 +268,16 @@ class GarblesAPayload(Trainer):
             ds = self.plan().buckets[index].deltas[slot]
             out = self._stage.delta_out
             assert out is not None
-            at = ds.src_offset + (nbytes - 1 if self.where == "value" else 8)
+            at = (
+                ds.src_offset
+                + {"value": nbytes - 1, "head": 8, "block": DELTA_HEAD + 9}[self.where]
+            )  # "block": its first block's destination offset, 4 KiB off
             out.tensor[at] ^= 0x10
             self.at = -1
         super()._post_bucket(poster, index, device, started, delta, *args, **kwargs)
 
 
-@pytest.mark.parametrize("where", ["value", "head"])
+@pytest.mark.parametrize("where", ["value", "head", "block"])
 def test_garbled_payload_fails_never_completes(cluster: LocalCluster, where: str) -> None:
     p = Pair(cluster, trainer_cls=GarblesAPayload)
     p.tr.where = where  # type: ignore[attr-defined]

@@ -134,7 +134,7 @@ class DeltaReceiver:
                         f"this rank holds no verified version",
                         ErrorCode.STALE_BASE,
                     )
-                self._payload(msg.version, early.base, offset, length)
+                self._payload(msg.version, early.base, offset, length, set(msg.ranges))
                 early.applied.add((msg.sender, offset))
                 early.nbytes += length
             for r in msg.ranges:
@@ -204,7 +204,7 @@ class DeltaReceiver:
         for tr in trailers:
             for offset, length in tr.deltas:
                 if (tr.sender, offset) not in applied:
-                    self._payload(msg.version, tr.base, offset, length)
+                    self._payload(msg.version, tr.base, offset, length, set(tr.ranges))
                     nbytes += length
         for tr in trailers:
             got = digest.combine([self._range_sum(sums, tr.sender, r) for r in tr.ranges])
@@ -225,10 +225,19 @@ class DeltaReceiver:
             got = digest.range_digest(digest.range_blocks(self.pieces, r), self.is_gpu(r[0]))
         return got
 
-    def _payload(self, version: int, base: int, offset: int, length: int) -> None:
+    def _payload(
+        self, version: int, base: int, offset: int, length: int, ranges: set[frames.Range]
+    ) -> None:
+        """Apply one payload; its blocks must be among `ranges` (what its sender wrote here
+        in its bucket, or this version): it never writes where no checksum will look."""
         head = frames.read_payload_head(self._area_bytes(offset, min(length, 1 << 20)), length)
         if head.size != length:
             raise ApplyError(f"payload at {offset}: {head.size} bytes, the trailer says {length}")
+        stray = next((b for b in head.blocks if b not in ranges), None)
+        if stray is not None:
+            raise ApplyError(
+                f"payload at {offset} writes block {stray}, not a range its sender wrote here"
+            )
         if (head.version, head.base) != (version, base):
             raise ApplyError(
                 f"payload at {offset} is version {head.version} against {head.base}, "
