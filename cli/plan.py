@@ -103,6 +103,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="engines' checksum rate over the bytes they receive, GB/s (assumed; measure it "
         "with tests/test_delta_gpu.py)",
     )
+    p.add_argument(
+        "--delta-apply-gbyte-s",
+        dest="delta_apply_gbps",
+        type=float,
+        default=0.0,
+        help="engines' payload decode+scatter rate, GB/s of dense input, in the same queue as "
+        "their checksum (H100, 3 %%: 617; tests/test_delta_gpu.py); 0: not modelled",
+    )
     for old, new in (("encode", "--delta-encode-gbyte-s"), ("verify", "--delta-verify-gbyte-s")):
         p.add_argument(
             f"--delta-{old}-gbps", dest=f"delta_{old}_gbps", type=float, action=Deprecated, use=new
@@ -139,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
             delta_density=args.delta_density,
             delta_encode_Bps=args.delta_encode_gbps * 1e9,
             delta_verify_Bps=args.delta_verify_gbps * 1e9,
+            delta_apply_Bps=args.delta_apply_gbps * 1e9,
         )
     except PlanError as exc:
         print(f"weightwire plan: {exc}", file=sys.stderr)

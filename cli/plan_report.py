@@ -154,6 +154,7 @@ def run_plan(
     delta_density: float | None = None,
     delta_encode_Bps: float = 400e9,
     delta_verify_Bps: float = 1000e9,
+    delta_apply_Bps: float = 0.0,
 ) -> Report:
     """Plan and simulate; raises PlanError when the layout cannot be planned. `progress`
     is told each phase as it starts. The collector is off meanwhile: everything built
@@ -177,6 +178,7 @@ def run_plan(
             delta_density=delta_density,
             delta_encode_Bps=delta_encode_Bps,
             delta_verify_Bps=delta_verify_Bps,
+            delta_apply_Bps=delta_apply_Bps,
         )
     finally:
         if enabled:
@@ -200,6 +202,7 @@ def _run_plan(
     delta_density: float | None,
     delta_encode_Bps: float,
     delta_verify_Bps: float,
+    delta_apply_Bps: float,
 ) -> Report:
     import numpy as np
 
@@ -270,6 +273,7 @@ def _run_plan(
             pack_Bps,
             delta_encode_Bps,
             delta_verify_Bps,
+            apply_Bps=delta_apply_Bps,
             bucket_overhead_s=bucket_overhead_s,
             write_overhead_s=write_overhead_s,
             rel_tol=rel_tol,
@@ -288,13 +292,17 @@ def simulate_delta(
     pack_Bps: float,
     encode_Bps: float,
     verify_Bps: float,
+    *,
+    apply_Bps: float = 0.0,
     **sim_args: Any,
 ) -> dict[str, Any]:
     """The same plan's delta version at `density`: payloads and trailers instead of dense
     writes, the senders' compare/encode added to packing, and each engine's verification
     (a checksum over every byte it receives) bucket by bucket: each (source, bucket)
     flow checked once it landed, one at a time per engine, overlapped with the flows
-    still on their way; what is left after the engine's last byte is on the tail."""
+    still on their way; what is left after the engine's last byte is on the tail
+    (`verify_s`). With `apply_Bps` (GB/s of dense input) each payload's decode and
+    scatter is in the same queue (0: not modelled)."""
     import numpy as np
 
     from weightwire.plan.delta_sim import delta_flows, verify_queue
@@ -320,7 +328,11 @@ def simulate_delta(
         float(np.max(dense.dst_bytes)) / verify_Bps if verify_Bps and dense.dst_bytes.size else 0.0
     )
     total = float(sim.seconds)
-    if verify_Bps and sim.flow_land is not None and df.dense is not None:
+    per_dense = 1 / verify_Bps if verify_Bps else 0.0
+    per_applied = 1 / apply_Bps if apply_Bps > 0 else 0.0
+    apply_busy = 0.0
+    if (per_dense or per_applied) and sim.flow_land is not None and df.dense is not None:
+        assert df.applied is not None
         # the dense bytes each simulated (source, destination, bucket) flow stands for
         nd, nb = topo.engines, int(df.bucket.max()) + 1
         key = (df.src * nd + df.dst) * nb + df.bucket
@@ -328,9 +340,15 @@ def simulate_delta(
         assert sim.flow_bucket is not None
         fkey = (sim.flow_src * nd + sim.flow_dst) * nb + sim.flow_bucket
         uniq, inv = np.unique(key, return_inverse=True)
-        per_key = np.bincount(inv.reshape(-1), weights=df.dense)
-        work = per_key[np.searchsorted(uniq, fkey)] / verify_Bps
+        at = np.searchsorted(uniq, fkey)
+        checked = np.bincount(inv.reshape(-1), weights=df.dense)[at]
+        applied = np.bincount(inv.reshape(-1), weights=df.applied)[at]
+        work = checked * per_dense + applied * per_applied
         done = verify_queue(sim.flow_dst, sim.flow_land, work, topo.engines)
+        apply_busy = (
+            float(np.bincount(sim.flow_dst, weights=applied, minlength=topo.engines).max())
+            * per_applied
+        )
         total = max(total, float(done.max()))
     verify = total - float(sim.seconds)
     return {
@@ -345,6 +363,8 @@ def simulate_delta(
         "verify_gbps": verify_Bps / 1e9,
         "verify_s": verify,
         "verify_busy_s": verify_busy,
+        "apply_gbps": apply_Bps / 1e9 if apply_Bps > 0 else None,
+        "apply_busy_s": apply_busy,
         "verify_overlapped": True,
         "simulated_s": total,
         "dense_simulated_s": float(dense.seconds),

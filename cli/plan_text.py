@@ -62,8 +62,9 @@ def render(j: Mapping[str, Any]) -> str:
             f"delta           {d['simulated_s']:.4f} s at density {d['density']:g} "
             f"({_gb(d['bytes_total'])}, {d['bytes_ratio']:.4f} of dense; network "
             f"{d['network_s']:.4f} s with encode at {d['encode_gbps']:g} GB/s, verify "
-            f"{d.get('verify_busy_s', d['verify_s']):.4f} s at {d['verify_gbps']:g} GB/s "
-            f"per bucket as it lands, {d['verify_s']:.4f} s of it after the last byte): "
+            f"{d.get('verify_busy_s', d['verify_s']):.4f} s at {d['verify_gbps']:g} GB/s"
+            + (f" and apply {d['apply_busy_s']:.4f} s" if d.get("apply_gbps") else "")
+            + f" per bucket as it lands, {d['verify_s']:.4f} s of it after the last byte): "
             f"{d['speedup']:.1f}x dense "
             f"{d['dense_simulated_s']:.4f} s; shadow {_gb(d['shadow_bytes_max'])} per trainer"
         )

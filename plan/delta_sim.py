@@ -39,6 +39,8 @@ class DeltaFlows:
     dense_groups: int  # (source, destination, bucket) groups that stay dense
     dense: npt.NDArray[np.float64] | None = None  # dense bytes each flow stands for
     # (what the engine checksums for it; 0 for the trailers)
+    applied: npt.NDArray[np.float64] | None = None  # of them, those sent as a payload
+    # (what the engine decodes and scatters)
 
 
 def delta_flows(
@@ -90,6 +92,7 @@ def delta_flows(
         payloads=payloads,
         dense_groups=kept,
         dense=np.concatenate([dense, np.zeros(len(pairs))]),
+        applied=np.concatenate([np.where(smaller, dense, 0.0), np.zeros(len(pairs))]),
     )
 
 

@@ -168,3 +168,7 @@ def test_plan_delta_verifies_bucket_by_bucket(capsys: pytest.CaptureFixture[str]
     slow = json.loads(capsys.readouterr().out)["delta"]
     assert slow["simulated_s"] >= slow["verify_busy_s"] > slow["network_s"], slow
     assert slow["verify_s"] < slow["verify_busy_s"]  # what landed first was checked meanwhile
+    assert main([*args, "--delta-apply-gbyte-s", "5"]) == 0  # payloads' scatter in the queue
+    applied = json.loads(capsys.readouterr().out)["delta"]
+    assert applied["apply_busy_s"] > 0 and applied["simulated_s"] > d["simulated_s"], applied
+    assert applied["simulated_s"] >= applied["apply_busy_s"]
