@@ -4,6 +4,9 @@ gather and broadcast."""
 from __future__ import annotations
 
 import argparse
+import cProfile
+import os
+import pstats
 import time
 from collections import defaultdict
 from typing import Any
@@ -20,6 +23,7 @@ from .rank_base import Rank
 class TrainerRank(Rank):
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(args)
+        self._profiles: list[cProfile.Profile] = []
         self.full = args.trainer_layout == "full"
         self.rows = {
             t.name: (0, t.shape[0]) if self.full else M.shard_rows(t.shape[0], self.index, self.T)
@@ -90,7 +94,20 @@ class TrainerRank(Rank):
 
     def ww(self, version: int) -> dict[str, Any]:
         t0 = self.barrier()
+        # WEIGHTWIRE_BENCH_PROFILE=PREFIX: the publishes from version 2 on under cProfile,
+        # the totals rewritten to PREFIX-rank<N>.txt after each (where the host time goes)
+        prefix = os.environ.get("WEIGHTWIRE_BENCH_PROFILE")
+        prof = cProfile.Profile() if prefix and version >= 2 else None
+        if prof is not None:
+            prof.enable()
         s = self.tr.publish(version)
+        if prof is not None:
+            prof.disable()
+            self._profiles.append(prof)
+            with open(f"{prefix}-rank{self.index}.txt", "w") as f:
+                st = pstats.Stats(*self._profiles, stream=f)
+                st.sort_stats("tottime").print_stats(40)
+                st.sort_stats("cumulative").print_stats(40)
         return {
             "t0": t0,
             "end": time.time(),
