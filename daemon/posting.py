@@ -251,7 +251,7 @@ class Poster:
                 )
         run.bytes_done += sum(w.nbytes for w in b.writes)
         run.writes_done += len(b.writes)
-        self._landed(run, bucket, timed=False)
+        self._landed(run, bucket, timed=False, slot=False)
 
     async def _post_delta(self, run: Run, bucket: int, sent: dict[int, int]) -> None:
         """A bucket some of whose destinations get a delta payload (deltas.bucket_writes),
@@ -278,15 +278,23 @@ class Poster:
                 run.add_landed(w.nbytes, 1, ((w.dst_node, w.nbytes),))
 
     def _landed(
-        self, run: Run, bucket: int, timed: bool = True, sent: dict[int, int] | None = None
+        self,
+        run: Run,
+        bucket: int,
+        timed: bool = True,
+        sent: dict[int, int] | None = None,
+        slot: bool = True,
     ) -> None:
         """Every write of `bucket` landed: its time in the metrics (`timed`), its ring
-        slot free (`RingSlots.slot_free`), and its engines told (`on_landed`: they apply
-        and checksum it while later buckets are on their way)."""
+        slot free (`RingSlots.slot_free`; not for a bucket packed in place, `slot` False:
+        it used no slot, and no rank waits for one, so the rank is not sent a message per
+        bucket while it packs), and its engines told (`on_landed`: they apply and checksum
+        it while later buckets are on their way)."""
         landed = run.bucket_landed[bucket] = time.time()
         run.mark("first_landed")
         if timed and self.metrics is not None:
             self.metrics.bucket_landed(self.job, landed - run.bucket_posted[bucket])
-        self.slots.slot_free(run, bucket)
+        if slot:
+            self.slots.slot_free(run, bucket)
         if self.on_landed is not None and not run.finished:
             self.on_landed(run, bucket, sent or {})

@@ -31,7 +31,7 @@ from weightwire.harness.localcluster import LocalCluster
 from weightwire.memory.cudadrv import available
 from weightwire.plan.rules import engine_tensors
 from weightwire.protocol.errors import ErrorCode, WeightwireError
-from weightwire.protocol.local import EngineLayout
+from weightwire.protocol.local import BucketsLanded, EngineLayout
 
 from .conftest import FAST, serve
 from .hfweights import random_hf
@@ -122,6 +122,7 @@ def sync(
     waited = True  # with a ring: every bucket packed only after its slot's last one landed
     by_event, by_landing, by_counter, reuses, issued, aborted = 0, 0, 0, 0, 0, 0
     gated, published = 0, 0
+    landed_notes: list[BucketsLanded] = []  # the daemon's slot messages to the trainers
     try:
         for version in versions:
             hf = random_hf(CFG, seed=version)
@@ -153,6 +154,14 @@ def sync(
                         zero_copy=zero_copy,
                     )
                     trainers.append((tr, mine))
+                    notify = tr._pending.notify
+
+                    def count(msg: Any, notify: Any = notify) -> None:
+                        if isinstance(msg, BucketsLanded):
+                            landed_notes.append(msg)
+                        notify(msg)
+
+                    tr._pending.notify = count  # type: ignore[method-assign]
                 for tr, _ in trainers:  # every rank registered: the plan, the staging
                     staged += tr.prepare().staging_bytes
                     held += tr.staging_bytes
@@ -247,6 +256,7 @@ def sync(
         "by_landing": by_landing,
         "by_counter": by_counter,
         "gated": gated,  # publishes whose copies waited on the GPU for the pack counter
+        "landed_notes": len(landed_notes),
         "published": published,
         "aborted": aborted,
         "reuses": reuses,
@@ -436,6 +446,7 @@ def test_gpu_colocated_in_place_waits_for_no_slot(small_buckets: LocalCluster, d
     assert got["slots"] == 2 and got["reuses"] > 0, got
     assert got["by_event"] == got["by_landing"] == 0, got
     assert got["cuda"] == 0 and got["in_place"] == got["writes"] > 0, got
+    assert got["landed_notes"] == 0, got  # no message per bucket while the trainer packs
 
 
 def test_gpu_zero_copy_sources(gpu_cluster: LocalCluster) -> None:
