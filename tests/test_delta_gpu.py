@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from weightwire.client import Engine, Trainer
-from weightwire.client.delta import codec, digest
+from weightwire.client.delta import codec, digest, digest_kernel
 from weightwire.harness.localcluster import LocalCluster
 from weightwire.memory.cudadrv import available
 
@@ -47,7 +47,8 @@ def test_codec_on_gpu_rates(density: float) -> None:
     dev = torch.device("cuda", 0)
     nbytes = 1 << 30
     new, old = _pair(nbytes, density, dev)
-    codec.encode(new[: 1 << 20], old[: 1 << 20], 2)  # warm up
+    warm = codec.encode(new[: 1 << 20], old[: 1 << 20], 2)  # warm up encode and apply
+    codec.apply(old[: 1 << 20].clone(), warm.kind, warm.body, warm.count, 2)
     _sync()
     t0 = time.perf_counter()
     enc = codec.encode(new, old, 2)
@@ -65,6 +66,8 @@ def test_codec_on_gpu_rates(density: float) -> None:
     part = codec.encode(new[: 1 << 24], old[: 1 << 24], 2, mode="on")
     codec.apply(cpu, part.kind, part.body.cpu(), part.count, 2)
     assert torch.equal(cpu, new[: 1 << 24].cpu())
+    digest.tdigest([out[: 1 << 20]])  # warm up (the first call compiles the kernel)
+    _sync()
     t0 = time.perf_counter()
     h = digest.tdigest([out])
     _sync()
@@ -85,6 +88,48 @@ def test_codec_on_gpu_rates(density: float) -> None:
             }
         )
     )
+
+
+def test_checksum_kernel_same_as_torch_and_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Triton weighted sums (`digest_kernel`) give `tdigest` bit for bit what torch's
+    product-and-sum gives on the GPU and numpy on the CPU: empty, ragged tails, a table
+    and a half, across the 256 MiB chunking of a block, misaligned blocks; then the rates
+    on 2 GiB, kernel against torch in the same run (printed)."""
+    if not digest_kernel.available(torch.zeros(1, dtype=torch.int64, device="cuda")):
+        pytest.skip("no Triton here")
+    dev = torch.device("cuda", 0)
+    g = torch.Generator(device=dev).manual_seed(1)
+    big = torch.randint(0, 256, ((1 << 28) + 4096,), dtype=torch.uint8, device=dev, generator=g)
+    sizes = [0, 1, 7, 8, 9, 8 * digest.TABLE, 12 * digest.TABLE + 13, (1 << 28) + 4093]
+    blocks = [big[:n] for n in sizes] + [big[3 : 3 + 8 * 5000 + 5]]  # the last misaligned
+    for block in blocks:
+        fast = digest.tdigest([block])
+        with monkeypatch.context() as m:
+            m.setattr(digest_kernel, "ENABLED", False)
+            slow = digest.tdigest([block])
+        assert fast == slow, block.numel()
+        if block.numel() < (1 << 26):
+            assert fast == digest.tdigest([block.cpu()]), block.numel()
+    flipped = big[: 1 << 20].clone()
+    flipped[12345] ^= 1
+    assert digest.tdigest([flipped]) != digest.tdigest([big[: 1 << 20]])
+    data = torch.randint(0, 256, (2 << 30,), dtype=torch.uint8, device=dev, generator=g)
+    rates = {}
+    for name, on in (("kernel", True), ("torch", False)):
+        with monkeypatch.context() as m:
+            m.setattr(digest_kernel, "ENABLED", on)
+            digest.tdigest([data[: 1 << 24]])
+            _sync()
+            t0 = time.perf_counter()
+            digest.tdigest([data])
+            _sync()
+            rates[name] = round(data.numel() / (time.perf_counter() - t0) / 1e9, 1)
+    t0 = time.perf_counter()
+    data.clone()
+    _sync()
+    copy_gbps = round(data.numel() / (time.perf_counter() - t0) / 1e9, 1)
+    print(json.dumps({"test": "checksum kernel", "checksum_gbps": rates,
+                      "copy_gbps_same_bytes": copy_gbps}))  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 import xxhash
 
+from . import digest_kernel
 from .frames import Range
 
 MASK = (1 << 64) - 1
@@ -87,6 +88,10 @@ def tdigest(blocks: Iterable[torch.Tensor]) -> int:
         total = torch.zeros((), dtype=torch.int64, device=block.device)
         for start in range(0, x.numel(), _CHUNK_WORDS):
             part = x[start : start + _CHUNK_WORDS]
+            if digest_kernel.available(part):  # one pass, the products in registers
+                weighted = digest_kernel.weighted_sums(part, table, start // TABLE, _MUL, _MIX)
+                total = total + weighted.sum()
+                continue
             sums = _chunk_sums(part, table)
             c = torch.arange(
                 start // TABLE + 1, start // TABLE + 1 + sums.numel(), device=block.device
