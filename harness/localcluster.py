@@ -149,7 +149,10 @@ class LocalCluster:
         log: IO[bytes] = open(log_path, "ab")  # noqa: SIM115 - the daemon owns it
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         d = DaemonProc(node, host, addr, sock, proc, log_path)
-        deadline = time.monotonic() + 30
+        # a daemon's start is imports, mostly: seconds, but far more in an emulated VM
+        # (the Soft-RoCE tests' QEMU without KVM) on a loaded machine
+        wait_s = float(os.environ.get("WEIGHTWIRE_TEST_DAEMON_READY_S", "30"))
+        deadline = time.monotonic() + wait_s
         while not ready.exists():
             if proc.poll() is not None:
                 raise RuntimeError(
@@ -157,7 +160,9 @@ class LocalCluster:
                 )
             if time.monotonic() > deadline:
                 proc.kill()
-                raise RuntimeError(f"daemon {node} not ready in 30 s:\n{log_path.read_text()}")
+                raise RuntimeError(
+                    f"daemon {node} not ready in {wait_s:.0f} s:\n{log_path.read_text()}"
+                )
             time.sleep(0.05)
         d.ready = json.loads(ready.read_text())
         existing = [i for i, x in enumerate(self.daemons) if x.node == node]

@@ -205,6 +205,8 @@ if [ "$FASTFS" = 1 ]; then
   fi
 fi
 export WEIGHTWIRE_RDMA_VM=1 WEIGHTWIRE_RDMA_DEVICES="$devs" WEIGHTWIRE_RDMA_PAIR="$pair"
+# a daemon starts in seconds on the host, far slower in this emulated VM on a loaded machine
+export WEIGHTWIRE_TEST_DAEMON_READY_S="${WEIGHTWIRE_TEST_DAEMON_READY_S:-120}"
 export VIRTUAL_ENV="$REPO/.venv-rdma" PATH="$REPO/.venv-rdma/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 unset PYTHONHOME PYTHONPATH
 cd "$REPO" || fail "cd $REPO"
