@@ -1,0 +1,101 @@
+"""The daemons' log (their stdout) on a full filesystem: a 1 MiB tmpfs mounted for the test
+holds every daemon's log, key files, sockets and ready file, and is filled to the last byte
+once they have joined. Logging used to raise ENOSPC into whatever logged the line (the
+daemon died at its next line); now the lines are dropped and counted, versions still land
+bitwise, and once there is room the log says how many lines were lost, every line whole."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from weightwire.client import Engine, Trainer
+from weightwire.client.status import fetch
+from weightwire.harness.localcluster import LocalCluster
+
+from .conftest import FAST, NETNS
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+
+
+def fill(directory: Path) -> Path:
+    """A file that takes every byte left in `directory`'s filesystem."""
+    path = directory / "filler"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        chunk = b"\0" * 4096
+        while True:
+            try:
+                if os.write(fd, chunk) == 0:
+                    break
+            except OSError:  # ENOSPC: now full
+                break
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError):
+        (directory / "probe").write_bytes(b"x" * 4096)
+    return path
+
+
+def pad_to_page(log: Path) -> None:
+    """One JSON line that ends `log` at a page boundary, so not a byte more fits once the
+    filesystem is full (a tmpfs gives space a page at a time)."""
+    size = log.stat().st_size
+    room = -size % 4096
+    room = room if room >= 64 else room + 4096
+    line = json.dumps({"event": "pad", "pad": ""}).encode()
+    line = line[:-2] + b"x" * (room - len(line) - 1) + line[-2:] + b"\n"
+    with open(log, "ab") as f:
+        f.write(line)
+    assert log.stat().st_size % 4096 == 0
+
+
+def publish(tr: Trainer, eng: Engine, version: int, w: torch.Tensor, dst: torch.Tensor) -> None:
+    tr.publish(version, {"w": w * version})
+    eng.wait(version, timeout_s=20)
+    assert torch.equal(dst, w * version)
+
+
+def test_daemons_keep_serving_when_their_log_filesystem_is_full(tmp_path: Path) -> None:
+    d = tmp_path / "small"
+    d.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "ww-logs", str(d)], check=True)
+    c = LocalCluster(hosts=2, use_netns=NETNS, extra=FAST, workdir=d)
+    try:
+        c.start()
+        c.wait_joined()
+        for x in c.daemons:
+            pad_to_page(x.log_path)
+        filler = fill(d)
+        w = torch.arange(64 << 10, dtype=torch.float32)
+        dst = torch.zeros_like(w)
+        tr = Trainer(0, 1, socket=c.daemons[0].socket, job="full-log", timeout_s=20)
+        eng = Engine(0, 1, socket=c.daemons[1].socket, job="full-log", timeout_s=20)
+        try:
+            tr.register({"w": w.clone()})
+            eng.register({"w": dst})
+            for version in (1, 2):
+                publish(tr, eng, version, w, dst)
+            for x in c.daemons:
+                assert x.proc.poll() is None, f"{x.node} died: {x.log_path.read_text()[-2000:]}"
+                assert fetch(x.socket)["node"] == x.node
+            assert all(x.log_path.stat().st_size % 4096 == 0 for x in c.daemons)
+            filler.unlink()
+            publish(tr, eng, 3, w, dst)
+        finally:
+            tr.close()
+            eng.close()
+        for x in c.daemons:
+            lines = x.log_path.read_text().splitlines()
+            records = [json.loads(line) for line in lines]  # every line whole
+            notes = [r for r in records if r.get("event") == "log lines dropped"]
+            assert notes and notes[0]["dropped"] > 0, (x.node, lines[-5:])
+    finally:
+        codes = c.stop()
+        subprocess.run(["umount", "-l", str(d)], check=False)
+    assert codes == [0, 0], codes
