@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import inspect
 import os
 import socket
 import stat
@@ -57,6 +58,11 @@ from .sessions import Session, check_hello
 
 log = structlog.get_logger("weightwire.daemon.local")
 
+# Requests of one session answered later (a plan, a version, a registration) that may wait
+# at once: a rank needs a few; a flood of long waits (WaitVersion up to a day each) held a
+# task apiece, ~4 KB, for as long as asked, after the rank left too.
+MAX_WAITING = 64
+
 
 def _remove_stale_socket(path: str) -> None:
     """Remove a socket file left by a dead daemon; refuse to steal a live one."""
@@ -101,6 +107,9 @@ class LocalServer:
         self._requests: Requests | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        # per connection: its requests answered later, and whether each is only a wait
+        # (cancelled when the session ends: nobody is left to answer)
+        self._waiting: dict[bytes, dict[asyncio.Task[None], bool]] = {}
         self._start_post = False  # a BucketReady found its rank idle: yield after it
         self._bad = Throttled()  # a rank can send garbage in a loop: one line per interval
         self.inbox: Inbox | None = None  # file descriptors from ranks (VMM GPU memory)
@@ -204,7 +213,24 @@ class LocalServer:
     def _error(self, identity: bytes, req: int, exc: WeightwireError) -> None:
         self.send(identity, Error(req=req, code=exc.code.value, message=exc.message))
 
-    def _spawn(self, identity: bytes, req: int, work: Awaitable[LocalMsg | None]) -> None:
+    def _spawn(
+        self,
+        identity: bytes,
+        req: int,
+        work: Awaitable[LocalMsg | None],
+        *,
+        only_waits: bool = False,
+    ) -> None:
+        waiting = self._waiting.setdefault(identity, {})
+        if len(waiting) >= MAX_WAITING:
+            if inspect.iscoroutine(work):
+                work.close()
+            raise ProtocolError(
+                f"{len(waiting)} requests of this connection are still waiting for their "
+                f"replies (at most {MAX_WAITING}): wait for those first",
+                code=ErrorCode.BUSY,
+            )
+
         async def run() -> None:
             try:
                 reply = await work
@@ -219,7 +245,28 @@ class LocalServer:
 
         task = asyncio.get_running_loop().create_task(run())
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        waiting[task] = only_waits
+
+        def done(t: asyncio.Task[None]) -> None:
+            self._tasks.discard(t)
+            mine = self._waiting.get(identity)
+            if mine is not None:
+                mine.pop(t, None)
+                if not mine:
+                    del self._waiting[identity]
+
+        task.add_done_callback(done)
+
+    def waiting(self) -> int:
+        """Requests answered later that are waiting now, of every connection."""
+        return sum(len(w) for w in self._waiting.values())
+
+    def _end_waits(self, identity: bytes) -> None:
+        """A session ended: its waits (a plan, a version, the cluster's status) are
+        cancelled; work with effects (registering a region) finishes and cleans up."""
+        for task, only_waits in list(self._waiting.get(identity, {}).items()):
+            if only_waits:
+                task.cancel()
 
     def _session(self, identity: bytes, msg: LocalMsg) -> Session:
         session = self.sessions.get(identity)
@@ -249,7 +296,8 @@ class LocalServer:
                 d.declare_destinations(session, msg)
                 self.send(identity, Ok(req=msg.req, detail=f"{len(tensors)} tensors"))
             case GetPlan(timeout_s=timeout_s):
-                self._spawn(identity, msg.req, d.plan_for(session, msg.req, timeout_s))
+                plan = d.plan_for(session, msg.req, timeout_s)
+                self._spawn(identity, msg.req, plan, only_waits=True)
             case BeginVersion(version=version, plan_hash=plan_hash, staging_buckets=slots):
                 fence = (msg.fence_offset, msg.fence_base, msg.gate_offset)
                 args = (session, msg.req, version, plan_hash, slots, msg.slot_events, fence)
@@ -266,15 +314,17 @@ class LocalServer:
                 d.abort_version(session, msg)
                 self.send(identity, Ok(req=msg.req))
             case WaitVersion(version=version, timeout_s=timeout_s):
-                self._spawn(identity, msg.req, d.wait_version(session, msg.req, version, timeout_s))
+                wait = d.wait_version(session, msg.req, version, timeout_s)
+                self._spawn(identity, msg.req, wait, only_waits=True)
             case Goodbye():
                 self.close_session(identity)
             case Ping():
                 self.send(identity, Pong(req=msg.req, session=session.id))
             case StatusRequest(cluster=True):
-                self._spawn(identity, msg.req, self._cluster_status(msg.req))
+                self._spawn(identity, msg.req, self._cluster_status(msg.req), only_waits=True)
             case StatusRequest():
-                self.send(identity, StatusReply(req=msg.req, body=self._status()))
+                body = {**self._status(), "requests_waiting": self.waiting()}
+                self.send(identity, StatusReply(req=msg.req, body=body))
             case _:
                 raise ProtocolError(
                     f"{type(msg).__name__} is not a request a rank can send", code=ErrorCode.INVALID
@@ -316,6 +366,7 @@ class LocalServer:
         for identity, session in list(self.sessions.items()):
             if now - session.last_seen > timeout_s:
                 del self.sessions[identity]
+                self._end_waits(identity)
                 log.warning(
                     "rank gone; releasing what it registered",
                     role=session.role,
@@ -328,6 +379,7 @@ class LocalServer:
 
     def close_session(self, identity: bytes) -> None:
         session = self.sessions.pop(identity, None)
+        self._end_waits(identity)
         if session is not None:
             (log.debug if session.role == "admin" else log.info)(
                 "rank left", role=session.role, rank=session.rank, job=session.job

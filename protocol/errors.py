@@ -33,6 +33,7 @@ class ErrorCode(enum.StrEnum):
     NO_SPACE = "no_space"  # memory for a region could not be reserved
     CHECKSUM = "checksum"  # a destination's bytes are not what its sources wrote
     STALE_BASE = "stale_base"  # a delta against a version the destination does not hold
+    BUSY = "busy"  # too many requests of one connection waiting for replies at once
     INTERNAL = "internal"
 
 
@@ -113,6 +114,7 @@ _BY_CODE: dict[ErrorCode, type[WeightwireError]] = {
     ErrorCode.TIMEOUT: TimeoutError_,
     ErrorCode.UNAUTHORIZED: RegionError,
     ErrorCode.NO_SPACE: RegionError,
+    ErrorCode.BUSY: ProtocolError,
     ErrorCode.INTERNAL: WeightwireError,
     ErrorCode.CHECKSUM: TransferError,
     ErrorCode.STALE_BASE: TransferError,

@@ -33,10 +33,14 @@ from weightwire.protocol.local import (
     DeclareSources,
     Error,
     GetPlan,
+    Goodbye,
     Hello,
     LocalMessage,
     Ping,
     RegisterRegion,
+    StatusReply,
+    StatusRequest,
+    WaitVersion,
 )
 from weightwire.protocol.tensors import Box, DestTensor, Fp8BlockQuant, Piece, SourceTensor
 
@@ -290,6 +294,45 @@ def test_small_bad_inputs_are_invalid_not_internal(cluster: LocalCluster) -> Non
         assert reply.code == "invalid" and "2^48" in reply.message, reply
     assert fetch(sock)["node"] == "host0"
     healthy_sync(cluster, "after-small-bad-inputs")
+
+
+def test_a_flood_of_waits_is_refused_past_a_cap_and_ends_with_its_session(
+    cluster: LocalCluster,
+) -> None:
+    """A rank sends 1000 WaitVersion of a day each, pipelined. Each used to hold a task
+    (~4 KB) for its whole timeout, after the rank left too: 100k of them grew the daemon
+    by 390 MB. Now 64 may wait per connection, the rest get `busy` at once, and the waits
+    end with the session."""
+    from weightwire.daemon.local import MAX_WAITING
+
+    sock = cluster.daemons[0].socket
+    before = fetch(sock)["requests_waiting"]
+    codec = Codec(LocalMessage)
+    s = raw_socket(sock)
+    hello = Hello(protocol=PROTOCOL_VERSION, role="engine", rank=0, world_size=1, job="flood")
+    s.send_multipart(codec.encode(hello))
+    s.recv_multipart()
+    n = 1000
+    for req in range(1, n + 1):
+        s.send_multipart(codec.encode(WaitVersion(req=req, version=7, timeout_s=86400)))
+    s.send_multipart(codec.encode(StatusRequest(req=n + 1)))
+    busy: list[int] = []
+    while True:
+        reply, _ = codec.decode(s.recv_multipart())
+        if isinstance(reply, StatusReply):
+            break
+        assert isinstance(reply, Error) and reply.code == "busy", reply
+        assert f"at most {MAX_WAITING}" in reply.message, reply
+        busy.append(reply.req)
+    assert busy == list(range(MAX_WAITING + 1, n + 1))
+    assert reply.body["requests_waiting"] == before + MAX_WAITING
+    s.send_multipart(codec.encode(Goodbye()))
+    s.close()
+    deadline = time.monotonic() + 10
+    while fetch(sock)["requests_waiting"] != before:
+        assert time.monotonic() < deadline, fetch(sock)["requests_waiting"]
+        time.sleep(0.05)
+    healthy_sync(cluster, "after-flood")
 
 
 def test_oversized_messages_get_a_too_large_error_and_a_throttled_log_line(
