@@ -127,7 +127,9 @@ def _check_blocks(piece: Piece, rel: Box, block: int) -> None:
 def split_rows(box: Box, piece: Piece, source_dtype: str, max_bytes: int) -> list[Box]:
     """Cut a sub-box along its first dimension into parts of at most ~`max_bytes`, so a
     large tensor spans several buckets and its packing overlaps its transfer. FP8 tiles
-    are never cut: 2-D boxes split at whole tiles."""
+    are never cut: 2-D boxes split at whole tiles. A 0-d box (a scalar) is one part."""
+    if not box.sizes:
+        return [box]
     rows = box.sizes[0]
     if isinstance(piece.transform, Fp8BlockScale):
         nbytes = place(piece, source_dtype, box).nbytes

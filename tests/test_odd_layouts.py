@@ -1,0 +1,117 @@
+"""Model layouts nobody chose on purpose, through `Trainer.register_module`, the planner and
+real daemons, bitwise: a transposed (non-contiguous) parameter, a view at a storage offset,
+a broadcast (stride 0) parameter, a dimension of size 0, a scalar (0-d; it used to fail
+planning with `internal: IndexError`), bf16 tensors of odd lengths; a vocabulary of 11
+rows cut 6+5 by two trainer ranks and 4+4+3 by three engine ranks. Tied parameters and a
+non-contiguous engine tensor get typed errors naming them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from weightwire.client import Engine, Rows, Shard, Trainer
+from weightwire.harness.localcluster import LocalCluster
+from weightwire.protocol.errors import ErrorCode, PlanError, RegistrationError
+
+
+def odd_model() -> torch.nn.Module:
+    g = torch.Generator().manual_seed(7)
+    m = torch.nn.Module()
+    m.transposed = torch.nn.Parameter(torch.randn(3, 5, generator=g).t())
+    m.offset_view = torch.nn.Parameter(torch.randn(10, generator=g)[3:7])
+    m.broadcast = torch.nn.Parameter(torch.randn(1, 8, generator=g).expand(4, 8))
+    m.empty = torch.nn.Parameter(torch.zeros(0, 8))
+    m.scale = torch.nn.Parameter(torch.tensor(2.5))
+    m.odd_bf16 = torch.nn.Parameter(torch.randn(7, generator=g).to(torch.bfloat16))
+    m.square_bf16 = torch.nn.Parameter(torch.randn(3, 3, generator=g).to(torch.bfloat16))
+    m.after = torch.nn.Parameter(torch.randn(5, generator=g))
+    return m
+
+
+def test_odd_parameters_land_bitwise_version_after_version(cluster: LocalCluster) -> None:
+    model = odd_model()
+    assert not model.transposed.is_contiguous() and model.broadcast.stride(0) == 0
+    params = dict(model.named_parameters())
+    dst = {n: torch.full(p.shape, -1.0, dtype=p.dtype) for n, p in params.items()}
+    job = "odd-params"
+    eng = Engine(0, 1, socket=cluster.daemons[1].socket, job=job, timeout_s=30)
+    with Trainer(0, 1, socket=cluster.daemons[0].socket, job=job, timeout_s=30) as tr:
+        try:
+            boxes = tr.register_module(model)
+            assert boxes["scale"] == ((), ()) and boxes["empty"] == ((0, 0), (0, 8))
+            eng.register(dst)
+            for version in (1, 2):
+                with torch.no_grad():  # in place, as an optimizer step would
+                    for p in params.values():
+                        if p.stride() and 0 in p.stride():
+                            continue  # a broadcast parameter cannot be written in place
+                        p.mul_(version + 1)
+                tr.publish(version)
+                eng.wait(version, timeout_s=30)
+                for n, p in params.items():
+                    assert torch.equal(dst[n], p.detach()), (version, n, dst[n], p)
+        finally:
+            eng.close()
+
+
+def test_vocabulary_not_divisible_by_either_side(cluster: LocalCluster) -> None:
+    """11 rows: trainer ranks hold 6 + 5 (torch.chunk), engine ranks 4 + 4 + 3; every
+    engine shard is cut from both trainer shards' boundaries, bitwise."""
+    vocab = torch.arange(11 * 6, dtype=torch.float32).reshape(11, 6)
+    job = "odd-vocab"
+    cuts = [(0, 4), (4, 8), (8, 11)]
+    dsts = [torch.zeros(b - a, 6) for a, b in cuts]
+    engines = []
+    trainers = []
+    try:
+        for r, ((a, b), dst) in enumerate(zip(cuts, dsts, strict=True)):
+            e = Engine(r, 3, socket=cluster.daemons[1].socket, job=job, timeout_s=30)
+            engines.append(e)
+            e.register({"embed.weight": dst}, {"embed.weight": Rows((11, 6), a, b)})
+        for r in range(2):
+            t = Trainer(r, 2, socket=cluster.daemons[0].socket, job=job, timeout_s=30)
+            trainers.append(t)
+            local = vocab.chunk(2)[r].clone()
+            t.register(
+                {"embed.weight": local},
+                layout=Shard(0, r, 2),
+                global_shapes={"embed.weight": (11, 6)},
+            )
+        for version in (1, 2):
+            for r, t in enumerate(trainers):
+                t.publish(version, {"embed.weight": vocab.chunk(2)[r] * version})
+            for e in engines:
+                e.wait(version, timeout_s=30)
+            assert torch.equal(torch.cat(dsts), vocab * version)
+    finally:
+        for c in (*trainers, *engines):
+            c.close()
+
+
+def test_tied_parameters_and_non_contiguous_destinations_are_named(
+    cluster: LocalCluster,
+) -> None:
+    m = torch.nn.Module()
+    m.embed = torch.nn.Embedding(10, 4)
+    m.head = torch.nn.Linear(4, 10, bias=False)
+    m.head.weight = m.embed.weight  # tied: torch lists it once, as embed.weight
+    job = "odd-tied"
+    eng = Engine(0, 1, socket=cluster.daemons[1].socket, job=job, timeout_s=30)
+    with Trainer(0, 1, socket=cluster.daemons[0].socket, job=job, timeout_s=30) as tr:
+        try:
+            assert list(tr.register_module(m)) == ["embed.weight"]
+            eng.register({"embed.weight": torch.zeros(10, 4), "head.weight": torch.zeros(10, 4)})
+            with pytest.raises(PlanError) as err:
+                tr.prepare(timeout_s=20)
+            assert "head.weight" in err.value.message and "no trainer declared" in err.value.message
+        finally:
+            eng.close()
+    eng = Engine(0, 1, socket=cluster.daemons[1].socket, job=job + "-2", timeout_s=30)
+    try:
+        with pytest.raises(RegistrationError) as err2:
+            eng.register({"w": torch.zeros(5, 3).t()})
+        assert err2.value.code is ErrorCode.INVALID
+        assert "w must be contiguous" in err2.value.message
+    finally:
+        eng.close()
