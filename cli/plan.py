@@ -124,6 +124,9 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"weightwire plan: cannot read {path}: {exc}", file=sys.stderr)
         return 2
+    if not isinstance(config, dict):
+        print(f"weightwire plan: {path} is not a JSON object (a config.json)", file=sys.stderr)
+        return 2
     replicas, tp = args.engines
     ep = args.ep or (tp if is_moe(config) else 1)
     if args.trainers < 1 or args.nic_gbps <= 0 or tp % ep:

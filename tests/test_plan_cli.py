@@ -112,6 +112,42 @@ def test_bad_arguments(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> No
     assert "divisible" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("patch", "needle"),
+    [
+        ({"num_hidden_layers": -1}, "'num_hidden_layers' is -1: it must be a positive integer"),
+        ({"intermediate_size": 0}, "'intermediate_size' is 0"),
+        ({"hidden_size": [4096]}, "'hidden_size' is [4096]"),
+        ({"num_hidden_layers": "2"}, "'num_hidden_layers' is '2'"),
+        ({"num_hidden_layers": True}, "'num_hidden_layers' is True"),
+        ({"num_key_value_heads": 0}, "'num_key_value_heads' is 0"),
+        ({"head_dim": -128}, "'head_dim' is -128"),
+    ],
+)
+def test_config_values_that_are_no_sizes_are_named(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, patch: dict[str, Any], needle: str
+) -> None:
+    """Each of these planned silently (a negative layer count: no layers; a zero
+    intermediate size: empty tensors; kv heads 0: as many as the query heads; head_dim -128:
+    boxes with negative offsets) or failed with a bare TypeError; now a plan error names it."""
+    cfg = {**json.loads((MODELS / "qwen3-8b.json").read_text()), "num_hidden_layers": 2}
+    model = tmp_path / "odd.json"
+    model.write_text(json.dumps({**cfg, **patch}))
+    args = ["--trainers", "2", "--engines", "1x2", "--nic-gbit", "100", "--dtype", "bf16"]
+    assert main(["plan", "--model", str(model), *args]) == 1
+    assert needle in capsys.readouterr().err
+
+
+def test_a_config_that_is_no_json_object_is_named(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    model = tmp_path / "list.json"
+    model.write_text("[1, 2]")  # was AttributeError: 'list' object has no attribute 'get'
+    args = ["--trainers", "2", "--engines", "1x2", "--nic-gbit", "100", "--dtype", "bf16"]
+    assert main(["plan", "--model", str(model), *args]) == 2
+    assert "list.json is not a JSON object" in capsys.readouterr().err
+
+
 def test_llama_block_fp8_gets_a_warning(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     from .rulesref import CONFIGS
 

@@ -112,10 +112,23 @@ def fp8_block(config: Mapping[str, Any]) -> int | None:
     return int(size[0])
 
 
-def need(config: Mapping[str, Any], key: str) -> Any:
-    if config.get(key) is None:
+def optional(config: Mapping[str, Any], key: str, default: int) -> int:
+    """A size the rules can do without (`default` when absent or null); when given, a
+    positive integer, as `need`."""
+    return default if config.get(key) is None else need(config, key)
+
+
+def need(config: Mapping[str, Any], key: str) -> int:
+    """A size or count the rules need: a positive integer (a negative layer count planned
+    no layers, a list or a string failed with a bare TypeError)."""
+    value = config.get(key)
+    if value is None:
         raise PlanError(f"model config has no {key!r}")
-    return config[key]
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise PlanError(f"model config {key!r} is {value!r}: it must be a positive integer")
+    return value
 
 
 def split(n: int, parts: int, index: int, what: str) -> tuple[int, int]:
@@ -355,9 +368,6 @@ def hf_builder(config: Mapping[str, Any], dtype: str) -> tuple[list[HfTensor], A
 
 
 def head_dim(config: Mapping[str, Any]) -> int:
-    hd = config.get("head_dim")
-    return (
-        int(hd)
-        if hd
-        else int(need(config, "hidden_size")) // int(need(config, "num_attention_heads"))
-    )
+    if config.get("head_dim") is not None:
+        return need(config, "head_dim")
+    return need(config, "hidden_size") // need(config, "num_attention_heads")

@@ -22,7 +22,7 @@ from typing import Any
 from weightwire.protocol.errors import PlanError
 
 from . import HfTensor
-from .common import Ctx, head_dim, hf_builder, need, split
+from .common import Ctx, head_dim, hf_builder, need, optional, split
 
 Add = Callable[..., None]
 
@@ -43,7 +43,7 @@ def tied(config: Mapping[str, Any]) -> bool:
 # --------------------------------------------------------------------------- HF names
 def hf_attention(family: str, config: Mapping[str, Any], p: str, add: Add) -> None:
     hidden, nh = int(need(config, "hidden_size")), int(need(config, "num_attention_heads"))
-    nkv = int(config.get("num_key_value_heads") or nh)
+    nkv = optional(config, "num_key_value_heads", nh)
     hd = head_dim(config)
     a = f"{p}.self_attn"
     add(f"{a}.q_proj.weight", nh * hd, hidden)
@@ -114,7 +114,7 @@ def kv_rows(ctx: Ctx, nkv: int, hd: int) -> tuple[int, int]:
 def attention(ctx: Ctx, p: str) -> None:
     cfg, family = ctx.cfg, ctx.family
     nh = int(need(cfg, "num_attention_heads"))
-    nkv = int(cfg.get("num_key_value_heads") or nh)
+    nkv = optional(cfg, "num_key_value_heads", nh)
     hd = head_dim(cfg)
     a = f"{p}.self_attn"
     qlo, qhi = split(nh, ctx.tp, ctx.rank, "num_attention_heads")
