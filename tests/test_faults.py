@@ -21,7 +21,12 @@ import torch
 from weightwire.client import Engine, Trainer
 from weightwire.client.status import fetch
 from weightwire.harness.localcluster import LocalCluster
-from weightwire.protocol.errors import PeerLostError, PlanError, WeightwireError
+from weightwire.protocol.errors import (
+    PeerLostError,
+    PlanError,
+    RegistrationError,
+    WeightwireError,
+)
 
 from .conftest import FAST, NETNS, NETNS_WHY
 from .ranks.big_trainer import COLS, ROWS, weights
@@ -301,3 +306,88 @@ def test_local_socket_is_group_only_and_gone_ranks_are_released(faults: LocalClu
             break
         time.sleep(0.2)
     assert not any(f"pid {p.pid}" in o for o in owners), "a dead rank's region was kept"
+
+
+ENGINE_RANK = """
+import sys, torch
+from weightwire.client import Engine
+from tests.ranks.big_trainer import COLS, ROWS
+eng = Engine(0, 1, socket=sys.argv[1], job=sys.argv[2], timeout_s=30)
+eng.register({"w": torch.zeros(ROWS, COLS)})
+print("ready", flush=True)
+eng.wait(1)
+print("1", flush=True)
+sys.stdin.read()
+"""
+
+
+def restarted_engine(sock: str, job: str, until: float) -> Engine:
+    """Engine rank 0 of `job` again: refused (duplicate, naming the dead rank's pid) until
+    the daemon releases the dead rank's session (session_timeout_s of silence)."""
+    while True:
+        try:
+            return Engine(0, 1, socket=sock, job=job, timeout_s=30)
+        except RegistrationError as exc:
+            assert "is already registered here (pid" in exc.message, exc
+            assert time.time() < until, exc
+            time.sleep(0.2)
+
+
+def test_engine_rank_killed_mid_version_fails_it_and_the_next_lands(faults: LocalCluster) -> None:
+    """The engine rank (a process of its own) is SIGKILLed 0.7 s into a 2 s version. The
+    trainer's publish ends (failed, or done if every byte had landed in the memory the dead
+    rank left) within the session timeout plus the stall timeout, never hangs; the daemons
+    keep serving; the engine rank started again gets the next version bitwise."""
+    job = "engine-rank-dies"
+    sock = faults.daemons[2].socket
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
+
+    def engine_proc() -> subprocess.Popen[str]:
+        p = subprocess.Popen(
+            [sys.executable, "-c", ENGINE_RANK, sock, job],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=HERE.parent,
+        )  # fmt: skip
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        return p
+
+    doomed = engine_proc()
+    tr = Trainer(0, 1, socket=faults.daemons[1].socket, job=job, timeout_s=30)
+    tr.register({"w": weights(0)})
+    tr.prepare(timeout_s=30)
+    tr.publish(1, {"w": weights(1)})
+    assert doomed.stdout is not None and doomed.stdout.readline().strip() == "1"
+    pending = publish_in_background(tr, 2, weights(2))
+    time.sleep(0.7)
+    doomed.kill()
+    doomed.wait()
+    killed = time.time()
+    thread = pending["thread"]
+    assert isinstance(thread, threading.Thread)
+    bound = float(FAST["session-timeout-s"]) + float(FAST["stall-timeout-s"]) + 5
+    thread.join(bound)
+    assert not thread.is_alive(), f"publish of version 2 still running {bound} s after the kill"
+    if "error" in pending:
+        err = pending["error"]
+        assert isinstance(err, WeightwireError) and err.code.value in (
+            "peer_lost", "transfer", "aborted", "unknown_region", "timeout", "plan_changed"
+        ), err  # fmt: skip
+    for d in faults.daemons:
+        assert d.proc.poll() is None and fetch(d.socket)["node"] == d.node
+    dst = torch.zeros(ROWS, COLS)
+    eng = restarted_engine(sock, job, killed + float(FAST["session-timeout-s"]) + 3)
+    eng.register({"w": dst})
+    deadline = time.time() + 30
+    version = 3
+    while True:  # the trainer retries retryable failures with the next version, as it should
+        try:
+            tr.publish(version, {"w": weights(version)})
+            break
+        except WeightwireError as exc:
+            assert exc.code.value in ("peer_lost", "plan_changed", "not_ready", "aborted"), exc
+            assert time.time() < deadline, exc
+            version += 1
+    eng.wait(version, timeout_s=30)
+    assert torch.equal(dst, weights(version))
+    print(f"publish ended {pending.get('t', killed) - killed:.2f} s after the kill", pending)
+    tr.close()
+    eng.close()
