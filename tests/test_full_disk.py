@@ -43,15 +43,13 @@ def fill(directory: Path) -> Path:
 
 
 def pad_to_page(log: Path) -> None:
-    """One JSON line that ends `log` at a page boundary, so not a byte more fits once the
-    filesystem is full (a tmpfs gives space a page at a time)."""
-    size = log.stat().st_size
-    room = -size % 4096
-    room = room if room >= 64 else room + 4096
-    line = json.dumps({"event": "pad", "pad": ""}).encode()
-    line = line[:-2] + b"x" * (room - len(line) - 1) + line[-2:] + b"\n"
-    with open(log, "ab") as f:
-        f.write(line)
+    """Fill the last page of `log` (a tmpfs gives space a page at a time, so a full one
+    still takes bytes up to the end of a file's last page) with one line of padding."""
+    room = -log.stat().st_size % 4096
+    if room:
+        line = b'{"p":"' + b"x" * (room - 9) + b'"}\n' if room >= 9 else b" " * (room - 1) + b"\n"
+        with open(log, "ab") as f:
+            f.write(line)
     assert log.stat().st_size % 4096 == 0
 
 
@@ -69,9 +67,9 @@ def test_daemons_keep_serving_when_their_log_filesystem_is_full(tmp_path: Path) 
     try:
         c.start()
         c.wait_joined()
+        filler = fill(d)
         for x in c.daemons:
             pad_to_page(x.log_path)
-        filler = fill(d)
         w = torch.arange(64 << 10, dtype=torch.float32)
         dst = torch.zeros_like(w)
         tr = Trainer(0, 1, socket=c.daemons[0].socket, job="full-log", timeout_s=20)
@@ -91,11 +89,51 @@ def test_daemons_keep_serving_when_their_log_filesystem_is_full(tmp_path: Path) 
             tr.close()
             eng.close()
         for x in c.daemons:
-            lines = x.log_path.read_text().splitlines()
+            lines = [line for line in x.log_path.read_text().splitlines() if line.strip()]
             records = [json.loads(line) for line in lines]  # every line whole
             notes = [r for r in records if r.get("event") == "log lines dropped"]
             assert notes and notes[0]["dropped"] > 0, (x.node, lines[-5:])
     finally:
         codes = c.stop()
         subprocess.run(["umount", "-l", str(d)], check=False)
+    assert codes == [0, 0], codes
+
+
+def test_daemons_keep_serving_past_their_file_size_limit(tmp_path: Path) -> None:
+    """RLIMIT_FSIZE set on the running daemons at their logs' sizes: every further line is
+    EFBIG (Python ignores SIGXFSZ), and used to kill the daemon as ENOSPC did."""
+    import resource
+
+    c = LocalCluster(hosts=2, use_netns=NETNS, extra=FAST, workdir=tmp_path)
+    try:
+        c.start()
+        c.wait_joined()
+        for x in c.daemons:
+            size = x.log_path.stat().st_size
+            # the soft limit: raising it again needs no CAP_SYS_RESOURCE
+            resource.prlimit(x.proc.pid, resource.RLIMIT_FSIZE, (size, resource.RLIM_INFINITY))
+        w = torch.arange(64 << 10, dtype=torch.float32)
+        dst = torch.zeros_like(w)
+        tr = Trainer(0, 1, socket=c.daemons[0].socket, job="fsize", timeout_s=20)
+        eng = Engine(0, 1, socket=c.daemons[1].socket, job="fsize", timeout_s=20)
+        try:
+            tr.register({"w": w.clone()})
+            eng.register({"w": dst})
+            for version in (1, 2):
+                publish(tr, eng, version, w, dst)
+            for x in c.daemons:
+                assert x.proc.poll() is None, f"{x.node} died"
+                assert fetch(x.socket)["node"] == x.node
+                unlimited = (resource.RLIM_INFINITY, resource.RLIM_INFINITY)
+                resource.prlimit(x.proc.pid, resource.RLIMIT_FSIZE, unlimited)
+            publish(tr, eng, 3, w, dst)
+        finally:
+            tr.close()
+            eng.close()
+        for x in c.daemons:
+            records = [json.loads(line) for line in x.log_path.read_text().splitlines()]
+            notes = [r for r in records if r.get("event") == "log lines dropped"]
+            assert notes and notes[0]["dropped"] > 0, (x.node, records[-5:])
+    finally:
+        codes = c.stop()
     assert codes == [0, 0], codes
