@@ -10,12 +10,18 @@ prometheus-client is the `[metrics]` extra: imported only when `metrics_bind` is
 from __future__ import annotations
 
 import contextlib
+import socket
+import socketserver
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from weightwire.protocol.errors import ErrorCode, WeightwireError
 
 PREFIX = "weightwire_"
+HTTP_CONNECTIONS = 8  # scrapes served at once; more are closed unanswered
+HTTP_TIMEOUT_S = 5.0  # a connection silent this long (a request half sent) is closed
 
 # Seconds: a bucket's writes land in ~1 ms (same host) to seconds (a slow link).
 _SECONDS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -154,11 +160,12 @@ class Prometheus:
         if not host or not port.isdigit():
             raise MetricsUnavailable(f"metrics_bind {bind!r} is not HOST:PORT")
         try:
-            server, _thread = self._pc.start_http_server(
-                int(port), addr=host.strip("[]"), registry=self.registry
+            server = _http_server(
+                host.strip("[]"), int(port), self._pc.make_wsgi_app(self.registry)
             )
         except OSError as exc:
             raise MetricsUnavailable(f"metrics_bind {bind}: {exc}") from None
+        threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
         self._server = server
         return str(server.server_address[0]), int(server.server_address[1])
 
@@ -195,3 +202,50 @@ class Prometheus:
                 self.peer_bytes.labels(job, peer).inc(n)
                 if seconds > 0 and n:
                     self.peer_throughput.labels(job, peer).observe(n / seconds)
+
+
+class _Handler(WSGIRequestHandler):
+    timeout = HTTP_TIMEOUT_S  # a request half sent holds its thread this long at most
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+class _Server(socketserver.ThreadingMixIn, WSGIServer):
+    """prometheus-client's server (a thread per connection) with the connections it serves
+    at once capped, and each one's silence bounded: stalled clients (a request line half
+    sent) held a thread each for ever."""
+
+    daemon_threads = True
+    request_queue_size = 128  # listen backlog (5 by default: clients beyond it wait seconds)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._slots = threading.BoundedSemaphore(HTTP_CONNECTIONS)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+def _http_server(host: str, port: int, app: Any) -> _Server:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+    class Server(_Server):
+        address_family = family
+
+    server = Server((host, port), _Handler)
+    server.set_app(app)
+    return server

@@ -141,3 +141,49 @@ def test_metrics_bind_without_prometheus_client_is_a_clear_error(tmp_path) -> No
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0
     assert "pip install 'weightwire[metrics]'" in r.stdout + r.stderr
+
+
+def _threads(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(f.read().split("Threads:")[1].split()[0])
+
+
+def test_stalled_scrapers_hold_no_thread_for_long(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """100 connections to the metrics port each send half a request line and stall. They
+    held a thread each, for ever (prometheus-client's server: a thread per connection, no
+    timeout), so anyone who reaches the port could run the daemon out of threads. Now a
+    few are served at once and each is closed after a timeout; a real scrape then works."""
+    import socket
+    import time
+    import urllib.request
+
+    from weightwire.daemon.metrics import HTTP_CONNECTIONS, HTTP_TIMEOUT_S
+
+    c = LocalCluster(hosts=1, extra=FAST, metrics=True, workdir=tmp_path)
+    c.start()
+    try:
+        d = c.daemons[0]
+        url = str(d.ready["metrics"])
+        host, port = url.split("//")[1].split("/")[0].rsplit(":", 1)
+        base = _threads(d.proc.pid)
+        stalled = []
+        for _ in range(100):
+            s = socket.create_connection((host, int(port)), timeout=5)
+            s.sendall(b"GET /metrics HTTP/1.1\r\n")
+            stalled.append(s)
+        time.sleep(1.0)
+        assert _threads(d.proc.pid) <= base + HTTP_CONNECTIONS + 2, (base, _threads(d.proc.pid))
+        deadline = time.monotonic() + HTTP_TIMEOUT_S + 5
+        for s in stalled:  # every one closed by the daemon: refused at once, or timed out
+            s.settimeout(max(0.1, deadline - time.monotonic()))
+            try:
+                while s.recv(4096):
+                    pass
+            except ConnectionResetError:
+                pass
+            s.close()
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        assert "weightwire_daemon_info" in text
+        assert _threads(d.proc.pid) <= base + 2
+    finally:
+        assert c.stop() == [0]
