@@ -115,3 +115,34 @@ def test_tied_parameters_and_non_contiguous_destinations_are_named(
         assert "w must be contiguous" in err2.value.message
     finally:
         eng.close()
+
+
+def test_odd_parameters_in_delta_mode(cluster: LocalCluster) -> None:
+    """The same parameters beside a bf16 matrix, sent as sparse deltas after a dense
+    version: a few elements change each version (the scalar, one bf16 element, every 37th
+    of the matrix), bitwise, and far fewer bytes than dense move."""
+    model = odd_model()
+    model.big = torch.nn.Parameter((torch.randn(256, 512) * 0.02).to(torch.bfloat16))
+    params = dict(model.named_parameters())
+    dst = {n: torch.full(p.shape, -1.0, dtype=p.dtype) for n, p in params.items()}
+    job = "odd-delta"
+    eng = Engine(0, 1, socket=cluster.daemons[1].socket, job=job, timeout_s=30, delta_area=0.5)
+    tr = Trainer(0, 1, socket=cluster.daemons[0].socket, job=job, timeout_s=30, delta="auto")
+    try:
+        tr.register_module(model)
+        eng.register(dst)
+        dense = tr.publish(0).nbytes
+        eng.wait(0, timeout_s=30)
+        for version in (1, 2, 3):
+            with torch.no_grad():
+                model.big.view(-1)[version::37] += 0.01
+                model.scale.add_(1)
+                model.odd_bf16[version] += 1
+            stats = tr.publish(version)
+            eng.wait(version, timeout_s=30)
+            for n, p in params.items():
+                assert torch.equal(dst[n], p.detach()), (version, n)
+            assert stats.delta_bytes > 0 and stats.nbytes < dense / 4, (stats.nbytes, dense)
+    finally:
+        tr.close()
+        eng.close()
