@@ -335,6 +335,59 @@ def test_a_flood_of_waits_is_refused_past_a_cap_and_ends_with_its_session(
     healthy_sync(cluster, "after-flood")
 
 
+def test_a_flood_of_hellos_and_bucket_readies_is_answered_typed_and_flat(
+    cluster: LocalCluster,
+) -> None:
+    """One connection sends 20k BucketReady of a version it never began, 2k more hellos,
+    and 500 connections each say hello once and leave without goodbye. Every one is
+    answered with a typed error or a welcome, the daemon's RSS stays flat (< 32 MiB more),
+    it logs no line per message, and the sessions left behind are released."""
+    d = cluster.daemons[0]
+    codec = Codec(LocalMessage)
+
+    def rss() -> int:
+        with open(f"/proc/{d.proc.pid}/status") as f:
+            return int(f.read().split("VmRSS:")[1].split()[0]) << 10
+
+    before, lines = rss(), len(d.log_path.read_text().splitlines())
+    s = raw_socket(d.socket)
+    hello = Hello(protocol=PROTOCOL_VERSION, role="trainer", rank=0, world_size=1, job="hflood")
+    s.send_multipart(codec.encode(hello))
+    s.recv_multipart()
+    n_ready, n_hello = 20000, 2000
+    for i in range(n_ready):
+        s.send_multipart(codec.encode(BucketReady(version=3, bucket=i % 7)))
+    for i in range(n_hello):
+        s.send_multipart(codec.encode(msgspec.structs.replace(hello, req=i + 1)))
+    s.send_multipart(codec.encode(Ping(req=10**6)))
+    codes: dict[str, int] = {}
+    while True:
+        reply, _ = codec.decode(s.recv_multipart())
+        if reply.req == 10**6:
+            break
+        assert isinstance(reply, Error), reply
+        codes[reply.code] = codes.get(reply.code, 0) + 1
+    assert codes == {"invalid": n_ready, "duplicate": n_hello}, codes
+    s.close()
+    others = []
+    for i in range(500):
+        o = raw_socket(d.socket)
+        o.send_multipart(codec.encode(msgspec.structs.replace(hello, rank=0, job=f"hf{i}")))
+        others.append(o)
+    for o in others:
+        welcome, _ = codec.decode(o.recv_multipart())
+        assert type(welcome).__name__ == "Welcome", welcome
+        o.close()
+    assert rss() - before < 32 << 20, (before, rss())
+    deadline = time.monotonic() + 3 + 10  # FAST: session-timeout-s 3
+    while any(r["job"].startswith("hf") for r in fetch(d.socket)["sessions"]):
+        assert time.monotonic() < deadline, "sessions of gone connections kept"
+        time.sleep(0.2)
+    # a line per rank that connected and left is fine; none per refused message
+    assert len(d.log_path.read_text().splitlines()) - lines < 3 * 500 + 50
+    healthy_sync(cluster, "after-hello-flood")
+
+
 def test_oversized_messages_get_a_too_large_error_and_a_throttled_log_line(
     cluster: LocalCluster,
 ) -> None:
