@@ -7,6 +7,8 @@ wires each to the narrow seams it needs, and runs them in one TaskGroup.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import json
 import os
 import secrets
@@ -21,7 +23,7 @@ import zmq.asyncio
 import weightwire
 from weightwire.memory.hostmem import sweep_stale
 from weightwire.plan.planner import PlanOptions
-from weightwire.protocol.errors import ErrorCode
+from weightwire.protocol.errors import ErrorCode, WeightwireError
 from weightwire.protocol.frames import Codec
 from weightwire.protocol.local import LocalMessage
 from weightwire.protocol.peer import Member, PeerMessage
@@ -54,6 +56,24 @@ from .transports import make_transports
 from .versionlog import VersionLog
 
 log = structlog.get_logger("weightwire.daemon")
+
+
+def write_ready_file(path: str, ready: dict[str, object]) -> None:
+    """`ready` as JSON at `path`, whole or not at all (a temporary file renamed); a
+    WeightwireError naming the path when it cannot be written (a full disk: `no_space`)."""
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(ready, f)
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+        code = ErrorCode.NO_SPACE if full else ErrorCode.INVALID
+        raise WeightwireError(
+            f"cannot write ready_file {path}: {exc.strerror or exc}", code=code
+        ) from None
 
 
 class Daemon:
@@ -233,15 +253,12 @@ class Daemon:
             "incarnation": self.incarnation,
             "metrics": metrics_at,
         }
-        log.info("daemon ready", **ready)
-        # systemd hears READY once the node has joined (see PeerWelcome); until then, why not
-        self.notifier.waiting(self.join.waiting_for)
-        if cfg.ready_file:
-            tmp = cfg.ready_file + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump(ready, f)
-            os.replace(tmp, cfg.ready_file)
         try:
+            if cfg.ready_file:  # what it says is true once it exists: written before the log
+                write_ready_file(cfg.ready_file, ready)
+            log.info("daemon ready", **ready)
+            # systemd hears READY once the node has joined (see PeerWelcome); until then, why
+            self.notifier.waiting(self.join.waiting_for)
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self.mesh.serve(self.cluster.on_peer))
                 tg.create_task(self.local.serve(self.ranks))

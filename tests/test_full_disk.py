@@ -39,6 +39,7 @@ def fill(directory: Path) -> Path:
         os.close(fd)
     with pytest.raises(OSError):
         (directory / "probe").write_bytes(b"x" * 4096)
+    (directory / "probe").unlink(missing_ok=True)
     return path
 
 
@@ -137,3 +138,33 @@ def test_daemons_keep_serving_past_their_file_size_limit(tmp_path: Path) -> None
     finally:
         codes = c.stop()
     assert codes == [0, 0], codes
+
+
+def test_a_ready_file_on_a_full_filesystem_is_a_named_startup_error(tmp_path: Path) -> None:
+    """The daemon logged "daemon ready", then died of a bare `[Errno 28] No space left on
+    device`, leaving its sockets and a partial ready file behind. Now: one `no_space` error
+    naming the file, nothing left behind, exit 1."""
+    import sys
+
+    d = tmp_path / "full"
+    d.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8k", "ww-ready", str(d)], check=True)
+    try:
+        fill(d)
+        sock = tmp_path / "x.sock"
+        out = subprocess.run(
+            [sys.executable, "-m", "weightwire.daemon", "--insecure", "--is-coordinator",
+             "--node=x", f"--local-socket={sock}", "--peer-bind=tcp://127.0.0.1:0",
+             f"--ready-file={d / 'ready.json'}"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert out.returncode == 1, out
+        records = [json.loads(line) for line in out.stdout.splitlines()]
+        assert not [r for r in records if r.get("event") == "daemon ready"], records
+        last = records[-1]
+        assert last["event"] == "daemon failed" and last["code"] == "no_space", last
+        assert f"cannot write ready_file {d / 'ready.json'}" in last["error"], last
+        assert sorted(p.name for p in d.iterdir()) == ["filler"]
+        assert not list(tmp_path.glob("x.sock*")), list(tmp_path.glob("x.sock*"))
+    finally:
+        subprocess.run(["umount", "-l", str(d)], check=False)
