@@ -115,7 +115,8 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # (every 0.1 s, backing off to 0.5 s), so a node is back within about a second of its
     # link returning
     heartbeat_timeout_s: float = 2.5
-    # a rank silent this long (clients ping every second) is released, with what it holds
+    # a rank silent this long (clients ping every second) is released, with what it holds;
+    # at once if its process ended and the same rank connects again (a restart)
     session_timeout_s: float = 5.0
     version_timeout_s: float = 600.0  # a version still incomplete after this long fails
     shutdown_timeout_s: float = 10.0  # SIGTERM: the longest the transports get to close

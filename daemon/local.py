@@ -337,6 +337,14 @@ class LocalServer:
         return self.sessions.get(session.identity) is session
 
     def _hello(self, identity: bytes, hello: Hello) -> None:
+        if hello.role != "admin":
+            for s in list(self.sessions.values()):
+                same = (s.job, s.role, s.rank) == (hello.job, hello.role, hello.rank)
+                if same and s.identity != identity and self._gone(s.identity):
+                    # its process died (a rank restarted at once): released now, not after
+                    # session_timeout_s of silence
+                    log.info("rank restarted; releasing its old session", pid=s.hello.pid)
+                    self.close_session(s.identity)
         check_hello(identity, hello, self.sessions)
         session = Session(identity=identity, hello=hello)
         self.sessions[identity] = session
@@ -357,6 +365,21 @@ class LocalServer:
                 features=FEATURES(),
             ),
         )
+
+    def _gone(self, identity: bytes) -> bool:
+        """Whether the connection of `identity` is closed (its process ended): ZeroMQ knows
+        at once, and says so to a send that must be routed (an empty frame, which a rank
+        that is still there ignores as undecodable)."""
+        assert self._sock is not None
+        now: zmq.Socket[bytes] = zmq.Socket.shadow(self._sock.underlying)  # raises, no future
+        now.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        try:
+            now.send_multipart([identity, b""], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            return exc.errno == zmq.EHOSTUNREACH
+        finally:
+            now.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        return False
 
     def expire(self, timeout_s: float) -> None:
         """Release sessions whose rank has been silent (no ping) for `timeout_s`."""
