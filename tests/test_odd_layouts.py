@@ -146,3 +146,39 @@ def test_odd_parameters_in_delta_mode(cluster: LocalCluster) -> None:
     finally:
         tr.close()
         eng.close()
+
+
+def test_parameters_given_new_storage_between_versions(cluster: LocalCluster) -> None:
+    """`param.data` replaced between publishes (offloading, a resize by mistake): new
+    storage of another stride is read where it is now, bitwise; another shape or dtype is a
+    typed error naming the tensor, and the rank publishes again once it is right."""
+    m = torch.nn.Module()
+    m.w = torch.nn.Parameter(torch.arange(12.0).reshape(3, 4))
+    m.b = torch.nn.Parameter(torch.ones(5))
+    dst = {"w": torch.zeros(3, 4), "b": torch.zeros(5)}
+    job = "odd-storage"
+    eng = Engine(0, 1, socket=cluster.daemons[1].socket, job=job, timeout_s=30)
+    with Trainer(0, 1, socket=cluster.daemons[0].socket, job=job, timeout_s=30) as tr:
+        try:
+            tr.register_module(m)
+            eng.register(dst)
+            tr.publish(1)
+            eng.wait(1)
+            m.w.data = torch.arange(12.0).reshape(4, 3).t() * 3  # transposed storage
+            tr.publish(2)
+            eng.wait(2)
+            assert torch.equal(dst["w"], m.w.detach()) and torch.equal(dst["b"], m.b.detach())
+            m.w.data = torch.zeros(4, 4)
+            with pytest.raises(RegistrationError) as e1:
+                tr.publish(3)
+            assert e1.value.code is ErrorCode.SHAPE_MISMATCH and "tensor w" in e1.value.message
+            m.w.data = torch.zeros(3, 4, dtype=torch.float16)
+            with pytest.raises(RegistrationError) as e2:
+                tr.publish(4)
+            assert e2.value.code is ErrorCode.DTYPE_MISMATCH and "tensor w" in e2.value.message
+            m.w.data = torch.arange(12.0).reshape(3, 4) * 7
+            tr.publish(5)
+            eng.wait(5)
+            assert torch.equal(dst["w"], m.w.detach())
+        finally:
+            eng.close()
