@@ -10,12 +10,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import inspect
 import os
 import socket
 import stat
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import structlog
@@ -53,15 +52,11 @@ from weightwire.protocol.local import (
 
 from .lograte import Throttled
 from .packgate import features as FEATURES
+from .pending import Pending
 from .rankrequests import Identity, Requests
 from .sessions import Session, check_hello
 
 log = structlog.get_logger("weightwire.daemon.local")
-
-# Requests of one session answered later (a plan, a version, a registration) that may wait
-# at once: a rank needs a few; a flood of long waits (WaitVersion up to a day each) held a
-# task apiece, ~4 KB, for as long as asked, after the rank left too.
-MAX_WAITING = 64
 
 
 def _remove_stale_socket(path: str) -> None:
@@ -106,10 +101,7 @@ class LocalServer:
         self._cluster = cluster_status
         self._requests: Requests | None = None
         self._sock: zmq.asyncio.Socket | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-        # per connection: its requests answered later, and whether each is only a wait
-        # (cancelled when the session ends: nobody is left to answer)
-        self._waiting: dict[bytes, dict[asyncio.Task[None], bool]] = {}
+        self.pending = Pending()  # requests answered later, per connection
         self._start_post = False  # a BucketReady found its rank idle: yield after it
         self._bad = Throttled()  # a rank can send garbage in a loop: one line per interval
         self.inbox: Inbox | None = None  # file descriptors from ranks (VMM GPU memory)
@@ -217,19 +209,15 @@ class LocalServer:
         self,
         identity: bytes,
         req: int,
-        work: Awaitable[LocalMsg | None],
+        work: Coroutine[Any, Any, LocalMsg | None],
         *,
         only_waits: bool = False,
     ) -> None:
-        waiting = self._waiting.setdefault(identity, {})
-        if len(waiting) >= MAX_WAITING:
-            if inspect.iscoroutine(work):
-                work.close()
-            raise ProtocolError(
-                f"{len(waiting)} requests of this connection are still waiting for their "
-                f"replies (at most {MAX_WAITING}): wait for those first",
-                code=ErrorCode.BUSY,
-            )
+        try:
+            self.pending.check(identity)
+        except ProtocolError:
+            work.close()
+            raise
 
         async def run() -> None:
             try:
@@ -243,30 +231,7 @@ class LocalServer:
                 if reply is not None:
                     self.send(identity, reply)
 
-        task = asyncio.get_running_loop().create_task(run())
-        self._tasks.add(task)
-        waiting[task] = only_waits
-
-        def done(t: asyncio.Task[None]) -> None:
-            self._tasks.discard(t)
-            mine = self._waiting.get(identity)
-            if mine is not None:
-                mine.pop(t, None)
-                if not mine:
-                    del self._waiting[identity]
-
-        task.add_done_callback(done)
-
-    def waiting(self) -> int:
-        """Requests answered later that are waiting now, of every connection."""
-        return sum(len(w) for w in self._waiting.values())
-
-    def _end_waits(self, identity: bytes) -> None:
-        """A session ended: its waits (a plan, a version, the cluster's status) are
-        cancelled; work with effects (registering a region) finishes and cleans up."""
-        for task, only_waits in list(self._waiting.get(identity, {}).items()):
-            if only_waits:
-                task.cancel()
+        self.pending.start(identity, run(), only_waits=only_waits)
 
     def _session(self, identity: bytes, msg: LocalMsg) -> Session:
         session = self.sessions.get(identity)
@@ -323,7 +288,7 @@ class LocalServer:
             case StatusRequest(cluster=True):
                 self._spawn(identity, msg.req, self._cluster_status(msg.req), only_waits=True)
             case StatusRequest():
-                body = {**self._status(), "requests_waiting": self.waiting()}
+                body = {**self._status(), "requests_waiting": self.pending.count()}
                 self.send(identity, StatusReply(req=msg.req, body=body))
             case _:
                 raise ProtocolError(
@@ -389,7 +354,7 @@ class LocalServer:
         for identity, session in list(self.sessions.items()):
             if now - session.last_seen > timeout_s:
                 del self.sessions[identity]
-                self._end_waits(identity)
+                self.pending.end(identity)
                 log.warning(
                     "rank gone; releasing what it registered",
                     role=session.role,
@@ -402,7 +367,7 @@ class LocalServer:
 
     def close_session(self, identity: bytes) -> None:
         session = self.sessions.pop(identity, None)
-        self._end_waits(identity)
+        self.pending.end(identity)
         if session is not None:
             (log.debug if session.role == "admin" else log.info)(
                 "rank left", role=session.role, rank=session.rank, job=session.job
@@ -411,8 +376,7 @@ class LocalServer:
                 self._requests.session_gone(session)
 
     def close(self) -> None:
-        for t in self._tasks:
-            t.cancel()
+        self.pending.cancel_all()
         if self._sock is not None:
             self._sock.close(linger=0)
         if self.inbox is not None:

@@ -303,7 +303,7 @@ def test_a_flood_of_waits_is_refused_past_a_cap_and_ends_with_its_session(
     (~4 KB) for its whole timeout, after the rank left too: 100k of them grew the daemon
     by 390 MB. Now 64 may wait per connection, the rest get `busy` at once, and the waits
     end with the session."""
-    from weightwire.daemon.local import MAX_WAITING
+    from weightwire.daemon.pending import MAX_WAITING
 
     sock = cluster.daemons[0].socket
     before = fetch(sock)["requests_waiting"]
