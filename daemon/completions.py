@@ -12,6 +12,7 @@ from weightwire.protocol.errors import ErrorCode
 from weightwire.protocol.plan import Expect, decode_imm
 
 from .completion import Apply, ApplyBucket, Fence, Notify, RankCompletion, Verdict
+from .lograte import Throttled
 from .metrics import Recorder
 
 log = structlog.get_logger("weightwire.daemon.completion")
@@ -29,6 +30,7 @@ class Completions:
     apply_bucket: ApplyBucket | None = None
     ranks: dict[tuple[str, int], RankCompletion] = field(default_factory=dict)
     by_slot: dict[int, RankCompletion] = field(default_factory=dict)
+    _refused: Throttled = field(default_factory=Throttled)  # a peer can send them in a loop
 
     def install(self, job: str, plan_hash: str, expects: tuple[Expect, ...]) -> None:
         fresh: dict[tuple[str, int], RankCompletion] = {}
@@ -72,7 +74,21 @@ class Completions:
         low, slot = decode_imm(imm)
         rc = self.by_slot.get(slot)
         if rc is None:
-            log.warning("immediate for an unknown slot", slot=slot, peer=source)
+            self._refused.emit(log.warning, "immediate for an unknown slot", slot=slot, peer=source)
+            return
+        if rc.expect.sources and source not in rc.expect.sources:
+            # a node that may write to another rank of this node (an insider with a planned
+            # region of its own) counted toward this rank's version: it completed early,
+            # with bytes missing. As VersionStart, BucketLanded and VersionAbort, only the
+            # rank's planned sources count.
+            self._refused.emit(
+                log.warning,
+                "immediate from a node that is no source of its rank; not counted",
+                job=rc.job,
+                rank=rc.rank,
+                slot=slot,
+                peer=source,
+            )
             return
         rc.on_imm(low)
 
