@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import uvloop
 
 from weightwire.protocol import PROTOCOL_VERSION
@@ -234,3 +235,65 @@ def test_out_of_descriptors_the_listener_backs_off_and_logs_once_per_interval() 
     assert report["accept_errors"] <= 20, report
     assert report["log_lines"] == 1, report  # once per 10 s interval
     assert report["landed"] and report["imms"] == [7], report
+
+
+def test_an_authenticated_peer_stalled_mid_write_is_closed_and_delivers_nothing() -> None:
+    """A writer with a valid ticket and grant sends a write's header and half its payload,
+    then stalls with its connection open (a hung peer, or one that means harm). The
+    receiver closes it after stall_timeout_s; no immediate is delivered for the half write,
+    the receive thread and descriptor are given back, and a whole write then lands."""
+    from weightwire.memory.hostmem import create_shared
+    from weightwire.protocol.regions import RegionDescriptor
+    from weightwire.transport.base import LocalRegion, WriteRequest
+    from weightwire.transport.tcp.data import Write
+
+    n = 1 << 16
+
+    async def body() -> None:
+        imms: list[tuple[int, str]] = []
+        t = TcpTransport("a", bind_host="127.0.0.1", stall_timeout_s=1.0)
+        await t.start(lambda imm, node: imms.append((imm, node)))
+        files = [create_shared(n, purpose="test") for _ in range(2)]
+        w = TcpTransport("b", bind_host="127.0.0.1")
+        try:
+            src = LocalRegion(id=1, kind="cpu", length=n, view=files[0].view, fd=files[0].fd)
+            dst = LocalRegion(id=2, kind="cpu", length=n, view=files[1].view, fd=files[1].fd)
+            src.view[:] = bytes(range(256)) * (n // 256)
+            keys = t.register(dst)
+            t.authorize(2, frozenset({"b"}), "plan")
+            assert keys.tcp is not None
+            rkey = auth.plan_rkey(keys.tcp.rkey, "plan")
+            s, channel = await authenticated(t, "b")
+            s.setblocking(True)
+            header = Write(seq=1, region=2, rkey=rkey, offset=0, length=n, imm=7, tag=7)
+            s.sendall(wire.seal(wire.encode(header), channel.send))
+            s.sendall(bytes(src.view[: n // 2]))  # half the payload, then nothing
+            t0 = time.monotonic()
+            assert await asyncio.to_thread(closed_by_peer, s, 10), "a stalled writer kept"
+            assert time.monotonic() - t0 < 1.0 + 3, time.monotonic() - t0
+            s.close()
+            assert await until(lambda: t.incoming() == 0, 5), t.incoming()
+            assert imms == [], imms  # the half write delivered no immediate
+            await w.start(lambda imm, node: None)
+
+            async def signal(peer: str, payload: bytes) -> bytes:
+                return await t.on_signal("b", payload)
+
+            w.set_signal(signal)
+            desc = RegionDescriptor(id=2, node="a", kind="cpu", length=n, keys=keys)
+            desc = msgspec.structs.replace(
+                desc, keys=msgspec.structs.replace(keys, tcp=msgspec.structs.replace(
+                    keys.tcp, rkey=rkey))
+            )  # fmt: skip
+            await w.connect("a", t.endpoints())
+            await asyncio.wait_for(w.write(WriteRequest(src, 0, desc, 0, n, 9)), 10)
+            assert bytes(dst.view) == bytes(src.view)
+            assert await until(lambda: imms == [(9, "b")], 5), imms
+        finally:
+            await w.close()
+            await t.close()
+            for f in files:
+                f.unlink()
+                f.close()
+
+    uvloop.run(body())
