@@ -84,6 +84,11 @@ def test_no_byte_of_a_failed_version_lands_after_the_report(hosts: LocalCluster)
     lands_then_close(tr, eng, dst, 3)
 
 
+# asyncio's default executor (to_thread: joining a dropped connection's threads) keeps the
+# threads it grew to, at most min(32, cpus + 4): bounded, not a leak per connection
+POOL = min(32, (os.cpu_count() or 1) + 4)
+
+
 def usage(d: DaemonProc) -> tuple[int, int]:
     """(open descriptors, threads) of a daemon process."""
     pid = d.proc.pid
@@ -164,7 +169,7 @@ def test_data_port_faults_and_flood_leave_fds_and_threads_flat(hosts: LocalClust
     tcp = engine_daemon.ready["transports"]["tcp"]  # type: ignore[index]
     host, port = str(tcp["host"]), str(tcp["port"])  # type: ignore[index]
     fds0, threads0 = usage(engine_daemon)
-    slack = (fds0 + 6, threads0 + 4)
+    slack = (fds0 + 6, threads0 + 4 + POOL)
 
     print(run_in(hosts, 1, FAULTS, host, port, "100"))
     after_faults = settle(engine_daemon, slack, 15)
@@ -190,7 +195,7 @@ def test_data_port_faults_and_flood_leave_fds_and_threads_flat(hosts: LocalClust
     after_flood = settle(engine_daemon, slack, 15)
     print("during a flood of 3000: peak", peak, "after", after_flood)
     cap = int(LIMITS["tcp-max-unauthenticated"])
-    assert peak[1] <= threads0 + cap + 4, peak  # one thread per waiting connection, capped
+    assert peak[1] <= threads0 + cap + 4 + POOL, peak  # a thread per waiting connection, capped
     assert after_flood[0] <= slack[0] and after_flood[1] <= slack[1], after_flood
     assert engine_daemon.proc.poll() is None, "the engine daemon died"
 
@@ -235,13 +240,15 @@ def test_fds_and_threads_flat_across_100_dropped_data_connections(hosts: LocalCl
         out = subprocess.run(kill, check=True, capture_output=True, text=True, timeout=30)
         killed += len(out.stdout.splitlines()) - 1  # ss lists what it killed
         publish(v)
-    after = [settle(d, (b[0] + 6, b[1] + 4), 15) for d, b in zip(daemons, before, strict=True)]
+    after = [
+        settle(d, (b[0] + 6, b[1] + 4 + POOL), 15) for d, b in zip(daemons, before, strict=True)
+    ]
     print(
         f"{killed} connections reset in 100 faults, {retried} versions retried; trainer and "
         f"engine daemons (fds, threads): before {before}, after {after}"
     )
     assert killed >= 100, killed
     for (f0, t0), (f1, t1) in zip(before, after, strict=True):
-        assert f1 <= f0 + 6 and t1 <= t0 + 4, (before, after)
+        assert f1 <= f0 + 6 and t1 <= t0 + 4 + POOL, (before, after)
     tr.close()
     eng.close()
