@@ -33,38 +33,48 @@ def _sync() -> None:
     torch.cuda.synchronize()
 
 
-def _pair(nbytes: int, density: float, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _pair(
+    nbytes: int, density: float, dev: torch.device, width: int = 2
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 weights (width 2) or FP8 codes (width 1), `density` of the elements changed."""
     g = torch.Generator(device=dev).manual_seed(0)
-    old = (torch.randn(nbytes // 2, device=dev, generator=g) * 0.02).to(torch.bfloat16)
+    n = nbytes // width
+    if width == 2:
+        old = (torch.randn(n, device=dev, generator=g) * 0.02).to(torch.bfloat16)
+        new = old.clone()
+        mask = torch.rand(n, device=dev, generator=g) < density
+        new[mask] = (new[mask].float() + 1e-3).to(torch.bfloat16)
+        return new.view(torch.uint8), old.view(torch.uint8)
+    old = torch.randint(0, 256, (n,), dtype=torch.uint8, device=dev, generator=g)
     new = old.clone()
-    mask = torch.rand(nbytes // 2, device=dev, generator=g) < density
-    new[mask] = (new[mask].float() + 1e-3).to(torch.bfloat16)
-    return new.view(torch.uint8), old.view(torch.uint8)
+    mask = torch.rand(n, device=dev, generator=g) < density
+    new[mask] ^= 1  # the code's lowest bit: another FP8 value
+    return new, old
 
 
-@pytest.mark.parametrize("density", [0.01, 0.03, 0.1])
-def test_codec_on_gpu_rates(density: float) -> None:
+@pytest.mark.parametrize(("density", "width"), [(0.01, 2), (0.03, 2), (0.1, 2), (0.01, 1)])
+def test_codec_on_gpu_rates(density: float, width: int) -> None:
     dev = torch.device("cuda", 0)
     nbytes = 1 << 30
-    new, old = _pair(nbytes, density, dev)
-    warm = codec.encode(new[: 1 << 20], old[: 1 << 20], 2)  # warm up encode and apply
-    codec.apply(old[: 1 << 20].clone(), warm.kind, warm.body, warm.count, 2)
+    new, old = _pair(nbytes, density, dev, width)
+    warm = codec.encode(new[: 1 << 20], old[: 1 << 20], width)  # warm up encode and apply
+    codec.apply(old[: 1 << 20].clone(), warm.kind, warm.body, warm.count, width)
     _sync()
     t0 = time.perf_counter()
-    enc = codec.encode(new, old, 2)
+    enc = codec.encode(new, old, width)
     _sync()
     encode_s = time.perf_counter() - t0
     out = old.clone()
     _sync()
     t0 = time.perf_counter()
-    codec.apply(out, enc.kind, enc.body, enc.count, 2)
+    codec.apply(out, enc.kind, enc.body, enc.count, width)
     _sync()
     apply_s = time.perf_counter() - t0
     assert torch.equal(out, new)
     # the same body decodes on the CPU to the same bytes
     cpu = old[: 1 << 24].cpu()
-    part = codec.encode(new[: 1 << 24], old[: 1 << 24], 2, mode="on")
-    codec.apply(cpu, part.kind, part.body.cpu(), part.count, 2)
+    part = codec.encode(new[: 1 << 24], old[: 1 << 24], width, mode="on")
+    codec.apply(cpu, part.kind, part.body.cpu(), part.count, width)
     assert torch.equal(cpu, new[: 1 << 24].cpu())
     digest.tdigest([out[: 1 << 20]])  # warm up (the first call compiles the kernel)
     _sync()
@@ -80,6 +90,7 @@ def test_codec_on_gpu_rates(density: float) -> None:
                 "device": torch.cuda.get_device_name(dev),
                 "dense_bytes": nbytes,
                 "density": density,
+                "width": width,
                 "kind": enc.kind.name,
                 "wire_ratio": round(enc.body.numel() / nbytes, 5),
                 "encode_gbps": round(nbytes / encode_s / 1e9, 1),
