@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from weightwire.client import Engine, Trainer
-from weightwire.client.delta import codec, digest, digest_kernel
+from weightwire.client.delta import apply_kernel, codec, digest, digest_kernel
 from weightwire.harness.localcluster import LocalCluster
 from weightwire.memory.cudadrv import available
 
@@ -64,6 +64,7 @@ def test_codec_on_gpu_rates(density: float, width: int) -> None:
     enc = codec.encode(new, old, width)
     _sync()
     encode_s = time.perf_counter() - t0
+    codec.apply(old.clone(), enc.kind, enc.body, enc.count, width)  # this body's kernel
     out = old.clone()
     _sync()
     t0 = time.perf_counter()
@@ -99,6 +100,60 @@ def test_codec_on_gpu_rates(density: float, width: int) -> None:
             }
         )
     )
+
+
+@pytest.mark.parametrize("width", [1, 2, 4])
+def test_block16_apply_kernel_same_as_torch(width: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`apply_kernel.block16` writes what torch's decode + index_copy_ writes: a ragged last
+    block, empty blocks, a full block; garbled bodies (counts off, a position repeated, one
+    past the end) raise ValueError on both paths, and a body whose counts are off writes
+    nothing."""
+    probe = torch.zeros(8, dtype=torch.uint8, device="cuda")
+    if not apply_kernel.available(probe, probe, width):
+        pytest.skip("no Triton here")
+    dev = torch.device("cuda", 0)
+    g = torch.Generator(device=dev).manual_seed(2)
+    n = 5 * codec.BLOCK + 777  # elements
+    old = torch.randint(0, 256, (n * width,), dtype=torch.uint8, device=dev, generator=g)
+    for density in (0.0, 0.001, 0.03, 0.5):
+        new = old.clone()
+        mask = torch.rand(n, device=dev, generator=g) < density
+        mask[3 * codec.BLOCK : 4 * codec.BLOCK] = True  # a full block
+        mask[codec.BLOCK : 2 * codec.BLOCK] = False  # an empty one
+        mask[-1] = True  # the ragged block's last element
+        new.view(-1, width)[mask] ^= 0x5A
+        changed = codec.changes(new, old, width)
+        body = codec.encode_positions(new, changed, width, codec.Kind.BLOCK16)
+        k = int(changed.numel())
+        fast, slow = old.clone(), old.clone()
+        codec.apply(fast, codec.Kind.BLOCK16, body, k, width)
+        with monkeypatch.context() as m:
+            m.setattr(apply_kernel, "ENABLED", False)
+            codec.apply(slow, codec.Kind.BLOCK16, body, k, width)
+        assert torch.equal(fast, new) and torch.equal(slow, new), density
+    nb = -(-n // codec.BLOCK)
+    pos = torch.tensor([5, 9, codec.BLOCK + 1], device=dev)
+    vals = torch.full((3 * width,), 7, dtype=torch.uint8, device=dev)
+    good = codec.encode_body(pos, vals, n, width, codec.Kind.BLOCK16)
+    off = good.clone()
+    off[:4].view(torch.int32)[0] += 1  # counts add up to 4, not 3
+    repeated = good.clone()
+    repeated[4 * nb + 2 : 4 * nb + 4].view(torch.int16)[0] = 5  # 5, 5: not increasing
+    past = codec.encode_body(torch.tensor([n - 1], device=dev), vals[:width], n, width,
+                             codec.Kind.BLOCK16)  # fmt: skip
+    past[4 * nb : 4 * nb + 2].view(torch.int16)[0] = (n % codec.BLOCK) & 0xFFFF  # n itself
+    for body, k in ((off, 3), (repeated, 3), (past, 1)):
+        for on in (True, False):
+            target = old.clone()
+            with monkeypatch.context() as m:
+                m.setattr(apply_kernel, "ENABLED", on)
+                with pytest.raises(ValueError):
+                    codec.apply(target, codec.Kind.BLOCK16, body, k, width)
+            if body is off:
+                assert torch.equal(target, old), "counts off: nothing written"
+    t = old.clone()
+    codec.apply(t, codec.Kind.BLOCK16, good, 3, width)
+    assert torch.equal(t.view(-1, width)[pos], vals.view(3, width))
 
 
 def test_checksum_kernel_same_as_torch_and_cpu(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import decodeloop
+from . import apply_kernel, decodeloop
 
 BLOCK = 1 << 16
 _CHUNK = 1 << 18  # elements compared at a time on the CPU
@@ -328,6 +328,11 @@ def decode(
 def apply(out: torch.Tensor, kind: Kind, body: torch.Tensor, k: int, width: int) -> None:
     """Write a decoded body into the flat uint8 stream `out` (same device)."""
     n = elements(out.numel(), width)
+    if Kind(kind) is Kind.BLOCK16 and apply_kernel.available(out, body, width):
+        if not 0 <= k <= n:
+            raise ValueError(f"{k} changes of {n} elements")
+        apply_kernel.block16(out, body, n, k, width)  # decode and scatter in one launch
+        return
     pos, values = decode(kind, body, n, k, width)
     if kind == Kind.DENSE:
         out.copy_(values)
