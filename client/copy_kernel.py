@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
 from . import fp8_kernel
+from .lazyjit import LazyKernel
 
 try:
     import triton
@@ -116,14 +116,7 @@ class CopyBatch:
             )
 
 
-_KERNEL: list[Any] = []
-
-
-def _kernel() -> Any:
-    if not _KERNEL:
-        assert triton is not None
-        _KERNEL.append(triton.jit(_copy))
-    return _KERNEL[0]
+_kernel = LazyKernel(lambda: _copy)
 
 
 if triton is not None:

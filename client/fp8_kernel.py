@@ -55,6 +55,7 @@ from typing import Any
 import torch
 
 from . import fp8_triton
+from .lazyjit import LazyKernel
 
 try:
     import triton
@@ -315,12 +316,4 @@ def quantize_into(boxes: Sequence[Fp8Box], staging: torch.Tensor, block: int = 1
         Fp8Batch(group, staging, block).run()
 
 
-_KERNEL: list[Any] = []
-
-
-def _kernel() -> Any:
-    """The kernel, jit-compiled on first use (interpreted under TRITON_INTERPRET=1)."""
-    if not _KERNEL:
-        assert triton is not None
-        _KERNEL.append(triton.jit(fp8_triton.quantize))
-    return _KERNEL[0]
+_kernel = LazyKernel(lambda: fp8_triton.quantize)  # its name (`_quantize`) shows in profiles

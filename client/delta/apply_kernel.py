@@ -18,11 +18,11 @@ Where it runs: CUDA tensors with Triton installed; `WEIGHTWIRE_APPLY_TRITON=0` t
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import torch
 
 from weightwire.client import fp8_kernel
+from weightwire.client.lazyjit import LazyKernel
 
 try:
     import triton
@@ -33,7 +33,6 @@ ENABLED = os.environ.get("WEIGHTWIRE_APPLY_TRITON", "1") != "0"
 BLOCK = 1 << 16  # elements per BLOCK16 block
 VEC = 1024  # changes a program handles at a time
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_KERNEL: list[Any] = []
 
 
 def available(out: torch.Tensor, body: torch.Tensor, width: int) -> bool:
@@ -85,11 +84,7 @@ def block16(out: torch.Tensor, body: torch.Tensor, n: int, k: int, width: int) -
         raise ValueError("delta positions are out of range or not increasing")
 
 
-def _kernel() -> Any:
-    if not _KERNEL:
-        assert triton is not None
-        _KERNEL.append(triton.jit(_apply))
-    return _KERNEL[0]
+_kernel = LazyKernel(lambda: _apply)
 
 
 if triton is not None:

@@ -16,11 +16,11 @@ Where it runs: CUDA tensors with Triton installed (`available`);
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import torch
 
 from weightwire.client import fp8_kernel
+from weightwire.client.lazyjit import LazyKernel
 
 try:
     import triton
@@ -30,7 +30,6 @@ except ImportError:  # no Triton: torch's product and sum
 ENABLED = os.environ.get("WEIGHTWIRE_DIGEST_TRITON", "1") != "0"
 BLOCK = 2048  # words a program reads at a time
 _NUM_WARPS = 8
-_KERNEL: list[Any] = []
 
 
 def available(x: torch.Tensor) -> bool:
@@ -63,11 +62,7 @@ def weighted_sums(
     return out
 
 
-def _kernel() -> Any:
-    if not _KERNEL:
-        assert triton is not None
-        _KERNEL.append(triton.jit(_sums))
-    return _KERNEL[0]
+_kernel = LazyKernel(lambda: _sums)
 
 
 if triton is not None:
