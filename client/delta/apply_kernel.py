@@ -50,13 +50,12 @@ def available(out: torch.Tensor, body: torch.Tensor, width: int) -> bool:
 
 
 def block16(out: torch.Tensor, body: torch.Tensor, n: int, k: int, width: int) -> None:
-    """Write a BLOCK16 body of `k` changes into `out` (`n` elements of `width` bytes).
-    Raises ValueError for counts that do not add up to `k` (nothing written) and for
-    positions that do not increase within a block or fall outside the stream."""
+    """Write a BLOCK16 body of `k` changes into `out` (`n` elements of `width` bytes), its
+    size already checked (`codec.apply`). Raises ValueError for counts that do not add up
+    to `k` (nothing written) and for positions that do not increase within a block or
+    fall outside the stream."""
     nblocks = -(-n // BLOCK)
     head = 4 * nblocks + 2 * k
-    if body.numel() != head + k * width:
-        raise ValueError(f"BLOCK16 body of {body.numel()} bytes, expected {head + k * width}")
     counts = body[: 4 * nblocks]
     if counts.data_ptr() % 4:
         counts = counts.clone()

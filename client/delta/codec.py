@@ -278,20 +278,26 @@ def _signed(x: torch.Tensor, bits: int) -> torch.Tensor:
     return x - ((x & (1 << (bits - 1))) << 1)
 
 
+def _checked(kind: Kind, body: torch.Tensor, n: int, k: int, width: int) -> Kind:
+    """`kind` as a Kind, once the body's size and the count of changes are right for it."""
+    kind = Kind(kind)
+    want = body_size(kind, n, k, width)
+    if body.numel() != want:
+        raise ValueError(f"{kind.name} body of {body.numel()} bytes, expected {want}")
+    if kind is not Kind.DENSE and not 0 <= k <= n:
+        raise ValueError(f"{k} changes of {n} elements")
+    return kind
+
+
 def decode(
     kind: Kind, body: torch.Tensor, n: int, k: int, width: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted int64 positions, uint8 values) of a body; checks its size. DENSE gives
     every position (use `apply`, which copies it whole)."""
-    kind = Kind(kind)
-    want = body_size(kind, n, k, width)
-    if body.numel() != want:
-        raise ValueError(f"{kind.name} body of {body.numel()} bytes, expected {want}")
+    kind = _checked(kind, body, n, k, width)
     dev = body.device
     if kind is Kind.DENSE:
         return torch.arange(n, device=dev), body
-    if not 0 <= k <= n:
-        raise ValueError(f"{k} changes of {n} elements")
     if dev.type == "cpu":
         raw = body.numpy()
         if raw.ctypes.data % 4:
@@ -329,8 +335,7 @@ def apply(out: torch.Tensor, kind: Kind, body: torch.Tensor, k: int, width: int)
     """Write a decoded body into the flat uint8 stream `out` (same device)."""
     n = elements(out.numel(), width)
     if Kind(kind) is Kind.BLOCK16 and apply_kernel.available(out, body, width):
-        if not 0 <= k <= n:
-            raise ValueError(f"{k} changes of {n} elements")
+        _checked(kind, body, n, k, width)
         apply_kernel.block16(out, body, n, k, width)  # decode and scatter in one launch
         return
     pos, values = decode(kind, body, n, k, width)
