@@ -101,6 +101,7 @@ class TrainerRank(Rank):
         if prof is not None:
             prof.enable()
         s = self.tr.publish(version)
+        end = time.time()
         if prof is not None:
             prof.disable()
             self._profiles.append(prof)
@@ -110,7 +111,7 @@ class TrainerRank(Rank):
                 st.sort_stats("cumulative").print_stats(40)
         return {
             "t0": t0,
-            "end": time.time(),
+            "end": end,
             "nbytes": s.nbytes,
             "writes": s.writes,
             "seconds": s.seconds,
