@@ -84,6 +84,7 @@ class Variant:
     step: int  # 0: the whole tile
     num_warps: int
     fast_div: bool = False
+    finite: bool = False  # the whole tile: `fp8_triton._codes_finite` where it qualifies
 
 
 VARIANTS = {v.name: v for v in (
@@ -95,6 +96,8 @@ VARIANTS = {v.name: v for v in (
     Variant("whole-w8-fdiv", 0, 8, True),
     Variant("rows32-w4-fdiv", 32, 4, True),
     Variant("rows64-w8-fdiv", 64, 8, True),
+    Variant("whole-w8-finite", 0, 8, True, True),
+    Variant("whole-w16-finite", 0, 16, True, True),
 )}  # fmt: skip
 DEFAULT = "whole-w8"
 # `WEIGHTWIRE_FP8_VARIANT`: a name above (every batch uses it), or "tune" (the default on
@@ -229,6 +232,7 @@ class Fp8Batch:
                 VEC=self.vec,
                 HW_CVT=self.hw_cvt,
                 FAST_DIV=self.variant.fast_div,
+                FINITE=self.variant.finite and (self.variant.step or self.block) >= self.block,
                 num_warps=self.variant.num_warps,
             )
 

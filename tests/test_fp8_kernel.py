@@ -330,6 +330,9 @@ def test_cuda_aligned_launch_bitwise(
     e[5, :128, 128:256] *= 2.0**-45  # below the reciprocal's tiny cut, zeros' signs
     e[5, 128:256, 128:256] *= 2.0**90  # above its 2**80 tile cut
     e[5, 256, 300] = -0.0
+    e[5, 256:384, 512:640] *= 2.0**-45  # a tile of values below 2**-40 of both signs, and
+    e[5, 300, 600] = 1.0  # zeros of both signs, under a normal amax (the finite variants)
+    e[5, 310, 610], e[5, 311, 611] = 0.0, -0.0
     assert _check_aligned([*e, e[5, 64:700, 256:1024]], device="cuda") == [True]
     assert _check_aligned([e[4].float(), e[1].float()], device="cuda") == [True]
     batch, *_ = _aligned([e[0]], device="cuda")
