@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from weightwire.adapters.sglang.plugin import Settings, open_engine, wait_for_daemon
+from weightwire.adapters.sglang.daemonstart import open_engine, wait_for_daemon
+from weightwire.adapters.sglang.settings import Settings
 from weightwire.client.status import fetch
 from weightwire.harness.localcluster import LocalCluster
 from weightwire.protocol.errors import ErrorCode, WeightwireError

@@ -46,10 +46,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from .daemonstart import open_engine
+from .settings import MODES, Settings
 
 log = logging.getLogger("weightwire.adapters.sglang.plugin")
 
@@ -67,48 +68,6 @@ RESUME_MEMORY = (
     ".resume_memory_occupation"
 )
 WEIGHTS_TAG = "weights"  # sglang.srt.constants.GPU_MEMORY_TYPE_WEIGHTS
-MODES = ("rules", "replica")
-
-
-@dataclass(frozen=True)
-class Settings:
-    mode: str = "off"
-    socket: str | None = None
-    job: str = "default"
-    replica: int = 0
-    replicas: int = 1
-    dest_dtype: str = ""
-    timeout_s: float = 300.0
-    daemon_wait_s: float = 300.0  # the engine may start before its host's weightwired
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
-        env = os.environ if env is None else env
-        mode = env.get("WEIGHTWIRE_SGLANG", "off").strip().lower() or "off"
-        if mode not in (*MODES, "off"):
-            raise ValueError(f"WEIGHTWIRE_SGLANG={mode!r}: expected rules, replica or off")
-
-        def integer(name: str, default: int, low: int) -> int:
-            raw = env.get(name, "")
-            try:
-                value = int(raw) if raw else default
-            except ValueError:
-                raise ValueError(f"{name}={raw!r} is not an integer") from None
-            if value < low:
-                raise ValueError(f"{name}={value} must be at least {low}")
-            return value
-
-        s = cls(
-            mode=mode,
-            socket=env.get("WEIGHTWIRE_SOCKET") or None,
-            job=env.get("WEIGHTWIRE_JOB") or "default",
-            replica=integer("WEIGHTWIRE_ENGINE_REPLICA", 0, 0),
-            replicas=integer("WEIGHTWIRE_ENGINE_REPLICAS", 1, 1),
-            dest_dtype=env.get("WEIGHTWIRE_DEST_DTYPE", ""),
-            timeout_s=float(env.get("WEIGHTWIRE_TIMEOUT_S") or 300.0),
-            daemon_wait_s=float(env.get("WEIGHTWIRE_DAEMON_WAIT_S") or 300.0),
-        )
-        return s
 
 
 @dataclass
@@ -320,66 +279,6 @@ def attach(runner: Any, settings: Settings) -> Binding:
         len(params),
     )
     return binding
-
-
-def wait_for_daemon(path: str, wait_s: float, *, every_s: float = 10.0) -> None:
-    """Until weightwired's socket exists at `path`: an engine started before its host's
-    daemon (a pod whose containers start in any order, a unit ordered after SGLang) waits,
-    logging when it starts waiting and every `every_s`, instead of failing its start-up.
-    After `wait_s`, a WeightwireError says where it looked and what to set."""
-    from weightwire.protocol.errors import ErrorCode, WeightwireError
-
-    if os.path.exists(path):
-        return
-    start = time.monotonic()
-    next_log, waited = start, 0.0
-    while not os.path.exists(path):
-        now = time.monotonic()
-        waited = now - start
-        if waited >= wait_s:
-            raise WeightwireError(
-                f"no weightwired socket at {path} after waiting {wait_s:g} s: start weightwired "
-                f"on this host, or point WEIGHTWIRE_SOCKET at its local_socket "
-                f"(WEIGHTWIRE_DAEMON_WAIT_S sets the wait)",
-                code=ErrorCode.PEER_LOST,
-            )
-        if now >= next_log:
-            log.warning(
-                "weightwire: waiting for weightwired's socket at %s (%.0f s so far, up to %g s)",
-                path,
-                waited,
-                wait_s,
-            )
-            next_log = now + every_s
-        time.sleep(min(0.1, wait_s - waited))
-    log.info("weightwire: weightwired's socket %s appeared after %.1f s", path, waited)
-
-
-def open_engine(
-    settings: Settings,
-    rank: int,
-    world: int,
-    device: int | None,
-    *,
-    replica: int = -1,
-    replica_size: int = 0,
-) -> Any:
-    """This worker's Engine client, once its daemon is there (`wait_for_daemon`). `replica`,
-    `replica_size`: elastic jobs, this server (its TP ranks) comes and goes as one."""
-    from weightwire.client import Engine
-    from weightwire.client.connection import DEFAULT_SOCKET
-
-    wait_for_daemon(settings.socket or DEFAULT_SOCKET, settings.daemon_wait_s)
-    return Engine(
-        rank,
-        world,
-        socket=settings.socket,
-        job=settings.job,
-        timeout_s=settings.timeout_s,
-        device=device,
-        replica=replica,
-        replica_size=replica_size,
-    )
 
 
 def detach(model: Any) -> None:
