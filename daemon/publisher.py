@@ -35,11 +35,11 @@ from .packgate import MakeGate, PackGate
 from .posting import Poster
 from .prepared import PreparedWrites, SourceRegion
 from .publishchecks import check_buckets, check_in_place, check_regions, check_version
-from .ringslots import Reply, RingSlots, release
+from .ringslots import Reply, RingSlots
 from .runs import Run, progress
 from .seams import PickTransport
 from .slotfence import MakeCounters, SlotCounters
-from .versionlog import gbyte_s
+from .versionend import VersionEnd
 
 log = structlog.get_logger("weightwire.daemon.publisher")
 
@@ -51,7 +51,8 @@ TellLanded = Callable[[str, int, int, tuple[LandedPart, ...]], None]
 class Publisher:
     """One trainer rank's versions: their checks and life cycle (begin, buckets and
     trailers posted, verdicts, landed or failed), the posting itself done by a `Poster`
-    over the rank's `PreparedWrites`."""
+    over the rank's `PreparedWrites`, a version's end (answer, log line, metrics) told by
+    a `VersionEnd`."""
 
     job: str
     rank: int
@@ -75,11 +76,14 @@ class Publisher:
     tell_landed: TellLanded | None = None
     """Delta-capable plans: a landed bucket's engine nodes are told (`BucketLanded`)."""
     _notes: deltas.LandedNotes = field(init=False)
+    _end: VersionEnd = field(init=False)
 
     def __post_init__(self) -> None:
         self.prepared = PreparedWrites(self.pick, self.source_region)
         slots = RingSlots(self.job, self.rank, self.reply, self._fail)
         self._notes = deltas.LandedNotes()
+        # the rank's `reply` as it is when a version ends (a test sets it after construction)
+        self._end = VersionEnd(self.job, self.rank, lambda r: self.reply(r), self.metrics)
         self._poster = Poster(
             self.job, self.rank, self.prepared, slots, self._drop, self.metrics, self._landed
         )
@@ -232,7 +236,7 @@ class Publisher:
         assert run is not None and self.plan is not None
         self.announce(run.version, "start", "", self.destinations)
         if not self.plan.buckets and not self.plan.trailers:
-            self._finish(run)
+            self._end.finish(run)
 
     def bucket_ready(
         self,
@@ -317,7 +321,7 @@ class Publisher:
         if err is not None:
             self._fail(err, run, announce=False)
         elif run.landed and len(run.verdicts) >= len(run.plan.trailers):
-            self._finish(run)
+            self._end.finish(run)
 
     def _written(self, run: Run, task: asyncio.Task[None]) -> None:
         run.tasks.discard(task)
@@ -332,33 +336,6 @@ class Publisher:
             run.landed = run.all_posted()
             self._maybe_finish(run)
 
-    def _finish(self, run: Run) -> None:
-        run.finished = True
-        now = time.monotonic()
-        seconds = now - run.started
-        # The rank hears first: its next BeginVersion must not queue behind this version's
-        # log line and metrics (0.2 ms a version on a GPU host), written right after.
-        self.reply(run.result(now))
-        log.debug(
-            "publish complete",
-            rank=self.rank,
-            version=run.version,
-            bytes=run.bytes_done,
-            writes=run.writes_done,
-            seconds=round(seconds, 6),
-            gbyte_s=gbyte_s(run.bytes_done, seconds),
-            staging_buckets=run.ring.slots,
-        )
-        self._record(run, seconds, None)
-
-    def _record(self, run: Run, seconds: float, code: str | None) -> None:
-        """The rank's finished version in the metrics (code None: it landed)."""
-        if self.metrics is not None:
-            self.metrics.rank_version(
-                self.job, "trainer", self.rank, run.version, run.bytes_done, seconds,
-                run.peer_bytes, code, run.timeline,
-            )  # fmt: skip
-
     def abort(self, reason: str, code: ErrorCode = ErrorCode.ABORTED) -> None:
         self._fail(WeightwireError(reason, code=code))
 
@@ -368,23 +345,12 @@ class Publisher:
         run = run or self.run
         if run is None or run.finished:
             return
-        run.finished = True
-        run.error = err
-        release(run)
-        log.warning(
-            "publish failed",
-            rank=self.rank,
-            version=run.version,
-            code=err.code.value,
-            error=err.message,
-            bytes=run.bytes_done,
-        )
-        if announce:
-            message = f"[{err.code.value}] {err.message}"
-            self.announce(run.version, "abort", message, self.destinations)
-        now = time.monotonic()
-        self.reply(run.result(now, err))  # before the log line and metrics, as in `_finish`
-        self._record(run, now - run.started, err.code.value)
+        ended = run
+
+        def tell(message: str) -> None:
+            self.announce(ended.version, "abort", message, self.destinations)
+
+        self._end.fail(run, err, tell if announce else None)
 
     def settled(self) -> bool:
         """No write of an earlier version (this session's or an earlier one's) is in
