@@ -1,5 +1,6 @@
 """The trainer half of delta sync: compare each bucket with the bytes last sent, encode
-payloads and trailers into the rank's delta-out region, and track what each engine holds.
+payloads and trailers into the rank's delta-out region (what each trailer says: `trailers.py`),
+and track what each engine holds.
 
 Memory: one **shadow** of the whole send at its planned staging offsets
 (`RankPlan.shadow_bytes`, whatever the staging ring holds at a time), on the staging's
@@ -22,23 +23,17 @@ import torch
 import xxhash
 
 from weightwire.protocol.local import PublishResult
-from weightwire.protocol.plan import Bucket, DeltaSlot, RankPlan, WriteOp
+from weightwire.protocol.plan import Bucket, DeltaSlot, RankPlan
 
 from . import codec, digest, frames, hostpass, scan
 from .inplace import InPlace, Planned
 from .replan import unchanged
+from .trailers import Dst, SourceBytes, Trailers, src_blocks
 
 Mode = Literal["off", "auto", "on"]
 SAMPLE_MARGIN = 1.0
 """A slot goes dense without a full compare when its sampled density gives a payload this
 many times its capacity (a wrong guess costs bytes, never correctness)."""
-Dst = tuple[str, int]  # (engine node, immediate slot)
-SourceBytes = Callable[[int, int, int], torch.Tensor]
-"""source_bytes(region, offset, length) of a zero-copy source region the rank registered."""
-
-
-def src_blocks(w: WriteOp) -> list[tuple[int, int]]:
-    return [(w.src_offset + i * w.src_stride, w.length) for i in range(w.count)]
 
 
 @dataclass
@@ -62,10 +57,7 @@ class DeltaSender:
         self.held: dict[Dst, int] = {}  # what each engine rank verifiably holds
         self._plan: RankPlan | None = None
         self._version = -1
-        self._refs: dict[Dst, list[tuple[int, int]]] = {}
-        self._dsts: set[Dst] = set()
-        self._parts: dict[Dst, list[int]] = {}
-        self._ranges: dict[Dst, list[frames.Range]] = {}
+        self._trailers = Trailers()  # what this version's trailers will say
         self._base = -1
         self.last_density = 0.0  # changed elements / compared, of the last version
         self.last_compared = 0  # elements compared with the shadow, in the last version
@@ -89,13 +81,11 @@ class DeltaSender:
             self.shadow = torch.zeros(plan.shadow_bytes, dtype=torch.uint8, device=device)
             if device.type == "cpu" and self.mode != "off":
                 scan.warm()
-        self._dsts = {(t.dst_node, t.slot) for t in plan.trailers}
-        self._version, self._refs = version, {}
+        self._trailers.begin(plan)
+        self._version = version
         self._base = self.shadow_version
         self._changed = self._compared = 0
         self.phases = {"sample": 0.0, "scan": 0.0, "copy": 0.0, "encode": 0.0}
-        self._parts = {}  # per engine rank: range checksums so far
-        self._ranges = {}
 
     def in_place(
         self, b: Bucket, staging: torch.Tensor | None, tensors: Mapping[str, torch.Tensor]
@@ -140,7 +130,7 @@ class DeltaSender:
         ):
             new = in_place if in_place is not None else Planned(staging, shift)
             return self._bucket_host(b, new, out, source_bytes, gpu_region)
-        self._checksum(b, staging, shift, source_bytes, gpu_region)
+        self._trailers.checksum(b, staging, shift, source_bytes, gpu_region)
         if staging is None:
             return []
         new = Planned(staging, shift)
@@ -152,7 +142,7 @@ class DeltaSender:
             nbytes = self._encode(b, ds, new, out, found)
             if nbytes:
                 sent.append((b.index, index, nbytes))
-                self._refs.setdefault((ds.dst_node, ds.slot), []).append((ds.dst_offset, nbytes))
+                self._trailers.sent(ds, nbytes)
         self._advance(b, new, found)
         return sent
 
@@ -178,7 +168,7 @@ class DeltaSender:
                 if job is not None:
                     jobs[index] = job
         self._tick("sample", t0)
-        hashed = [(wr.dst_node, wr.slot) in self._dsts for wr in b.writes]
+        hashed = [self._trailers.hashed(wr) for wr in b.writes]
         gpu = [
             h and gpu_region(wr.dst_node, wr.dst_region)
             for h, wr in zip(hashed, b.writes, strict=True)
@@ -196,7 +186,6 @@ class DeltaSender:
         for i, wr in enumerate(b.writes):
             if not hashed[i]:
                 continue
-            dst = (wr.dst_node, wr.slot)
             if i in hashers:
                 part = hashers[i].intdigest()
             else:  # a GPU destination (tdigest) or a zero-copy source
@@ -207,10 +196,7 @@ class DeltaSender:
                     for off, length in src_blocks(wr)
                 ]
                 part = digest.range_digest(blocks, gpu[i])
-            self._parts.setdefault(dst, []).append(part)
-            self._ranges.setdefault(dst, []).append(
-                (wr.dst_region, wr.dst_offset, wr.length, wr.count, wr.dst_stride)
-            )
+            self._trailers.add(wr, part)
         sent: list[tuple[int, int, int]] = []
         for index, job in jobs.items():
             t0 = time.perf_counter()
@@ -219,7 +205,7 @@ class DeltaSender:
             if nbytes:
                 ds = job.slot
                 sent.append((b.index, index, nbytes))
-                self._refs.setdefault((ds.dst_node, ds.slot), []).append((ds.dst_offset, nbytes))
+                self._trailers.sent(ds, nbytes)
         return sent
 
     def _tick(self, phase: str, since: float) -> None:
@@ -290,32 +276,6 @@ class DeltaSender:
         codec.encode_body_into(dst[at + head.body_offset : at + head.size], pos, values, n, kind)
         return head.size
 
-    def _checksum(
-        self,
-        b: Bucket,
-        staging: torch.Tensor | None,
-        shift: int,
-        source_bytes: SourceBytes,
-        gpu_region: Callable[[str, int], bool],
-    ) -> None:
-        for w in b.writes:
-            dst = (w.dst_node, w.slot)
-            if dst not in self._dsts:
-                continue
-            blocks = []
-            for off, n in src_blocks(w):
-                if w.src_region < 0:
-                    assert staging is not None
-                    blocks.append(staging[off + shift : off + shift + n])
-                else:
-                    blocks.append(source_bytes(w.src_region, off, n))
-            self._parts.setdefault(dst, []).append(
-                digest.range_digest(blocks, gpu_region(w.dst_node, w.dst_region))
-            )
-            self._ranges.setdefault(dst, []).append(
-                (w.dst_region, w.dst_offset, w.length, w.count, w.dst_stride)
-            )
-
     def _encode(
         self,
         b: Bucket,
@@ -380,25 +340,7 @@ class DeltaSender:
 
     def trailers(self, plan: RankPlan, out: torch.Tensor) -> tuple[int, ...]:
         """Write each trailer into `out`; their lengths. Call after every bucket."""
-        lengths = []
-        for t in plan.trailers:
-            dst = (t.dst_node, t.slot)
-            refs = tuple(self._refs.get(dst, ()))
-            head = frames.TrailerHead(
-                sender=plan.rank,
-                version=self._version,
-                base=self._base if refs else -1,
-                digest=digest.combine(self._parts.get(dst, [])),
-                ranges=tuple(self._ranges.get(dst, ())),
-                deltas=refs,
-            )
-            data = frames.trailer(head)
-            if len(data) > t.capacity:
-                raise ValueError(f"a trailer of {len(data)} bytes for a slot of {t.capacity}")
-            out[t.src_offset : t.src_offset + len(data)].copy_(
-                torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            )
-            lengths.append(len(data))
+        lengths = self._trailers.write(plan, self._version, self._base, out)
         if out.is_cuda:
             torch.cuda.current_stream(out.device).synchronize()
         self.shadow_version = self._version if self.shadow is not None else -1
