@@ -3,7 +3,8 @@
 No torch and no Python CUDA package: the daemon opens the CUDA IPC handles that ranks
 hand it, copies between GPU regions, and exports dma-bufs for RDMA registration, with
 the driver library alone. Every call checks its result and raises `CudaError` naming
-the call and the driver's error name.
+the call and the driver's error name. The flag values and structures it passes are
+`cudaabi`'s.
 
 The driver's current context is per thread: every thread that calls in must first call
 `Driver.use(device)`.
@@ -19,59 +20,11 @@ from typing import Any
 
 from weightwire.protocol.errors import ErrorCode, WeightwireError
 
-IPC_HANDLE_BYTES = 64
-LAZY_ENABLE_PEER_ACCESS = 0x1
-STREAM_NON_BLOCKING = 0x1
-EVENT_DISABLE_TIMING = 0x2
-EVENT_INTERPROCESS = 0x4  # CU_EVENT_INTERPROCESS: needs EVENT_DISABLE_TIMING too
-HOST_REGISTER_PORTABLE = 0x1
-HOST_ALLOC_PORTABLE = 0x1
-RANGE_HANDLE_DMA_BUF_FD = 0x1
-PEER_ACCESS_ALREADY_ENABLED = 704
-MEMORYTYPE_UNIFIED = 4
-MAX_PITCH = (1 << 31) - 1  # cuMemcpy2D's limit on a row pitch (CU_DEVICE_ATTRIBUTE_MAX_PITCH)
-STREAM_WAIT_VALUE_GEQ = 0x0  # (int32_t)(*addr - value) >= 0: cyclic, wraparound ignored
-STREAM_WRITE_VALUE_DEFAULT = 0x0  # a memory barrier first: earlier work's accesses are done
+from . import cudaabi as abi
 
 
 class CudaError(WeightwireError):
     code = ErrorCode.TRANSFER
-
-
-class _IpcHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_BYTES)]
-
-
-class _Uuid(ctypes.Structure):
-    _fields_ = [("bytes", ctypes.c_ubyte * 16)]
-
-
-class _Memcpy2D(ctypes.Structure):
-    """CUDA_MEMCPY2D (v2)."""
-
-    _fields_ = [
-        ("srcXInBytes", ctypes.c_size_t),
-        ("srcY", ctypes.c_size_t),
-        ("srcMemoryType", ctypes.c_int),
-        ("srcHost", ctypes.c_void_p),
-        ("srcDevice", ctypes.c_uint64),
-        ("srcArray", ctypes.c_void_p),
-        ("srcPitch", ctypes.c_size_t),
-        ("dstXInBytes", ctypes.c_size_t),
-        ("dstY", ctypes.c_size_t),
-        ("dstMemoryType", ctypes.c_int),
-        ("dstHost", ctypes.c_void_p),
-        ("dstDevice", ctypes.c_uint64),
-        ("dstArray", ctypes.c_void_p),
-        ("dstPitch", ctypes.c_size_t),
-        ("WidthInBytes", ctypes.c_size_t),
-        ("Height", ctypes.c_size_t),
-    ]
-
-
-def _uuid_text(raw: bytes) -> str:
-    h = raw.hex()
-    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
 @dataclass(frozen=True)
@@ -96,7 +49,7 @@ class Driver:
         self._memcpy.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
         self._memcpy.restype = ctypes.c_int
         self._memcpy2d = self._lib.cuMemcpy2DAsync_v2
-        self._memcpy2d.argtypes = [ctypes.POINTER(_Memcpy2D), ctypes.c_void_p]
+        self._memcpy2d.argtypes = [ctypes.POINTER(abi.Memcpy2D), ctypes.c_void_p]
         self._memcpy2d.restype = ctypes.c_int
         # stream memory operations, V2 (by default since CUDA 11.7; V1 needs a module
         # parameter): None where this driver lacks them
@@ -113,9 +66,9 @@ class Driver:
         for i in range(count.value):
             dev = ctypes.c_int()
             self._call("cuDeviceGet", ctypes.byref(dev), ctypes.c_int(i))
-            uuid = _Uuid()
+            uuid = abi.Uuid()
             self._call("cuDeviceGetUuid", ctypes.byref(uuid), dev)
-            self.devices.append(Device(i, _uuid_text(bytes(uuid.bytes))))
+            self.devices.append(Device(i, abi.uuid_text(bytes(uuid.bytes))))
 
     # --- plumbing ------------------------------------------------------------
 
@@ -192,7 +145,7 @@ class Driver:
                 if not can.value:
                     continue
                 rc = self._lib.cuCtxEnablePeerAccess(self._ctx[b.ordinal], ctypes.c_uint(0))
-                if rc not in (0, PEER_ACCESS_ALREADY_ENABLED):
+                if rc not in (0, abi.PEER_ACCESS_ALREADY_ENABLED):
                     raise CudaError(f"cuCtxEnablePeerAccess failed: {self.error_name(rc)}")
                 enabled.append((a.ordinal, b.ordinal))
         return enabled
@@ -209,23 +162,22 @@ class Driver:
 
     def ipc_handle(self, base: int) -> bytes:
         """The IPC handle of the allocation starting at `base` (not of VMM allocations)."""
-        handle = _IpcHandle()
+        handle = abi.IpcHandle()
         self._call("cuIpcGetMemHandle", ctypes.byref(handle), ctypes.c_uint64(base))
         # not `handle.reserved`: ctypes cuts a c_char array at its first NUL byte
-        return ctypes.string_at(ctypes.addressof(handle), IPC_HANDLE_BYTES)
+        return ctypes.string_at(ctypes.addressof(handle), abi.IPC_HANDLE_BYTES)
 
     def ipc_open(self, handle: bytes) -> int:
-        if len(handle) != IPC_HANDLE_BYTES:
+        if len(handle) != abi.IPC_HANDLE_BYTES:
             raise CudaError(
-                f"a CUDA IPC handle has {IPC_HANDLE_BYTES} bytes, not {len(handle)}",
+                f"a CUDA IPC handle has {abi.IPC_HANDLE_BYTES} bytes, not {len(handle)}",
                 code=ErrorCode.INVALID,
             )
-        h = _IpcHandle()
-        ctypes.memmove(ctypes.byref(h), handle, IPC_HANDLE_BYTES)
+        h = abi.IpcHandle()
+        ctypes.memmove(ctypes.byref(h), handle, abi.IPC_HANDLE_BYTES)
         ptr = ctypes.c_uint64()
-        self._call(
-            "cuIpcOpenMemHandle_v2", ctypes.byref(ptr), h, ctypes.c_uint(LAZY_ENABLE_PEER_ACCESS)
-        )
+        flags = ctypes.c_uint(abi.LAZY_ENABLE_PEER_ACCESS)
+        self._call("cuIpcOpenMemHandle_v2", ctypes.byref(ptr), h, flags)
         return int(ptr.value)
 
     def ipc_close(self, ptr: int) -> None:
@@ -246,7 +198,7 @@ class Driver:
             "cuMemHostAlloc",
             ctypes.byref(p),
             ctypes.c_size_t(nbytes),
-            ctypes.c_uint(HOST_ALLOC_PORTABLE),
+            ctypes.c_uint(abi.HOST_ALLOC_PORTABLE),
         )
         address = int(p.value or 0)
         return address, memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
@@ -260,7 +212,7 @@ class Driver:
             "cuMemHostRegister_v2",
             ctypes.c_void_p(address),
             ctypes.c_size_t(nbytes),
-            ctypes.c_uint(HOST_REGISTER_PORTABLE),
+            ctypes.c_uint(abi.HOST_REGISTER_PORTABLE),
         )
 
     def host_unregister(self, address: int) -> None:
@@ -274,7 +226,7 @@ class Driver:
             ctypes.byref(fd),
             ctypes.c_uint64(ptr),
             ctypes.c_size_t(nbytes),
-            ctypes.c_int(RANGE_HANDLE_DMA_BUF_FD),
+            ctypes.c_int(abi.RANGE_HANDLE_DMA_BUF_FD),
             ctypes.c_ulonglong(0),
         )
         return int(fd.value)
@@ -283,7 +235,7 @@ class Driver:
 
     def stream(self) -> int:
         s = ctypes.c_void_p()
-        self._call("cuStreamCreate", ctypes.byref(s), ctypes.c_uint(STREAM_NON_BLOCKING))
+        self._call("cuStreamCreate", ctypes.byref(s), ctypes.c_uint(abi.STREAM_NON_BLOCKING))
         return int(s.value or 0)
 
     def copy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
@@ -297,12 +249,12 @@ class Driver:
     ) -> None:
         """`rows` blocks of `width` bytes, `src_pitch` apart at the source and `dst_pitch`
         at the destination, as one copy (unified addressing, any direction). Pitches above
-        MAX_PITCH are the caller's to split."""
-        p = _Memcpy2D(
-            srcMemoryType=MEMORYTYPE_UNIFIED,
+        `cudaabi.MAX_PITCH` are the caller's to split."""
+        p = abi.Memcpy2D(
+            srcMemoryType=abi.MEMORYTYPE_UNIFIED,
             srcDevice=src,
             srcPitch=src_pitch,
-            dstMemoryType=MEMORYTYPE_UNIFIED,
+            dstMemoryType=abi.MEMORYTYPE_UNIFIED,
             dstDevice=dst,
             dstPitch=dst_pitch,
             WidthInBytes=width,
@@ -331,7 +283,7 @@ class Driver:
 
     def event(self) -> int:
         e = ctypes.c_void_p()
-        self._call("cuEventCreate", ctypes.byref(e), ctypes.c_uint(EVENT_DISABLE_TIMING))
+        self._call("cuEventCreate", ctypes.byref(e), ctypes.c_uint(abi.EVENT_DISABLE_TIMING))
         return int(e.value or 0)
 
     def ipc_event(self) -> tuple[int, bytes]:
@@ -339,17 +291,17 @@ class Driver:
         its IPC handle (64 bytes, for cudaIpcOpenEventHandle / torch's
         `Event.from_ipc_handle`). Destroy it with `destroy_event`."""
         e = ctypes.c_void_p()
-        flags = EVENT_INTERPROCESS | EVENT_DISABLE_TIMING
+        flags = abi.EVENT_INTERPROCESS | abi.EVENT_DISABLE_TIMING
         self._call("cuEventCreate", ctypes.byref(e), ctypes.c_uint(flags))
         event = int(e.value or 0)
-        handle = _IpcHandle()
+        handle = abi.IpcHandle()
         try:
             self._call("cuIpcGetEventHandle", ctypes.byref(handle), ctypes.c_void_p(event))
         except CudaError:
             self.destroy_event(event)
             raise
         # not `handle.reserved`: ctypes cuts a c_char array at its first NUL byte
-        return event, ctypes.string_at(ctypes.addressof(handle), IPC_HANDLE_BYTES)
+        return event, ctypes.string_at(ctypes.addressof(handle), abi.IPC_HANDLE_BYTES)
 
     def record(self, event: int, stream: int) -> None:
         self._call("cuEventRecord", ctypes.c_void_p(event), ctypes.c_void_p(stream))
@@ -386,7 +338,7 @@ class Driver:
         """`stream`'s later work waits until the 32-bit word at device address `address`
         is at least `value`, compared cyclically (GEQ): a counter may wrap around."""
         self._value32(
-            self._wait32, "cuStreamWaitValue32", stream, address, value, STREAM_WAIT_VALUE_GEQ
+            self._wait32, "cuStreamWaitValue32", stream, address, value, abi.STREAM_WAIT_VALUE_GEQ
         )
 
     def write_value32(self, stream: int, address: int, value: int) -> None:
@@ -398,7 +350,7 @@ class Driver:
             stream,
             address,
             value,
-            STREAM_WRITE_VALUE_DEFAULT,
+            abi.STREAM_WRITE_VALUE_DEFAULT,
         )
 
     def _value32(

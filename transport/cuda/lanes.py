@@ -35,7 +35,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from weightwire.memory.cudadrv import MAX_PITCH, CudaError, Driver
+from weightwire.memory.cudaabi import MAX_PITCH
+from weightwire.memory.cudadrv import CudaError, Driver
 from weightwire.protocol.errors import PeerLostError
 from weightwire.transport.base import POST_STAMPS
 
@@ -139,6 +140,7 @@ class Post:
         """The first time (monotonic) `key` happened to a chunk of this post, if asked."""
         if self.stamps is not None and key not in self.stamps:
             self.stamps[key] = time.monotonic()
+
     gate: tuple[int, int] | None = None  # (address, value): the stream waits for it first
     gate_failed: BaseException | None = None  # the wait could not be queued: nothing copies
 
