@@ -9,42 +9,28 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from weightwire.protocol.errors import (
-    ErrorCode,
-    PeerLostError,
-    PlanError,
-    TimeoutError_,
-    error_from_code,
-)
-from weightwire.protocol.local import (
-    AbortVersion,
-    BeginVersion,
-    GetPlan,
-    LocalMessage,
-    PlanReply,
-    PublishResult,
-    TrailersReady,
-)
+from weightwire.protocol.errors import PeerLostError, TimeoutError_, error_from_code
+from weightwire.protocol.local import AbortVersion, LocalMessage, PublishResult, TrailersReady
 from weightwire.protocol.plan import RankPlan, StagingRing
 
-from .connection import expect
-from .delta.inplace import needs_staging
+from .bucketpack import BucketPacking, gpu_regions_of
 from .delta.sender import DeltaSender, Mode
 from .direct import Direct
 from .gilswitch import fast_switching
-from .ipcevents import IpcEvents
 from .layouts import Layout
 from .modules import Rename, module_shards
 from .pack import Packer
 from .pending import PendingVersions
-from .posting import Poster, PublishStats, bucket_times
+from .posting import Poster, PublishStats
 from .rank import RankClient
 from .rankstaging import RankStaging
 from .registry import SourceRegistry
-from .ring import Landed, SlotOps, slot_wait
+from .ring import SlotOps, slot_wait
+from .slotreuse import SlotReuse, VersionSlots
 from .slotwait import SlotWaits
 from .sources import SourceRegions
 from .streams import OwnStreams
+from .versionstart import VersionStart, publish_stats
 
 if TYPE_CHECKING:
     from .megatron import Ranks
@@ -115,11 +101,10 @@ class Trainer(RankClient):
             raise ValueError(f"staging_buckets must be >= 0, got {staging_buckets}")
         self.placement = staging
         self.staging_buckets = staging_buckets
-        self.slot_events = slot_events
         self.slot_counters = slot_counters
         self.gate_copies = gate_copies
         self._slots = SlotWaits()
-        self._ipc_events = IpcEvents()
+        self._reuse = SlotReuse(self._slots, slot_events)
         self._delta = DeltaSender(delta)
         self._pending = PendingVersions()
         super().__init__(
@@ -131,21 +116,17 @@ class Trainer(RankClient):
             timeout_s=timeout_s,
             device=device,
         )
-        self._plan: RankPlan | None = None
         self._source_regions = SourceRegions(self._conn, rank)
         self._sources = SourceRegistry(self._conn, self._source_regions)
         self._packer = Packer()
-        self._direct = Direct() if direct else None
-        self._stage = RankStaging(
-            self._conn,
-            rank,
-            self._device,
-            self._slots,
-            self._direct,
-            self,
-        )
-        self._pack_streams = OwnStreams()  # this rank's packing stream per device
         self._slot_ops = SlotOps()
+        self._packing = BucketPacking(
+            self._packer, self._slot_ops, self._delta, self._source_regions.host_bytes
+        )
+        self._direct = Direct() if direct else None
+        self._stage = RankStaging(self._conn, rank, self._device, self._slots, self._direct, self)
+        self._start = VersionStart(self._conn, self._stage, self._device, self._slots)
+        self._pack_streams = OwnStreams()  # this rank's packing stream per device
 
     # --- registration --------------------------------------------------------
 
@@ -180,7 +161,7 @@ class Trainer(RankClient):
         Tensors from `Trainer.allocate` are always zero-copy.
         """
         self._sources.register(tensors, layout, global_shapes, zero_copy=zero_copy)
-        self._plan = None
+        self._start.forget_plan()
 
     def register_module(
         self, module: torch.nn.Module, rename: Rename | None = None, *, zero_copy: bool = False
@@ -195,7 +176,7 @@ class Trainer(RankClient):
         is registered then. Returns {HF name: (offsets, sizes)} of what was registered.
         """
         boxes = self._sources.add_module(module_shards(module, rename), zero_copy=zero_copy)
-        self._plan = None
+        self._start.forget_plan()
         return boxes
 
     def register_megatron(
@@ -219,18 +200,14 @@ class Trainer(RankClient):
 
         source = MegatronSource(model, config, ranks, skip)
         boxes = self._sources.add_megatron(source, zero_copy=zero_copy)
-        self._plan = None
+        self._start.forget_plan()
         return boxes
 
     # --- publishing ----------------------------------------------------------
 
     def plan(self, timeout_s: float | None = None) -> RankPlan:
         """This rank's plan (waits until every rank of the job has registered)."""
-        if self._plan is None:
-            t = timeout_s or self.timeout_s
-            reply = expect(self._conn.request(GetPlan(timeout_s=t), t + 5), PlanReply)
-            self._plan = reply.plan
-        return self._plan
+        return self._start.plan(timeout_s or self.timeout_s)
 
     def prepare(self, timeout_s: float | None = None) -> RankPlan:
         """Fetch the plan and register the staging region now, not in the first publish.
@@ -263,6 +240,16 @@ class Trainer(RankClient):
         """Delta sync: its mode (settable between versions), shadow, what engines hold."""
         return self._delta
 
+    @property
+    def slot_events(self) -> bool:
+        """Whether slots are reused on the daemon's CUDA IPC events (see `__init__`); off
+        once they cannot be opened in this process."""
+        return self._reuse.events
+
+    @slot_events.setter
+    def slot_events(self, on: bool) -> None:
+        self._reuse.events = on
+
     def publish(
         self, version: int, tensors: Mapping[str, torch.Tensor] | None = None
     ) -> PublishStats:
@@ -281,46 +268,20 @@ class Trainer(RankClient):
     def _publish(self, version: int, tensors: Mapping[str, torch.Tensor] | None) -> PublishStats:
         t0 = time.perf_counter()
         current = self._sources.current(tensors)
-        for attempt in range(3):
-            plan = self.plan()
-            staging = self._ensure_staging(plan)
-            device = staging.device if staging is not None else self._device()
-            out = self._stage.ensure_delta_out(plan, device)
-            ring = self.ring(plan)
-            counters = self._stage.counters(plan, ring)
-            gate = self._stage.gate(plan)
-            try:
-                t_req = time.perf_counter()
-                self._conn.request(
-                    BeginVersion(
-                        version=version,
-                        plan_hash=plan.plan_hash,
-                        staging_buckets=ring.slots,
-                        slot_events=counters is None and self._events_on(device, ring),
-                        fence_offset=self._stage.staging.fence_offset
-                        if counters is not None and self._stage.staging is not None
-                        else -1,
-                        fence_base=self._slots.base,
-                        gate_offset=self._stage.staging.gate_offset
-                        if gate is not None and self._stage.staging is not None
-                        else -1,
-                    )
-                )
-                begun = time.perf_counter() - t0
-                begin_request = time.perf_counter() - t_req
-                break
-            except PlanError as exc:  # a new plan is coming (a peer restarted, ranks changed)
-                if exc.code not in (ErrorCode.PLAN_CHANGED, ErrorCode.NOT_READY) or attempt == 2:
-                    raise
-                self._plan = None
+        begun = self._start.begin(version, t0, self.timeout_s, self._events_on)
+        plan, staging, device, out = begun.plan, begun.staging, begun.device, begun.out
+        ring, counters, gate = begun.ring, begun.counters, begun.gate
         fut, landed = self._pending.open(version)
         poster = Poster(self._conn, version)
         pack_s = 0.0
-        by_event = by_landing = by_counter = 0
         what = f"version {version} of trainer rank {self.rank}"
+        slots = VersionSlots(
+            self._reuse, begun, poster, landed, self._events_on, self.timeout_s, what
+        )
         result: PublishResult | None = None
         self._delta.begin(version, plan, staging)
-        pack_stream = self._pack_stream(device)
+        # this rank's packing stream (made once, never from torch's pool: see `streams`)
+        pack_stream = self._pack_streams.get(device) if device.type == "cuda" else None
         try:
             if pack_stream is not None:  # what the training wrote before this call is read
                 pack_stream.wait_stream(torch.cuda.current_stream(device))
@@ -330,7 +291,7 @@ class Trainer(RankClient):
             with torch.cuda.stream(pack_stream):
                 try:
                     in_place: set[int] = set()  # buckets of this version packed in place
-                    gpu_regions = _gpu_regions(plan)  # once per version, not per bucket
+                    gpu_regions = gpu_regions_of(plan)  # once per version, not per bucket
                     for bucket in plan.buckets:
                         direct = (
                             self._direct.targets(plan, bucket, device) if self._direct else None
@@ -338,43 +299,15 @@ class Trainer(RankClient):
                         reuse = -1 if direct else slot_wait(ring, bucket.index, in_place)
                         if gate is not None and landed.ended:
                             break  # the version failed: its result says why
-                        if reuse >= 0 and counters is not None:  # the GPU waits for the slot
-                            if not poster.await_posted(landed, reuse, self.timeout_s, what):
-                                break  # the version failed: its result says why
-                            self._slots.wait(counters, ring.slot[bucket.index], reuse)
-                            by_counter += 1
-                        elif reuse >= 0:  # wait until the bucket packed in this slot has landed,
-                            poster.flush(reuse)  # or its copies are issued (GPU waits on them)
-                            freed = self._slot_free(poster, landed, reuse, device, ring, what)
-                            if freed == "ended":
-                                break  # the version failed: its result says why
-                            by_event += freed == "events"
-                            by_landing += freed == "landed"
+                        if reuse >= 0 and not slots.free(bucket.index, reuse):
+                            break  # the version failed: its result says why
                         p0 = time.perf_counter()
                         started = time.time()
-                        unpacked = None  # compared in place, packed only if staging is read
                         if direct:  # colocated: packing is the transfer
                             in_place.add(bucket.index)
-                            for region, ops in direct:
-                                self._packer.pack_bucket(ops, current, region)
-                        elif bucket.packs:
-                            assert staging is not None
-                            ops = self._slot_ops.of(plan, ring, bucket)
-                            unpacked = self._delta.in_place(bucket, staging, current)
-                            if unpacked is None:
-                                self._packer.pack_bucket(ops, current, staging)
-                        delta = self._delta.bucket(
-                            bucket,
-                            staging,
-                            ring.shift[bucket.index],
-                            out,
-                            self._source_regions.host_bytes,
-                            gpu_regions,
-                            unpacked,
+                        delta = self._packing.pack(
+                            plan, ring, bucket, direct, current, staging, out, gpu_regions
                         )
-                        if unpacked is not None and needs_staging(bucket, delta):
-                            assert staging is not None  # `in_place` gives None without it
-                            self._packer.pack_bucket(ops, current, staging)
                         if gate is not None:  # the daemon's copies wait for this on the GPU
                             self._slots.packed(gate, bucket.index)
                         self._post_bucket(
@@ -413,70 +346,16 @@ class Trainer(RankClient):
             if pack_stream is not None:  # the caller's later work comes after the packs
                 torch.cuda.current_stream(device).wait_stream(pack_stream)
             self._pending.close(version)
-            if counters is not None and not (result is not None and result.ok):
-                self._slots.release(counters, len(plan.buckets))  # no GPU wait left behind
-            self._slots.advance(len(plan.buckets))
+            slots.end(result is not None and result.ok, len(plan.buckets))
         self._delta.settle(version, plan, result)
         if not result.ok:
             raise error_from_code(result.code, f"version {version}: {result.message}")
-        times = bucket_times(plan, poster, result)
-        return PublishStats(
-            version=version,
-            nbytes=result.nbytes,
-            writes=result.writes,
-            seconds=result.seconds,
-            pack_seconds=pack_s,
-            transfer_seconds=result.transfer_seconds,
-            total_seconds=time.perf_counter() - t0,
-            buckets=times,
-            delta_bytes=result.delta_bytes,
-            density=self._delta.last_density,
-            replicas=result.replicas,
-            slot_events=by_event,
-            slot_landings=by_landing,
-            slot_counters=by_counter,
-            gated=gate is not None,
-            begin_seconds=begun,
-            begin_request_seconds=begin_request,
-            compared=self._delta.last_compared,
-            timeline=dict(result.timeline),
-        )
-
-    def _pack_stream(self, device: torch.device) -> torch.cuda.Stream | None:
-        """This rank's packing stream on `device` (made once, never from torch's stream
-        pool: see `streams`); None off the GPU."""
-        if device.type != "cuda":
-            return None
-        return self._pack_streams.get(device)
+        total_s = time.perf_counter() - t0
+        return publish_stats(version, begun, poster, result, pack_s, slots, self._delta, total_s)
 
     def _events_on(self, device: torch.device, ring: StagingRing) -> bool:
         """Whether to ask for `BucketsIssued`: a ring packed on a GPU, events not given up."""
         return self.slot_events and ring.slots > 0 and device.type == "cuda"
-
-    def _slot_free(
-        self,
-        poster: Poster,
-        landed: Landed,
-        reuse: int,
-        device: torch.device,
-        ring: StagingRing,
-        what: str,
-    ) -> Literal["events", "landed", "ended"]:
-        """Wait until bucket `reuse`'s slot may be packed again: its copies issued and the
-        packing stream waiting on their events, or (no events) its writes landed; "ended":
-        the version ended first."""
-        issued = self._events_on(device, ring)
-        if not poster.await_landed(landed, reuse, self.timeout_s, what, issued=issued):
-            return "ended"
-        events = landed.events(reuse) if issued else ()
-        if not events:
-            return "landed"
-        if not self._ipc_events.wait(device, events):
-            self.slot_events = False  # they cannot be opened here: wait for landings instead
-            landed.forget_issued()
-            ok = poster.await_landed(landed, reuse, self.timeout_s, what)
-            return "landed" if ok else "ended"
-        return "events"
 
     def _post_bucket(
         self,
@@ -505,8 +384,8 @@ class Trainer(RankClient):
         super()._replay()
         self._sources.declare_again()
         self._stage.register_again()
-        self._plan = None
-        self._ipc_events.clear()  # the new daemon's events are others
+        self._start.forget_plan()
+        self._reuse.forget_events()  # the new daemon's events are others
 
     def _fail_pending(self, exc: Exception) -> None:
         super()._fail_pending(exc)
@@ -518,8 +397,3 @@ class Trainer(RankClient):
         self._source_regions.close()
         if self._direct is not None:
             self._direct.close()
-
-
-def _gpu_regions(plan: RankPlan) -> Callable[[str, int], bool]:
-    kinds = {(r.node, r.id): r.kind for r in plan.regions}
-    return lambda node, region: kinds.get((node, region)) == "gpu"
