@@ -4,27 +4,24 @@ engines, over NVLink or PCIe.
 The writer opens the destination's CUDA IPC handle (once) and copies into it on a lane
 of the copying device, one per destination device (`lanes.py`: issued on the loop,
 completed by a thread per lane). A bucket's writes are resolved once (`prepare`) and
-only issued each version (`post`).
-Only once a copy has landed is its immediate delivered: to this daemon's own handler when
-the destination is local, to another transport in this process directly, or over a Unix
-datagram channel to another daemon of the same host.
+only issued each version (`post`; where each write goes: `destinations.py`).
+Only once a copy has landed is its immediate delivered (`delivery.py`): to this daemon's
+own handler when the destination is local, to another transport in this process directly
+(`neighbours.py`), or over a Unix datagram channel to another daemon of the same host.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import socket
-import threading
 from collections.abc import Callable, Hashable, Sequence
 from typing import ClassVar
 
 import structlog
 
 from weightwire.memory.cudadrv import CudaError, Driver, driver
-from weightwire.protocol.errors import ErrorCode, PeerLostError, RegionError, WeightwireError
-from weightwire.protocol.plan import span
+from weightwire.protocol.errors import ErrorCode, PeerLostError, RegionError
 from weightwire.protocol.regions import (
     CudaEndpoint,
     RegionDescriptor,
@@ -39,24 +36,19 @@ from weightwire.transport.base import (
     Prepared,
     Transport,
     WriteRequest,
-    check_write,
 )
 
-from . import lanes
+from . import lanes, neighbours
 from .channel import Channel
+from .delivery import Delivery
+from .destinations import Destinations
 from .ipc import IpcMaps
-from .lanes import Batch, Copy, Fence, Lane
+from .lanes import Fence, Lane
 from .prepared import CudaPrepared, Epoch
-from .regions import CudaRegions
+from .regions import CudaRegions, Local
 from .slotevents import SlotEvents
 
 log = structlog.get_logger("weightwire.transport.cuda")
-
-# How a copy between two GPUs is issued: "map" opens the destination's IPC handle in the
-# copying device's context (peer mapping), "peer" names both contexts (cuMemcpyPeerAsync),
-# "plain" relies on unified addressing alone.
-P2P = os.environ.get("WEIGHTWIRE_CUDA_P2P", "map")
-_INSTANCES: dict[str, CudaTransport] = {}  # transports of this process, by node
 
 
 def host_id() -> str:
@@ -77,15 +69,14 @@ class CudaTransport(Transport):
         self._channel = Channel(channel_dir)
         self._drv: Driver | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._on_imm: ImmHandler | None = None
         self._regions = CudaRegions(self.host)
         self._peers: dict[str, str] = {}  # node -> its channel path
         self._ipc: IpcMaps | None = None
         self._lanes: dict[tuple[int, int], Lane] = {}  # by (copying device, destination's)
         self._closing = False
         self._admit: Admit | None = None
-        self._lock = threading.Lock()
-        self._stats = {"bytes_sent": 0, "writes": 0, "bytes_received": 0, "batches": 0}
+        self._delivery = Delivery(node, self._channel, self._peers.get)
+        self._destinations = Destinations(node, self.host, self._regions, self._peers)
         self.peers_enabled: list[tuple[int, int]] = []
         self._slot_events = SlotEvents()  # interprocess events fencing ring slots on lanes
 
@@ -96,14 +87,17 @@ class CudaTransport(Transport):
         if not self._drv.devices:
             raise CudaError("the CUDA driver sees no GPU")
         self._ipc = IpcMaps(self._drv)
+        self._destinations.start(self._drv, self._ipc)
         self._loop = asyncio.get_running_loop()
-        self._on_imm = on_imm
+        self._delivery.start(self._loop, on_imm)
         self.peers_enabled = await asyncio.to_thread(self._drv.enable_peer_access)
         log.info(
             "cuda transport ready", devices=len(self._drv.devices), p2p=len(self.peers_enabled)
         )
-        self._channel.open(self._loop, lambda imm, source: self._receive([imm], source), self._bye)
-        _INSTANCES[self.node] = self
+        self._channel.open(
+            self._loop, lambda imm, source: self._delivery.receive([imm], source), self._bye
+        )
+        neighbours.add(self.node, self)
         Epoch.bump()
 
     def endpoints(self) -> TransportEndpoints:
@@ -118,12 +112,12 @@ class CudaTransport(Transport):
 
     async def close(self) -> None:
         self._closing = True
-        _INSTANCES.pop(self.node, None)
+        neighbours.remove(self.node)
         Epoch.bump()
         for node, path in list(self._peers.items()):  # tell same-host peers we are gone
-            other = _INSTANCES.get(node)
+            other = neighbours.get(node)
             if other is not None:
-                other._peers.pop(self.node, None)
+                other.peer_gone(self.node)
             else:
                 self._channel.send_bye(path, self.node)
         stopping = list(self._lanes.values())
@@ -149,6 +143,33 @@ class CudaTransport(Transport):
     def deregister(self, region_id: int) -> None:
         self._regions.deregister(self._drv, region_id)
 
+    # --- what other cuda transports of this process ask (`neighbours.Neighbour`) ----
+
+    def region(self, region_id: int) -> Local | None:
+        return self._regions.get(region_id)
+
+    def admits(self, source: str, imm: int) -> bool:
+        return self._admit is None or self._admit(source, imm)
+
+    def take_imms(
+        self, imms: list[int], source: str, from_loop: asyncio.AbstractEventLoop | None
+    ) -> None:
+        self._delivery.take(imms, source, from_loop)
+
+    def peer_gone(self, node: str) -> None:
+        self._peers.pop(node, None)
+
+    async def fence_writes(
+        self, to_node: str, err: BaseException, from_loop: asyncio.AbstractEventLoop | None
+    ) -> None:
+        if self._loop is None:
+            return
+        if self._loop is from_loop:
+            await self._fence_lanes(to_node, err)
+        else:
+            done = asyncio.run_coroutine_threadsafe(self._fence_lanes(to_node, err), self._loop)
+            await asyncio.wrap_future(done)
+
     # --- data path -----------------------------------------------------------
 
     async def connect(self, node: str, endpoints: TransportEndpoints) -> None:
@@ -171,17 +192,11 @@ class CudaTransport(Transport):
         transport of this process): queued copies into this node's memory fail, issued ones
         are waited for. A writer in another process copies with its own lanes; it learns
         of the failure through its daemon (see the README's trust model)."""
-        writer = self if node == self.node else _INSTANCES.get(node)
-        if writer is None or writer._loop is None:
+        writer = self if node == self.node else neighbours.get(node)
+        if writer is None:
             return
         err = PeerLostError(f"{self.node} fenced writes from {node}: {reason}")
-        if writer._loop is self._loop:
-            await writer._fence_lanes(self.node, err)
-        else:
-            done = asyncio.run_coroutine_threadsafe(
-                writer._fence_lanes(self.node, err), writer._loop
-            )
-            await asyncio.wrap_future(done)
+        await writer.fence_writes(self.node, err, self._loop)
 
     async def _fence_lanes(self, to_node: str, err: BaseException) -> None:
         await asyncio.gather(*(lane.fence(to_node, err) for lane in list(self._lanes.values())))
@@ -192,106 +207,20 @@ class CudaTransport(Transport):
         for r, imm in zip(p.requests, imms, strict=True):
             if imm is None:
                 continue
-            owner = self if r.dst.node == self.node else _INSTANCES.get(r.dst.node)
-            if owner is not None and owner._admit is not None and not owner._admit(self.node, imm):
+            owner = self if r.dst.node == self.node else neighbours.get(r.dst.node)
+            if owner is not None and not owner.admits(self.node, imm):
                 return RegionError(
                     f"write to region {r.dst.id} of {r.dst.node} belongs to a version it failed",
                     code=ErrorCode.ABORTED,
                 )
         return None
 
-    def _destination(self, dst: RegionDescriptor, dst_offset: int, length: int) -> tuple[int, int]:
-        """(device pointer, device ordinal) of the write's first destination byte."""
-        assert self._drv is not None
-        if dst.node != self.node and dst.node not in self._peers:
-            raise PeerLostError(f"not connected to node {dst.node}")
-        if dst.node == self.node or dst.node in _INSTANCES:
-            owner = self if dst.node == self.node else _INSTANCES[dst.node]
-            local = owner._regions.get(dst.id)
-            if local is None:
-                raise RegionError(
-                    f"unknown region {dst.id} of {dst.node}", code=ErrorCode.UNKNOWN_REGION
-                )
-            local.region.check(dst_offset, length, "write")
-            assert local.region.device is not None
-            return local.region.address + dst_offset, local.region.device
-        key = dst.keys.cuda
-        if key is None or key.host_id != self.host:
-            raise RegionError(f"region {dst.id} of {dst.node} is not reachable by cuda")
-        assert self._ipc is not None
-        base, size = self._ipc.opened(key.ipc_handle, self._drv.ordinal_of(key.device_uuid))
-        if key.offset + dst.length > size:
-            raise RegionError(
-                f"region {dst.id} of {dst.node} claims {dst.length} bytes at offset {key.offset} "
-                f"of a {size}-byte allocation",
-                code=ErrorCode.OUT_OF_BOUNDS,
-            )
-        return base + key.offset + dst_offset, self._drv.ordinal_of(key.device_uuid)
-
-    def _mapped(self, dst: RegionDescriptor, ptr: int, dst_dev: int, device: int) -> int:
-        """`ptr` (in `dst`, on GPU dst_dev) as the copying device sees it: the destination's
-        IPC handle opened once in `device`'s context, so its copy engine writes peer to peer."""
-        assert self._ipc is not None
-        owner = self if dst.node == self.node else _INSTANCES.get(dst.node)
-        local = owner._regions.get(dst.id) if owner is not None else None
-        if local is not None and not local.handle:  # VMM: mapped for every device already
-            return ptr
-        if local is not None:
-            handle, base = local.handle, local.region.address - local.offset
-        elif dst.keys.cuda is not None:
-            handle = dst.keys.cuda.ipc_handle
-            base = self._ipc.base_of(handle)
-        else:
-            return ptr
-        mapped = self._ipc.mapped(handle, device)
-        return ptr if not mapped else mapped + (ptr - base)
-
     def prepare(self, requests: Sequence[WriteRequest]) -> CudaPrepared:
         """Each write checked, its destination resolved to a pointer the copying device can
         write, and the lane's chunks cut, once; `post` only issues them."""
         prepared = CudaPrepared(requests, self)
-        self._resolve(prepared)
+        self._destinations.resolve(prepared)
         return prepared
-
-    def _resolve(self, prepared: CudaPrepared) -> None:
-        epoch = Epoch.value
-        requests = prepared.requests
-        failed: list[tuple[int, BaseException]] = []
-        by_lane: dict[tuple[int, int], list[Copy]] = {}
-        pageable: set[tuple[int, int]] = set()  # lanes with a copy from unpinned host memory
-        for i, r in enumerate(requests):
-            try:
-                check_write(r)
-                dst_ptr, dst_dev = self._destination(
-                    r.dst, r.dst_offset, span(r.length, r.count, r.dst_stride)
-                )
-            except WeightwireError as exc:
-                failed.append((i, exc))
-                continue
-            device = r.src.device if r.src.kind == "gpu" and r.src.device is not None else dst_dev
-            peer_device = -1
-            if device != dst_dev and r.src.kind == "gpu":
-                if P2P == "map":
-                    dst_ptr = self._mapped(r.dst, dst_ptr, dst_dev, device)
-                elif P2P == "peer":
-                    peer_device = dst_dev
-            copy = Copy(
-                i,
-                dst_ptr,
-                r.src.address + r.src_offset,
-                r.length,
-                r.dst.node,
-                dst_device=peer_device,
-                count=r.count,
-                src_stride=r.src_stride,
-                dst_stride=r.dst_stride,
-            )
-            key = (device, dst_dev)
-            by_lane.setdefault(key, []).append(copy)
-            if r.src.kind != "gpu" and not self._regions.pinned_at(r.src.id, r.src.address):
-                pageable.add(key)
-        prepared.epoch, prepared.failed = epoch, failed
-        prepared.lanes = [(key, lanes.chunks(cs), key in pageable) for key, cs in by_lane.items()]
 
     async def post(
         self, prepared: Prepared, imms: Sequence[int | None]
@@ -307,7 +236,7 @@ class CudaTransport(Transport):
         if not isinstance(p, CudaPrepared) or p.owner is not self:
             p = self.prepare(prepared.requests)
         elif p.epoch != Epoch.value or p.failed:  # something changed, or may have: again
-            self._resolve(p)
+            self._destinations.resolve(p)
         return p
 
     async def post_fenced(
@@ -393,75 +322,14 @@ class CudaTransport(Transport):
                 self._drv,
                 device,
                 self._loop,
-                self._landed,
+                self._delivery.landed,
                 lanes.MAX_OPS_IN_FLIGHT,
                 name=f"ww-cuda-{device}-{peer}",
             )
         return lane
 
-    def _landed(self, batch: Batch) -> None:
-        """On the loop: a batch's copies are done; deliver the immediates of those that landed."""
-        chunk, failed = batch.chunk, batch.failures
-        if not failed:
-            nbytes, writes = chunk.nbytes, len(chunk.copies)
-        else:
-            landed = [c for c in chunk.copies if c.index not in failed]
-            nbytes, writes = sum(c.size for c in landed), len(landed)
-        with self._lock:
-            self._stats["bytes_sent"] += nbytes
-            self._stats["writes"] += writes
-            self._stats["batches"] += 1
-        imms: dict[str, list[int]] = {}
-        if chunk.node and not failed:
-            imms[chunk.node] = [imm for imm in batch.imms if imm is not None]
-        else:
-            for c, imm in zip(chunk.copies, batch.imms, strict=True):
-                if imm is not None and c.index not in failed:
-                    imms.setdefault(c.dst_node, []).append(imm)
-        for node, values in imms.items():
-            if not values:
-                continue
-            try:
-                delivered = self._deliver(node, values)
-            except Exception as exc:  # one destination's handler must not strand the rest
-                log.error("immediates not delivered", peer=node, count=len(values), error=repr(exc))
-                continue
-            if not delivered:  # the bytes are there, the destination will never know
-                lost = PeerLostError(f"node {node} went away before it was told of the write")
-                for c, imm in zip(chunk.copies, batch.imms, strict=True):
-                    if imm is not None and c.dst_node == node:
-                        failed.setdefault(c.index, lost)
-
     def deliver_written(self, node: str, imms: Sequence[int]) -> bool:
-        if not imms:
-            return True
-        delivered = self._deliver(node, list(imms))
-        if delivered:
-            with self._lock:
-                self._stats["in_place_writes"] = self._stats.get("in_place_writes", 0) + len(imms)
-        return delivered
-
-    def _deliver(self, node: str, imms: list[int]) -> bool:
-        """Immediates of finished copies, to whichever transport owns the destination;
-        False if no one is there to take them (disconnected meanwhile)."""
-        owner = self if node == self.node else _INSTANCES.get(node)
-        if owner is not None:
-            if owner._loop is self._loop:
-                owner._receive(imms, self.node)
-            else:
-                assert owner._loop is not None
-                owner._loop.call_soon_threadsafe(owner._receive, imms, self.node)
-            return True
-        path = self._peers.get(node)
-        if path is None:
-            return False
-        self._channel.send_imms(path, self.node, imms)
-        return True
-
-    def _receive(self, imms: list[int], source: str) -> None:
-        if self._on_imm is not None:
-            for imm in imms:
-                self._on_imm(imm, source)
+        return self._delivery.written(node, imms)
 
     def _bye(self, node: str) -> None:
         """A daemon of this host closed its cuda transport."""
@@ -469,5 +337,4 @@ class CudaTransport(Transport):
             Epoch.bump()
 
     def stats(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._stats)
+        return self._delivery.stats()
