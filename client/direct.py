@@ -32,6 +32,7 @@ import torch
 from weightwire.memory.cudadrv import CudaError, driver
 from weightwire.protocol.plan import Bucket, PackOp, RankPlan
 from weightwire.protocol.regions import RegionDescriptor
+from weightwire.protocol.tensors import Fp8BlockQuant, Fp8BlockScale
 
 from .cuda import EXPORTED, gpu_uuid
 
@@ -72,11 +73,42 @@ class Direct:
             return None
         if plan.plan_hash != self._plan:
             self._plan, self._targets, self._regions = plan.plan_hash, {}, {}
-        if bucket.index not in self._targets:
-            self._targets[bucket.index] = self._make(plan, bucket, device)
-        return self._targets[bucket.index]
+        if not self._targets:
+            self._targets = self._make_all(plan, device)
+        return self._targets.get(bucket.index)
+
+    def _make_all(self, plan: RankPlan, device: torch.device) -> dict[int, list[Target] | None]:
+        """Every bucket's targets, once per plan, FP8 scales hoisted (`hoist_scales`)."""
+        moved = {
+            b.index: self._moved(plan, b, device) if b.packs and not b.deltas else None
+            for b in plan.buckets
+        }
+        hoist_scales(moved)
+        return {i: None if m is None else self._finish(plan, m, device) for i, m in moved.items()}
 
     def _make(self, plan: RankPlan, bucket: Bucket, device: torch.device) -> list[Target] | None:
+        """One bucket's targets on its own (no scales hoisted into it)."""
+        moved = self._moved(plan, bucket, device)
+        return None if moved is None else self._finish(plan, moved, device)
+
+    def _finish(
+        self, plan: RankPlan, moved: dict[tuple[str, int], list[PackOp]], device: torch.device
+    ) -> list[Target] | None:
+        regions = {(r.node, r.id): r for r in plan.regions}
+        out: list[Target] = []
+        for region, ops in moved.items():
+            if not ops:
+                continue
+            mem = self._region(regions[region], device)
+            if mem is None:
+                return None
+            out.append((mem, tuple(ops)))
+        return _one_target(out, device)
+
+    def _moved(
+        self, plan: RankPlan, bucket: Bucket, device: torch.device
+    ) -> dict[tuple[str, int], list[PackOp]] | None:
+        """The bucket's ops moved to their destination regions' offsets, or None."""
         uuid = device_uuid(device)
         regions = {(r.node, r.id): r for r in plan.regions}
         blocks: list[tuple[int, int, tuple[str, int], int]] = []  # (src, length, dst, offset)
@@ -114,13 +146,7 @@ class Direct:
         for region, bs in per.items():
             if any(c != b[1] for c, b in zip(covered[region], bs, strict=True)):
                 return None
-        out: list[Target] = []
-        for region, ops in moved.items():
-            mem = self._region(regions[region], device)
-            if mem is None:
-                return None
-            out.append((mem, tuple(ops)))
-        return _one_target(out, device)
+        return moved
 
     def _region(self, desc: RegionDescriptor, device: torch.device) -> torch.Tensor | None:
         """The destination region's bytes, mapped into this process once."""
@@ -155,6 +181,37 @@ class Direct:
                 assert drv is not None
                 drv.ipc_close(base)
         self._opened.clear()
+
+
+def hoist_scales(moved: dict[int, dict[tuple[str, int], list[PackOp]] | None]) -> None:
+    """FP8 scales packed with their codes. A box's codes and scales are separate ops, and
+    a plan lays out every codes region before its scales region, so the scales of a
+    bucket's boxes often fall in a later bucket, whose pack would read each source tile
+    again (32 KiB of bf16 for 4 bytes of scale: 0.4-0.6 ms for such a bucket of 267 MB,
+    against 0.3 ms for codes with their scales, on an H100). Each such scale op moves
+    (in place, in bucket order) to the bucket of its codes, whose kernel then writes the
+    codes and the scales of each tile in one read: the bytes land earlier, never later,
+    than the later bucket's immediates say. A bucket keeps at least one op."""
+    quant: dict[tuple[str, Any, int], int] = {}
+    for index, regions in sorted(moved.items()):
+        if regions is None:
+            continue
+        for region, ops in regions.items():
+            keep: list[PackOp] = []
+            left = sum(map(len, regions.values()))
+            for op in ops:
+                t = op.transform
+                key = (op.source, op.box, getattr(t, "block", 0))
+                if isinstance(t, Fp8BlockQuant):
+                    quant.setdefault(key, index)
+                home = quant.get(key, index) if isinstance(t, Fp8BlockScale) else index
+                target = moved.get(home)
+                if home < index and target is not None and left > 1:
+                    target.setdefault(region, []).append(op)
+                    left -= 1
+                else:
+                    keep.append(op)
+            regions[region] = keep
 
 
 def _one_target(targets: list[Target], device: torch.device) -> list[Target]:

@@ -118,6 +118,56 @@ def test_strided_experts_and_fp8_in_place_bitwise(monkeypatch) -> None:  # type:
         assert torch.equal(got[rank], region), f"engine rank {rank}"
 
 
+def test_fp8_scales_are_hoisted_into_their_codes_bucket_bitwise(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A plan lays out codes regions before scales regions, so with small buckets a box's
+    scales fall in a later bucket than its codes: `_make_all` moves each such scale op into
+    its codes' bucket (one kernel read per tile), never into a later one, leaves every
+    bucket an op, and the regions come out bitwise as planned."""
+    experts, rows, cols = 6, 256, 256
+    gen = torch.Generator().manual_seed(5)
+    names = [f"layers.0.mlp.experts.{e}.down" for e in range(experts)]
+    g = {n: torch.randn(rows, cols, generator=gen).to(torch.bfloat16) for n in names}
+    ts = [trainer("T", 0, g, fsdp(0, 1, g))]
+    tiles = 4
+    box = Box.rows((rows, cols), 0, rows)
+    es = [
+        engine("E", 0, [
+            ("w2_fp8", "float8_e4m3fn", (experts, rows, cols),
+             tuple(Piece(source=n, box=box, dst_offset=e * rows * cols, transform=Fp8BlockQuant())
+                   for e, n in enumerate(names))),
+            ("w2_scale", "float32", (experts, 2, 2),
+             tuple(Piece(source=n, box=box, dst_offset=e * tiles * 4, transform=Fp8BlockScale())
+                   for e, n in enumerate(names))),
+        ])
+    ]  # fmt: skip
+    plans = plan("job", ts, es, PlanOptions(bucket_bytes=2 * rows * cols))
+    rp = _on_gpu(plans["T"].sends[0])
+    where = {(op.source, type(op.transform)): b.index for b in rp.buckets for op in b.packs}
+    late = [n for n in names if where[(n, Fp8BlockScale)] > where[(n, Fp8BlockQuant)]]
+    assert late, where  # the layout this test is about
+    regions = {(r.node, r.id): torch.zeros(r.length, dtype=torch.uint8) for r in rp.regions}
+    monkeypatch.setattr(directmod, "device_uuid", lambda device: UUID)
+    monkeypatch.setattr(Direct, "_region", lambda self, desc, device: regions[(desc.node, desc.id)])
+    targets = Direct()._make_all(rp, torch.device("cpu"))
+    packed_in: dict[tuple[str, type], int] = {}
+    for index, ts_ in targets.items():
+        assert ts_, f"bucket {index} has nothing left to pack"
+        for _, ops in ts_:
+            for op in ops:
+                packed_in[(op.source, type(op.transform))] = index
+    for n in names:  # every scale with its codes, or earlier: never later than planned
+        assert packed_in[(n, Fp8BlockScale)] <= where[(n, Fp8BlockScale)]
+    assert any(packed_in[(n, Fp8BlockScale)] == where[(n, Fp8BlockQuant)] for n in late)
+    local = {n: g[n].clone() for n in names}
+    packer = Packer()
+    for b in rp.buckets:
+        for region, ops in targets[b.index] or ():
+            packer.pack_bucket(ops, local, region)
+    want = execute(plans, ts, es, g)
+    (got,) = regions.values()
+    assert torch.equal(got, want[0])
+
+
 def test_a_bucket_into_several_regions_is_packed_as_one_batch(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """A bucket written to three engine ranks' regions is one target (one BucketPack: one
     launch per kernel, one graph), spanning the regions; still bitwise."""
