@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 
 from weightwire.protocol.errors import ErrorCode
 from weightwire.protocol.local import Applied, ApplyBucket, ApplyVersion
+from weightwire.protocol.plan import check_blocks, span
 
 from . import codec, decodeloop, digest, frames
 
@@ -48,6 +50,7 @@ class _Early:
     sums: dict[tuple[int, frames.Range], int] = field(default_factory=dict)
     applied: set[tuple[int, int]] = field(default_factory=set)  # (sender, payload offset)
     nbytes: int = 0
+    checked: int = 0  # bytes of the ranges its buckets named (at most what the rank holds)
     error: Exception | None = None
     seconds: float = 0.0
 
@@ -66,6 +69,8 @@ class DeltaReceiver:
         self.held = -1  # the version this rank's bytes verifiably hold
         self._targets: dict[int, list[Target]] = {}
         self._starts: dict[int, list[int]] = {}
+        self._ends: dict[int, int] = {}  # region -> the end of its last registered byte
+        self._holds = 0  # registered bytes: what one version's ranges can cover at most
         self._early: _Early | None = None
         self._settled = -1  # the last version `apply` answered for
         self.early_s = 0.0  # seconds spent on buckets of the last version before its end
@@ -81,12 +86,14 @@ class DeltaReceiver:
         for region, ts in self._targets.items():
             ts.sort(key=lambda t: t.offset)
             self._starts[region] = [t.offset for t in ts]
+            self._ends[region] = max(t.offset + t.nbytes for t in ts)
+        self._holds = sum(t.nbytes for ts in self._targets.values() for t in ts)
 
     def rename_regions(self, renamed: dict[int, int]) -> None:
         """The daemon restarted and numbered the regions anew."""
         self._early, self._settled = None, -1
         old = [t for ts in self._targets.values() for t in ts]
-        self._targets, self._starts = {}, {}
+        self._targets, self._starts, self._ends = {}, {}, {}
         self.add_targets(
             [Target(renamed.get(t.region, t.region), t.offset, t.nbytes, t.data) for t in old]
         )
@@ -127,6 +134,7 @@ class DeltaReceiver:
             return
         t0 = time.perf_counter()
         try:
+            early.checked = self._check_ranges(msg.ranges, early.checked)
             for offset, length in msg.payloads:
                 if early.base < 0:
                     raise ApplyError(
@@ -185,6 +193,7 @@ class DeltaReceiver:
 
     def _apply(self, msg: ApplyVersion, held: int, early: _Early | None) -> int:
         trailers = [frames.read_trailer(self._area_bytes(o, c)) for o, c in msg.trailers]
+        self._check_ranges([r for tr in trailers for r in tr.ranges], 0)
         for tr in trailers:
             if tr.version != msg.version:
                 raise ApplyError(
@@ -214,6 +223,30 @@ class DeltaReceiver:
                     f"({len(tr.ranges)} ranges) are not what it wrote"
                 )
         return nbytes
+
+    def _check_ranges(self, ranges: Iterable[frames.Range], spent: int) -> int:
+        """`spent` plus the bytes of `ranges`, once each is blocks a plan could write here
+        (at least one; several never overlapping; all within its region's registered
+        bytes) and the total is at most what this rank holds. A range is walked block by
+        block: one that lies (2^40 blocks of a byte at stride 0, the whole region named
+        again and again) would hold this rank for hours, where an honest version's ranges
+        cover each registered byte at most once."""
+        for r in ranges:
+            region, offset, length, count, stride = r
+            try:
+                check_blocks(length, count, stride, stride)
+            except ValueError as exc:
+                raise ApplyError(f"range {r}: {exc}") from None
+            end = self._ends.get(region)
+            if end is None or offset + span(length, count, stride) > end:
+                raise ApplyError(f"range {r} is not within the registered bytes of region {region}")
+            spent += length * count
+            if spent > self._holds:
+                raise ApplyError(
+                    f"range {r} brings the version's ranges to {spent} bytes, more than the "
+                    f"{self._holds} bytes this rank holds"
+                )
+        return spent
 
     def _range_sum(
         self, sums: dict[tuple[int, frames.Range], int], sender: int, r: frames.Range
