@@ -317,6 +317,14 @@ class RankCompletion:
         for st in list(self.current.values()):
             self.fail_low(st.low, code, message)
 
+    def end_waits(self, code: ErrorCode, message: str) -> None:
+        """The rank's plan is gone: every wait for a version of it ends now, with why."""
+        waiters, self.waiters = self.waiters, {}
+        for futs in waiters.values():
+            for fut in futs:
+                if not fut.done():
+                    fut.set_exception(error_from_code(code.value, message))
+
     def expire(self, timeout_s: float) -> None:
         now = time.monotonic()
         for st in list(self.current.values()):

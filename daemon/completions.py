@@ -64,9 +64,12 @@ class Completions:
         self.ranks = {k: v for k, v in self.ranks.items() if k[0] != job} | fresh
         self.by_slot = {rc.expect.slot: rc for rc in self.ranks.values()}
 
-    def drop_job(self, job: str, reason: str) -> None:
+    def drop_job(self, job: str, reason: str, code: ErrorCode = ErrorCode.PLAN) -> None:
+        """The job's plan is gone here: its versions in flight fail, and every wait on one of
+        its ranks ends now with why (it used to run to its timeout, saying "no writes")."""
         for key in [k for k in self.ranks if k[0] == job]:
-            self.ranks[key].fail_in_progress(ErrorCode.PLAN, reason)
+            self.ranks[key].fail_in_progress(code, reason)
+            self.ranks[key].end_waits(code, reason)
         self.ranks = {k: v for k, v in self.ranks.items() if k[0] != job}
         self.by_slot = {rc.expect.slot: rc for rc in self.ranks.values()}
 

@@ -165,10 +165,15 @@ class PlanBook:
                 fut.set_result(None)
 
     def problem(self, job: str, err: PlanError) -> None:
+        """The coordinator cannot plan the job (two ranks claim one rank, ...): its plan is
+        gone here, for the engine ranks and for the trainer ranks too, whose next version
+        asks for a plan and hears this problem (they used to publish on the old plan, and
+        the engine nodes refused the writes as `unauthorized`)."""
         self.plans.pop(job, None)
         self.problems[job] = err
-        self._completions.drop_job(job, err.message)
+        self._completions.drop_job(job, err.message, err.code)
         self.grant_writers()
+        self._users.use_plan(job, None, err.message, err.code)
         for fut in self._waiters.pop(job, []):
             if not fut.done():
                 fut.set_exception(err)

@@ -141,10 +141,18 @@ class Publishing:
                 pub.set_plan(rp)
         return pub
 
-    def use_plan(self, job: str, plan: NodePlan | None, reason: str = "") -> None:
+    def use_plan(
+        self,
+        job: str,
+        plan: NodePlan | None,
+        reason: str = "",
+        code: ErrorCode = ErrorCode.PEER_LOST,
+    ) -> None:
+        """`plan` None: withdrawn, a version in flight fails with `code` (PEER_LOST: a node
+        it involves was lost; a plan problem's own code)."""
         if plan is None:
             for pub in self._of_job(job):
-                pub.set_plan(None, reason, ErrorCode.PEER_LOST)
+                pub.set_plan(None, reason, code)
             return
         for rp in plan.sends:
             if (mine := self.publishers.get((job, rp.rank))) is not None:
