@@ -86,6 +86,13 @@ class DaemonConnection:
         lost_after_s: float = 5.0,
     ) -> None:
         self.path = path or DEFAULT_SOCKET
+        if not os.path.exists(self.path) and os.path.exists(self.path + ".full"):
+            raise ProtocolError(
+                f"the daemon at {self.path} takes no new connection now: it is near its "
+                f"file descriptor limit (its socket is set aside as {self.path}.full until "
+                f"descriptors are free); connect again later",
+                code=ErrorCode.BUSY,
+            )
         if not os.path.exists(self.path):
             raise NoDaemonError(
                 f"no daemon socket at {self.path} (is weightwired running? "

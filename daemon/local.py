@@ -50,6 +50,7 @@ from weightwire.protocol.local import (
     Welcome,
 )
 
+from . import fdguard
 from .lograte import Throttled
 from .packgate import features as FEATURES
 from .pending import Pending
@@ -101,6 +102,7 @@ class LocalServer:
         self._cluster = cluster_status
         self._requests: Requests | None = None
         self._sock: zmq.asyncio.Socket | None = None
+        self._guard: fdguard.GuardThread | None = None
         self.pending = Pending()  # requests answered later, per connection
         self._start_post = False  # a BucketReady found its rank idle: yield after it
         self._bad = Throttled()  # a rank can send garbage in a loop: one line per interval
@@ -108,11 +110,14 @@ class LocalServer:
 
     def bind(self, ctx: zmq.asyncio.Context) -> None:
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        _remove_stale_socket(self.path)
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.codec.max_bytes * HARD_LIMIT_FACTOR)
         sock.setsockopt(zmq.SNDHWM, 100000)
+        sock.setsockopt(zmq.BACKLOG, fdguard.BACKLOG)
+        _remove_stale_socket(self.path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path + ".full")  # a paused name left by a daemon that died
         old = os.umask(0o777 & ~self.mode)
         try:
             sock.bind(f"ipc://{self.path}")
@@ -120,6 +125,9 @@ class LocalServer:
             os.umask(old)
         os.chmod(self.path, self.mode)
         self._sock = sock
+        # no new connection near the descriptor limit, where libzmq's accept would abort
+        # the daemon; sessions already open go on (fdguard.py)
+        self._guard = fdguard.GuardThread(sock, self.path)
         try:
             self.inbox = Inbox(self.path + ".fds", self.mode)
         except OSError as exc:  # e.g. a path too long for a socket: VMM memory is refused
@@ -377,6 +385,8 @@ class LocalServer:
 
     def close(self) -> None:
         self.pending.cancel_all()
+        if self._guard is not None:
+            self._guard.close()
         if self._sock is not None:
             self._sock.close(linger=0)
         if self.inbox is not None:

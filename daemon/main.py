@@ -13,7 +13,7 @@ import uvloop
 from weightwire.protocol.errors import WeightwireError
 
 from . import config as config_mod
-from . import logs
+from . import fdguard, logs
 from .flags import add_flags
 
 GIL_SWITCH_S = 0.0005
@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     # is busy they wait for the GIL up to a switch interval (5 ms by default), and the
     # copy engines wait with them. 0.5 ms keeps that wait below a bucket's copy time.
     sys.setswitchinterval(GIL_SWITCH_S)
+    fdguard.raise_soft_limit()  # as systemd's LimitNOFILE: ranks, peers, regions hold fds
     try:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             runner.run(serve(cfg))
