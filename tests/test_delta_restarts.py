@@ -1,0 +1,114 @@
+"""Delta sync across restarts on the sending side: the trainer's daemon SIGKILLed between
+delta versions and started again (the trainer process, its shadow and the engine's bytes
+stay), and the trainer process itself replaced by a new one (no shadow). Real daemons in
+network namespaces: host0 coordinates, host1 trains, host2 runs the engine rank. Every
+version that completes is bitwise; once the trainer publishes again, deltas resume."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from weightwire.client import Engine, Trainer
+from weightwire.harness.localcluster import LocalCluster
+from weightwire.protocol.errors import WeightwireError
+
+from .conftest import FAST, NETNS, NETNS_WHY
+from .test_delta_e2e import SMALL, Pair, _jobs, bitwise, step, weights
+
+pytestmark = pytest.mark.skipif(not NETNS, reason=f"needs namespaces: {NETNS_WHY}")
+
+
+@pytest.fixture
+def three() -> Iterator[LocalCluster]:
+    c = LocalCluster(hosts=3, use_netns=True, extra={**FAST, **SMALL})
+    c.start()
+    try:
+        c.wait_joined()
+        yield c
+    finally:
+        c.stop()
+
+
+class Moved(Pair):
+    """The trainer on host1, the engine on host2."""
+
+    def __init__(self, c: LocalCluster) -> None:
+        self.c, self.job = c, f"delta-restarts{next(_jobs)}"
+        self.w = weights()
+        self.dst = {n: torch.zeros_like(t) for n, t in self.w.items()}
+        self.eng = Engine(
+            0, 1, socket=c.daemons[2].socket, job=self.job, timeout_s=30, delta_area=0.25
+        )
+        self.eng.register(self.dst)
+        self.tr = Trainer(
+            0, 1, socket=c.daemons[1].socket, job=self.job, timeout_s=30, delta="auto"
+        )
+        self.tr.register(self.w)
+        self.tr.prepare()
+
+
+def publish_until(tr: Trainer, first: int, tries: int = 60) -> tuple[int, object]:
+    for attempt in range(tries):
+        try:
+            return first + attempt, tr.publish(first + attempt)
+        except WeightwireError:
+            time.sleep(0.25)
+    raise AssertionError("never published again")
+
+
+def test_trainer_daemon_restarted_between_delta_versions(three: LocalCluster) -> None:
+    c = three
+    p = Moved(c)
+    try:
+        p.tr.publish(0)
+        p.eng.wait(0)
+        step(p.w, 0.02, 1)
+        assert p.tr.publish(1).delta_bytes > 4096  # type: ignore[attr-defined]
+        p.eng.wait(1)
+        assert bitwise(p.dst, p.w)
+        old = c.daemons[1]
+        old.proc.send_signal(signal.SIGKILL)
+        old.proc.wait(10)
+        c.start_daemon(1, node=old.node, coordinator_endpoint=c.daemons[0].endpoint)
+        c.wait_joined()
+        step(p.w, 0.02, 2)
+        v, _ = publish_until(p.tr, 2)
+        p.eng.wait(v)
+        assert bitwise(p.dst, p.w)
+        step(p.w, 0.02, 3)
+        stats = p.tr.publish(v + 1)
+        p.eng.wait(v + 1)
+        assert bitwise(p.dst, p.w)
+        assert stats.delta_bytes > 4096, stats
+    finally:
+        p.close()
+
+
+def test_trainer_process_replaced_between_delta_versions(three: LocalCluster) -> None:
+    c = three
+    p = Moved(c)
+    try:
+        p.tr.publish(0)
+        p.eng.wait(0)
+        step(p.w, 0.02, 1)
+        p.tr.publish(1)
+        p.eng.wait(1)
+        p.tr.close()
+        step(p.w, 0.02, 2)
+        p.tr = Trainer(0, 1, socket=c.daemons[1].socket, job=p.job, timeout_s=30, delta="auto")
+        p.tr.register(p.w)
+        v, stats = publish_until(p.tr, 2)
+        p.eng.wait(v)
+        assert bitwise(p.dst, p.w)
+        step(p.w, 0.02, 3)
+        stats = p.tr.publish(v + 1)
+        p.eng.wait(v + 1)
+        assert bitwise(p.dst, p.w)
+        assert stats.delta_bytes > 4096, stats
+    finally:
+        p.close()
