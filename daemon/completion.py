@@ -21,6 +21,7 @@ from weightwire.protocol.local import VersionComplete, VersionFailed
 from weightwire.protocol.peer import BucketLanded, LandedPart
 from weightwire.protocol.plan import Expect, version_low
 
+from .lograte import Throttled
 from .metrics import Recorder
 from .versionlog import gbyte_s
 
@@ -41,6 +42,7 @@ Fence = Callable[[tuple[str, ...], str], Awaitable[None]]
 """fence(nodes, reason): returns once no write of those nodes can land here any more."""
 
 HISTORY = 64
+_stray = Throttled()  # `Applied` answers nobody asked for, logged once per interval
 
 
 @dataclass
@@ -163,8 +165,13 @@ class RankCompletion:
     def on_applied(self, version: int, ok: bool, code: str, message: str) -> None:
         """The engine's answer to `apply`: the version is complete only if it verified."""
         st = next((s for s in self.current.values() if s.version == version), None)
-        if st is None or not st.applying:
-            log.warning("applied for a version not being applied", rank=self.rank, version=version)
+        if st is None or not st.applying:  # a rank can send these in a loop: one line a while
+            _stray.emit(
+                log.warning,
+                "applied for a version not being applied",
+                rank=self.rank,
+                version=version,
+            )
             return
         if ok:
             self._complete(st)

@@ -27,6 +27,7 @@ from weightwire.protocol.errors import (
 from weightwire.protocol.frames import Codec
 from weightwire.protocol.local import (
     AbortVersion,
+    Applied,
     BeginVersion,
     BucketReady,
     DeclareDestinations,
@@ -476,3 +477,28 @@ s.send_multipart([b"heartbeat", b"\\x80", b"x" * (20 << 20)])
 time.sleep(1.0)
 s.close()
 """
+
+
+def test_a_flood_of_unasked_applied_answers_logs_a_line_a_while(cluster: LocalCluster) -> None:
+    """An engine rank's session sends 5000 `Applied` for versions its daemon never asked it
+    to apply (no reply exists for them): each was one warning line; now one per interval,
+    and the daemon serves on."""
+    tr, eng = pair(cluster, "applied-flood")
+    try:
+        tr.publish(1)
+        eng.wait(1)
+        d = cluster.daemons[1]
+        lines = len(d.log_path.read_text().splitlines())
+        for version in range(5000):
+            eng._conn.send(Applied(rank=0, version=version, ok=True))
+        eng._conn.request(Ping())  # after every Applied: each was handled
+        stray = [
+            line
+            for line in d.log_path.read_text().splitlines()[lines:]
+            if "applied for a version not being applied" in line
+        ]
+        assert 1 <= len(stray) <= 3, len(stray)
+    finally:
+        tr.close()
+        eng.close()
+    healthy_sync(cluster, "after-applied-flood")
