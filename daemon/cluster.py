@@ -33,6 +33,7 @@ from weightwire.protocol.peer import (
 from .completions import Completions
 from .dataplane import DataPlane
 from .joining import JoinWatch
+from .lograte import Throttled
 from .membership import Membership as ClusterView
 from .names import Refusal
 from .peers import COORDINATOR, PeerMesh
@@ -78,6 +79,7 @@ class Cluster:
         self._joined = joined  # told the coordinator's name on the first welcome (READY)
         self._status = status
         self._ready_sent = False
+        self._peer_errors = Throttled()  # any allowed key may send them, in a loop
         self._last_hello = 0.0
 
     # --- periodic: joining, heartbeats, liveness -----------------------------
@@ -216,7 +218,13 @@ class Cluster:
             case PeerError(code=code, message=message) if self.view.coordinator_name is None:
                 self.join.refused(code, message)  # said by JoinWatch, once per interval
             case PeerError(code=code, message=message):
-                log.warning("peer reported an error", peer=sender, code=code, error=message)
+                self._peer_errors.emit(
+                    log.warning,
+                    "peer reported an error",
+                    peer=sender,
+                    code=code[:64],
+                    error=message[:500],
+                )
 
     def _membership(self, members: tuple[Member, ...], lost: tuple[str, ...]) -> None:
         known = self.view.members

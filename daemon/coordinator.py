@@ -148,7 +148,7 @@ class Coordinator:
     def on_advertise(self, sender: str, adv: Advertise) -> None:
         member = self.members.get(sender)
         if member is None or member.incarnation != adv.incarnation:
-            log.warning("advert from a non-member ignored", peer=sender)
+            self._refused.emit(log.warning, "advert from a non-member ignored", peer=sender)
             return
         job = self.jobs.setdefault(adv.job, Job(adv.job))
         prev = job.adverts.get(sender)

@@ -24,6 +24,7 @@ from weightwire.protocol.peer import (
     Heartbeat,
     Member,
     Membership,
+    PeerError,
     PeerHello,
     PeerMsg,
     VersionAbort,
@@ -58,7 +59,14 @@ def public_key(c: LocalCluster, node: str) -> str:
 
 
 def insider(
-    c: LocalCluster, *, key: str, victim: int, claim: str, msgs: list[PeerMsg], hold_s: float
+    c: LocalCluster,
+    *,
+    key: str,
+    victim: int,
+    claim: str,
+    msgs: list[PeerMsg],
+    hold_s: float,
+    repeat: int = 1,
 ) -> subprocess.Popen[str]:
     """Start the insider (from host2's namespace) and return once its messages are sent."""
     target = c.daemons[victim]
@@ -72,6 +80,7 @@ def insider(
         f"--key-file={c.workdir / 'keys' / key / f'{key}.key_secret'}",
         f"--identity={claim}",
         f"--hold={hold_s}",
+        f"--repeat={repeat}",
         *(msgspec.json.encode(m).decode() for m in msgs),
     ]
     env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
@@ -206,5 +215,33 @@ def test_hello_under_a_members_name_or_with_a_members_key_is_refused(
     assert torch.equal(dst, weights(2))
     logged = refusals(hosts, 0)[before:]
     assert logged and logged[0]["message"] == "PeerHello", "the hello was not refused and logged"
+    tr.close()
+    eng.close()
+
+
+def test_a_flood_of_peer_errors_is_one_line_a_while(hosts: LocalCluster) -> None:
+    """5000 PeerError from an allowed key no member holds (errors are only logged, so they
+    pass admission), 64 KiB of message each: each was a warning line with all of it (320
+    MB of log a second from one insider); now one line per interval, the message cut. The
+    victim keeps serving a version bitwise."""
+    job = "peer-error-flood"
+    tr, eng, dst = pair(hosts, job)
+    d = hosts.daemons[2]
+    lines = len(d.log_path.read_text().splitlines())
+    forged = PeerError(code="x", message="y" * (64 << 10))
+    proc = insider(
+        hosts, key="insider", victim=2, claim="insider", msgs=[forged], hold_s=1.0, repeat=5000
+    )
+    assert proc.wait(30) == 0
+    tr.publish(1, {"w": weights(1)})
+    eng.wait(1)
+    assert torch.equal(dst, weights(1))
+    logged = [
+        line
+        for line in d.log_path.read_text().splitlines()[lines:]
+        if "peer reported an error" in line
+    ]
+    assert 1 <= len(logged) <= 3, len(logged)
+    assert max(map(len, logged)) < 2000
     tr.close()
     eng.close()

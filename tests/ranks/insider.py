@@ -24,6 +24,7 @@ def main() -> None:
     ap.add_argument("--key-file", required=True, help="the insider's NAME.key_secret")
     ap.add_argument("--identity", required=True, help="the ZeroMQ routing id it claims")
     ap.add_argument("--hold", type=float, default=5.0)
+    ap.add_argument("--repeat", type=int, default=1, help="send each message this many times")
     ap.add_argument("messages", nargs="+", help="peer messages as JSON objects")
     args = ap.parse_args()
     public, secret = zmq.auth.load_certificate(args.key_file)
@@ -42,8 +43,12 @@ def main() -> None:
     sock.disable_monitor()
     monitor.close()
     for msg in msgs:
-        sock.send_multipart(codec.encode(msg))
-    print(json.dumps({"event": "sent", "t": time.time(), "count": len(msgs)}), flush=True)
+        for _ in range(args.repeat):
+            sock.send_multipart(codec.encode(msg))
+    print(
+        json.dumps({"event": "sent", "t": time.time(), "count": len(msgs) * args.repeat}),
+        flush=True,
+    )
     deadline = time.monotonic() + args.hold
     while (left := deadline - time.monotonic()) > 0:
         if sock.poll(int(left * 1000) + 1):
