@@ -38,6 +38,7 @@ from weightwire.protocol.peer import (
     TransportSignal,
     VersionAbort,
     VersionStart,
+    VersionVerdict,
 )
 
 from .lograte import Throttled
@@ -72,6 +73,10 @@ def body_name(msg: PeerMessage) -> str | None:
             | BucketLanded(source_node=node)
         ):
             return node
+        case VersionVerdict(verdict=verdict):
+            # an engine rank's outcome, said by its node only: a forged "ok" from another
+            # member finished a publish while the engine rank failed the version
+            return verdict.node
     return None
 
 

@@ -17,9 +17,12 @@ import pytest
 import torch
 import zmq.auth
 
+from weightwire.client import Engine, Trainer
 from weightwire.client.status import fetch
 from weightwire.harness.localcluster import LocalCluster
 from weightwire.protocol import PROTOCOL_VERSION
+from weightwire.protocol.errors import ErrorCode, WeightwireError
+from weightwire.protocol.local import Verdict
 from weightwire.protocol.peer import (
     Heartbeat,
     Member,
@@ -28,6 +31,7 @@ from weightwire.protocol.peer import (
     PeerHello,
     PeerMsg,
     VersionAbort,
+    VersionVerdict,
 )
 
 from .conftest import FAST, NETNS, NETNS_WHY
@@ -67,6 +71,7 @@ def insider(
     msgs: list[PeerMsg],
     hold_s: float,
     repeat: int = 1,
+    every_s: float = 0.0,
 ) -> subprocess.Popen[str]:
     """Start the insider (from host2's namespace) and return once its messages are sent."""
     target = c.daemons[victim]
@@ -81,6 +86,7 @@ def insider(
         f"--identity={claim}",
         f"--hold={hold_s}",
         f"--repeat={repeat}",
+        f"--every={every_s}",
         *(msgspec.json.encode(m).decode() for m in msgs),
     ]
     env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
@@ -245,3 +251,50 @@ def test_a_flood_of_peer_errors_is_one_line_a_while(hosts: LocalCluster) -> None
     assert max(map(len, logged)) < 2000
     tr.close()
     eng.close()
+
+
+def test_a_verdict_under_another_nodes_name_is_refused(hosts: LocalCluster) -> None:
+    """A member (host0, its own key and name) sends the trainer's node a VersionVerdict
+    saying the engine rank on host2 verified the version, every 10 ms while a delta version
+    is in flight, whose bytes the engine rank will find wrong (one changed behind
+    weightwire's back). The verdict's node is the name it must come under: refused and
+    logged. It was taken: the trainer's publish returned success while the engine rank
+    failed the version (checksum)."""
+    job = "forged-verdict"
+    w = torch.arange(1 << 22, dtype=torch.float32)
+    dst = torch.zeros_like(w)
+    eng = Engine(0, 1, socket=hosts.daemons[2].socket, job=job, timeout_s=30, delta_area=0.5)
+    tr = Trainer(0, 1, socket=hosts.daemons[1].socket, job=job, timeout_s=30, delta="on")
+    try:
+        eng.register({"w": dst})
+        tr.register({"w": w})
+        tr.publish(0)
+        eng.wait(0)
+        dst.view(torch.uint8)[4321] ^= 0x10  # not by weightwire
+        w[::50] += 1
+        before = len(refusals(hosts, 1))
+        slot = next(
+            r["slot"] for r in fetch(hosts.daemons[2].socket)["receiving"] if r["job"] == job
+        )
+        ok = Verdict(node="host2", slot=slot, rank=0, ok=True)
+        verdicts = [VersionVerdict(job=job, version=1, verdict=ok)]
+        proc = insider(
+            hosts, key="host0", victim=1, claim="host0", msgs=verdicts, hold_s=0.5,
+            repeat=300, every_s=0.01,
+        )  # fmt: skip
+        time.sleep(0.3)
+        with pytest.raises(WeightwireError) as err:
+            tr.publish(1)
+        assert err.value.code is ErrorCode.CHECKSUM, err.value
+        with pytest.raises(WeightwireError):
+            eng.wait(1)
+        assert proc.wait(15) == 0
+        logged = refusals(hosts, 1)[before:]
+        assert logged and "host2" in str(logged[0]), "the forged verdict was not refused"
+        w[::70] += 1
+        tr.publish(2)
+        eng.wait(2)
+        assert torch.equal(dst, w)
+    finally:
+        tr.close()
+        eng.close()

@@ -25,6 +25,7 @@ def main() -> None:
     ap.add_argument("--identity", required=True, help="the ZeroMQ routing id it claims")
     ap.add_argument("--hold", type=float, default=5.0)
     ap.add_argument("--repeat", type=int, default=1, help="send each message this many times")
+    ap.add_argument("--every", type=float, default=0.0, help="seconds between repeats")
     ap.add_argument("messages", nargs="+", help="peer messages as JSON objects")
     args = ap.parse_args()
     public, secret = zmq.auth.load_certificate(args.key_file)
@@ -42,13 +43,13 @@ def main() -> None:
         raise SystemExit("the CURVE handshake did not succeed in 10 s")
     sock.disable_monitor()
     monitor.close()
-    for msg in msgs:
-        for _ in range(args.repeat):
+    for i in range(args.repeat):  # "sent" once the first round is: the caller goes on
+        if i and args.every:
+            time.sleep(args.every)
+        for msg in msgs:
             sock.send_multipart(codec.encode(msg))
-    print(
-        json.dumps({"event": "sent", "t": time.time(), "count": len(msgs) * args.repeat}),
-        flush=True,
-    )
+        if i == 0:
+            print(json.dumps({"event": "sent", "t": time.time(), "count": len(msgs)}), flush=True)
     deadline = time.monotonic() + args.hold
     while (left := deadline - time.monotonic()) > 0:
         if sock.poll(int(left * 1000) + 1):
