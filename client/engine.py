@@ -172,7 +172,12 @@ class Engine(RankClient):
                 length=nbytes, purpose="delta", kind="gpu", cuda=self._cuda_region(span)
             )
         else:
-            shared = create_shared(nbytes, purpose=f"delta-r{self.rank}", gid=self._conn.socket_gid)
+            shared = create_shared(  # where the daemon maps regions from (its region_dir)
+                nbytes,
+                purpose=f"delta-r{self.rank}",
+                gid=self._conn.socket_gid,
+                directory=self._conn.region_dir,
+            )
             self._regions.append(shared)
             area = torch.frombuffer(shared.map, dtype=torch.uint8)
             area.zero_()

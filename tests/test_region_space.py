@@ -176,3 +176,43 @@ def healthy_sync(cluster: LocalCluster, job: str) -> None:
     finally:
         tr.close()
         eng.close()
+
+
+def test_delta_regions_live_in_the_region_directory(
+    shm_cluster: LocalCluster, small_shm: str
+) -> None:
+    """A daemon whose regions live elsewhere than /dev/shm (`region_dir`): an engine rank's
+    host delta area was made in /dev/shm all the same, and the daemon refused it ("not in
+    <region_dir>"), so no engine with a delta area could register there. Now the area and
+    the trainer's delta-out region are made where the daemon maps regions from, deltas flow
+    bitwise; an area that does not fit is a RegionError naming the file."""
+    w = torch.arange(256 << 10, dtype=torch.float32)  # 1 MiB
+    dst = torch.zeros_like(w)
+    job = "delta-region-dir"
+    eng = Engine(0, 1, socket=shm_cluster.daemons[1].socket, job=job, timeout_s=20, delta_area=0.5)
+    tr = Trainer(0, 1, socket=shm_cluster.daemons[0].socket, job=job, timeout_s=20, delta="on")
+    try:
+        eng.register({"w": dst})
+        tr.register({"w": w})
+        names = os.listdir(small_shm)
+        assert [n for n in names if ".delta-r0." in n], names
+        for version in range(3):
+            w[version::97] += 1
+            stats = tr.publish(version)
+            eng.wait(version)
+            assert torch.equal(dst, w)
+        assert stats.delta_bytes > 0 and eng.delta is not None and eng.delta.held == 2
+    finally:
+        tr.close()
+        eng.close()
+    big = Engine(
+        0, 1, socket=shm_cluster.daemons[1].socket, job=job + "-2", timeout_s=20, delta_area=4.0
+    )
+    try:
+        with pytest.raises(RegionError) as err:
+            big.register({"w": torch.zeros(512 << 10)})  # 2 MiB, and an area of 8 MiB
+        assert err.value.code is ErrorCode.NO_SPACE and ".delta-r0." in err.value.message
+        assert small_shm in err.value.message
+    finally:
+        big.close()
+    healthy_sync(shm_cluster, "after-delta-region-dir")
