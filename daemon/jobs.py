@@ -68,8 +68,15 @@ def collect(
         if not worlds.get(role):
             missing.append(f"any {role} rank")
         elif absent:
-            missing.append(f"{role} ranks {absent}")
+            missing.append(f"{role} ranks {_some(absent)}")
     return list(trainers.values()), list(engines.values()), missing, problems
+
+
+def _some(ranks: list[int], shown: int = 16) -> str:
+    """A list of ranks as text, the first `shown` of a long one and how many there are."""
+    if len(ranks) <= shown:
+        return str(ranks)
+    return f"[{', '.join(map(str, ranks[:shown]))}, ...] ({len(ranks)} ranks)"
 
 
 def delta_areas(job: Job) -> dict[tuple[str, int], RegionDescriptor]:

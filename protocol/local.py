@@ -19,6 +19,10 @@ SOCKET_ENV = "WEIGHTWIRE_SOCKET"  # the variable that points clients (and the cl
 Role = Literal["trainer", "engine", "admin"]
 Req = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 Version = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+MAX_WORLD = 1 << 16
+WorldSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_WORLD)]
+"""Ranks of one role in a job: far beyond any cluster's, small enough that the coordinator
+can list which are missing (a world of 2^40 once held its event loop for hours)."""
 
 
 class LocalMsg(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
@@ -32,7 +36,7 @@ class Hello(LocalMsg, frozen=True, tag="hello"):
     protocol: int
     role: Role
     rank: NonNeg = 0
-    world_size: Annotated[int, msgspec.Meta(ge=1)] = 1
+    world_size: WorldSize = 1
     job: Name = "default"
     pid: int = 0
     client: str = ""

@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from .local import EngineLayout, Verdict, Version
+from .local import EngineLayout, Verdict, Version, WorldSize
 from .plan import NodePlan
 from .regions import RegionDescriptor, TransportEndpoints
 from .tensors import DestTensor, NonNeg, SourceTensor
@@ -39,7 +39,7 @@ class RankAdvert(msgspec.Struct, frozen=True, kw_only=True):
 
     role: Literal["trainer", "engine"]
     rank: NonNeg
-    world_size: int
+    world_size: WorldSize
     sources: tuple[SourceTensor, ...] = ()
     destinations: tuple[DestTensor, ...] = ()
     layout: EngineLayout | None = None

@@ -502,3 +502,29 @@ def test_a_flood_of_unasked_applied_answers_logs_a_line_a_while(cluster: LocalCl
         tr.close()
         eng.close()
     healthy_sync(cluster, "after-applied-flood")
+
+
+def test_a_world_too_large_to_list_is_refused_and_the_coordinator_serves_on(
+    cluster: LocalCluster,
+) -> None:
+    """A trainer rank saying hello with a world of 2^40 ranks, on the host that does not
+    coordinate: once it declared a tensor, the coordinator listed the 2^40 - 1 ranks still
+    missing and answered nothing again (its status and every rank timed out, SIGKILL to
+    stop it). A world is at most 2^16 ranks: the hello is refused, naming the field; a
+    world of 2^16 that lacks all but one rank is named briefly, and a job syncs bitwise."""
+    with pytest.raises(WeightwireError) as err:
+        Trainer(0, 1 << 40, socket=cluster.daemons[1].socket, job="huge-world", timeout_s=5)
+    assert err.value.code is ErrorCode.INVALID and "world_size" in err.value.message
+    tr = Trainer(0, 1 << 16, socket=cluster.daemons[1].socket, job="wide-world", timeout_s=5)
+    try:
+        tr.register({"w": torch.zeros(4)})
+        with pytest.raises(PlanError):
+            tr.prepare(timeout_s=2)
+        t0 = time.monotonic()
+        jobs = fetch(cluster.daemons[0].socket)["coordination"]["jobs"]
+        assert time.monotonic() - t0 < 5
+        missing = jobs["wide-world"]["missing"]
+        assert missing and "(65535 ranks)" in missing[0] and len(str(missing)) < 1000, missing
+    finally:
+        tr.close()
+    healthy_sync(cluster, "after-huge-world")
