@@ -9,14 +9,15 @@ connections opened at a daemon with 20 descriptors to spare were enough.
 So the daemon raises its soft limit to the hard one at start (as systemd's unit does with
 LimitNOFILE), and `DescriptorGuard`, a thread of its own, watches the local ROUTER: every
 connection it accepts (a ZeroMQ monitor event naming the descriptor, the lowest one free)
-and, four times a second, the descriptors in use. When fewer than `headroom` are left it
-renames the socket file aside (NAME.full), so that no new connection reaches the listener,
-and renames it back once fewer are in use (`thresholds`). Sessions already open go on; a
-rank that connects meanwhile hears `busy` (the name set aside says why), and a ZeroMQ
-reconnect is retried until the name is back. Unbinding would not do: libzmq closes every
-connection a listener accepted with it. A thread, not the event loop: a burst of
-connections is accepted in libzmq's own thread within milliseconds, and the rename (a
-syscall, no ZeroMQ call) is made as soon as the monitor says.
+and, four times a second, the lowest free descriptor (where the next accept would land).
+When fewer than `headroom` are left above it, it renames the socket file aside
+(NAME.full), so that no new connection reaches the listener, and renames it back once
+enough are free (`thresholds`). Sessions already open go on; a rank that connects
+meanwhile hears `busy` (the name set aside says why), and a ZeroMQ reconnect is retried
+until the name is back. Unbinding would not do: libzmq closes every connection a listener
+accepted with it. A thread, not the event loop: a burst of connections is accepted in
+libzmq's own thread within milliseconds, and the rename (a syscall, no ZeroMQ call) is
+made as soon as the monitor says.
 """
 
 from __future__ import annotations
@@ -60,12 +61,15 @@ def limit() -> int:
 
 
 def in_use() -> int | None:
-    """Descriptors open in this process; None when they cannot be counted (no /proc, or
-    no descriptor left to list them with)."""
+    """The lowest free descriptor: every one below it is in use, and it is the one the
+    next accepted connection gets (the kernel gives the lowest free one). One open and
+    close, whatever the number open; None when none is free."""
     try:
-        return len(os.listdir("/proc/self/fd")) - 1  # less the one listing them
+        fd = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
+    os.close(fd)
+    return fd
 
 
 def headroom(lim: int, base: int) -> int:
@@ -100,18 +104,20 @@ class DescriptorGuard:
         self._limit = limit_of
         self._used = used
         self._say = say or (lambda method, event, **kw: method(event, **kw))
-        self.base = used() or 0  # in use as the daemon starts serving
+        self.base = used() or 0  # in use (below the lowest free) as the daemon starts
         self.paused = False
         self.pauses = 0
         self.stop = threading.Event()
 
     def check(self, used: int | None = None) -> None:
-        """Pause or resume by `used` descriptors (counted now when not given)."""
+        """Pause or resume by `used`: the lowest free descriptor (found now when not given;
+        a hole below the ones in use lets connections in again, and the next accept that
+        lands past the mark pauses again)."""
         lim = self._limit()
         pause, resume = thresholds(lim, self.base)
         if used is None:
             counted = self._used()
-            used = lim if counted is None else counted  # uncountable: take it as full
+            used = lim if counted is None else counted  # none free: full
         if not self.paused and used >= pause:
             try:
                 os.rename(self.path, self.aside)
