@@ -30,6 +30,9 @@ class Completions:
     apply_bucket: ApplyBucket | None = None
     ranks: dict[tuple[str, int], RankCompletion] = field(default_factory=dict)
     by_slot: dict[int, RankCompletion] = field(default_factory=dict)
+    # ranks a plan left out (an elastic replica dropped while one of its ranks restarts):
+    # their history and the waits under way, taken up when a plan has them again
+    left: dict[tuple[str, int], RankCompletion] = field(default_factory=dict)
     _refused: Throttled = field(default_factory=Throttled)  # a peer can send them in a loop
 
     def install(self, job: str, plan_hash: str, expects: tuple[Expect, ...]) -> None:
@@ -37,7 +40,7 @@ class Completions:
         whole = plan_hash
         for e in expects:
             plan_hash = e.plan_hash or whole  # elastic: the replica's own plan
-            old = self.ranks.get((job, e.rank))
+            old = self.ranks.get((job, e.rank)) or self.left.pop((job, e.rank), None)
             if old is not None and old.plan_hash == plan_hash:
                 fresh[(job, e.rank)] = old
                 continue
@@ -61,6 +64,7 @@ class Completions:
         for key, old in self.ranks.items():
             if key[0] == job and key not in fresh:
                 old.fail_in_progress(ErrorCode.PLAN_CHANGED, "the rank left the plan")
+                self.left[key] = old  # a wait under way ends when the rank is back, or times out
         self.ranks = {k: v for k, v in self.ranks.items() if k[0] != job} | fresh
         self.by_slot = {rc.expect.slot: rc for rc in self.ranks.values()}
 
@@ -70,6 +74,8 @@ class Completions:
         for key in [k for k in self.ranks if k[0] == job]:
             self.ranks[key].fail_in_progress(code, reason)
             self.ranks[key].end_waits(code, reason)
+        for key in [k for k in self.left if k[0] == job]:
+            self.left.pop(key).end_waits(code, reason)
         self.ranks = {k: v for k, v in self.ranks.items() if k[0] != job}
         self.by_slot = {rc.expect.slot: rc for rc in self.ranks.values()}
 
