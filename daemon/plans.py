@@ -173,7 +173,7 @@ class PlanBook:
         self.problems[job] = err
         self._completions.drop_job(job, err.message, err.code)
         self.grant_writers()
-        self._users.use_plan(job, None, err.message, err.code)
+        self._users.plan_problem(job, err)
         for fut in self._waiters.pop(job, []):
             if not fut.done():
                 fut.set_exception(err)

@@ -141,22 +141,20 @@ class Publishing:
                 pub.set_plan(rp)
         return pub
 
-    def use_plan(
-        self,
-        job: str,
-        plan: NodePlan | None,
-        reason: str = "",
-        code: ErrorCode = ErrorCode.PEER_LOST,
-    ) -> None:
-        """`plan` None: withdrawn, a version in flight fails with `code` (PEER_LOST: a node
-        it involves was lost; a plan problem's own code)."""
+    def use_plan(self, job: str, plan: NodePlan | None, reason: str = "") -> None:
         if plan is None:
             for pub in self._of_job(job):
-                pub.set_plan(None, reason, code)
+                pub.set_plan(None, reason, ErrorCode.PEER_LOST)
             return
         for rp in plan.sends:
             if (mine := self.publishers.get((job, rp.rank))) is not None:
                 mine.set_plan(rp)
+
+    def plan_problem(self, job: str, err: WeightwireError) -> None:
+        """The job cannot be planned: its ranks' plan goes, a version in flight fails with
+        the problem; their next version asks for a plan and hears it."""
+        for pub in self._of_job(job):
+            pub.set_plan(None, err.message, err.code)
 
     def _of_job(self, job: str) -> list[Publisher]:
         return [pub for (j, _), pub in self.publishers.items() if j == job]

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Coroutine
 from typing import Any, Protocol
 
-from weightwire.protocol.errors import ErrorCode
+from weightwire.protocol.errors import WeightwireError
 from weightwire.protocol.local import LocalMsg
 from weightwire.protocol.peer import PeerMessage, PeerMsg
 from weightwire.protocol.plan import NodePlan
@@ -54,13 +54,10 @@ class PickTransport(Protocol):
 class PlanUser(Protocol):
     """Told when a job's plan changes (installed, or withdrawn: `plan` None)."""
 
-    def use_plan(
-        self,
-        job: str,
-        plan: NodePlan | None,
-        reason: str = "",
-        code: ErrorCode = ErrorCode.PEER_LOST,
-    ) -> None: ...
+    def use_plan(self, job: str, plan: NodePlan | None, reason: str = "") -> None: ...
+
+    def plan_problem(self, job: str, err: WeightwireError) -> None:
+        """The coordinator cannot plan the job: its plan is gone, for that reason."""
 
 
 class Authorize(Protocol):

@@ -16,6 +16,7 @@ from weightwire.client.connection import DaemonConnection
 from weightwire.client.status import fetch
 from weightwire.harness.localcluster import LocalCluster
 from weightwire.protocol import PROTOCOL_VERSION
+from weightwire.protocol import local as local_msgs
 from weightwire.protocol.errors import (
     ErrorCode,
     PlanError,
@@ -27,7 +28,6 @@ from weightwire.protocol.errors import (
 from weightwire.protocol.frames import Codec
 from weightwire.protocol.local import (
     AbortVersion,
-    Applied,
     BeginVersion,
     BucketReady,
     DeclareDestinations,
@@ -490,7 +490,7 @@ def test_a_flood_of_unasked_applied_answers_logs_a_line_a_while(cluster: LocalCl
         d = cluster.daemons[1]
         lines = len(d.log_path.read_text().splitlines())
         for version in range(5000):
-            eng._conn.send(Applied(rank=0, version=version, ok=True))
+            eng._conn.send(local_msgs.Applied(rank=0, version=version, ok=True))
         eng._conn.request(Ping())  # after every Applied: each was handled
         stray = [
             line

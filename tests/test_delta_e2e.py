@@ -49,6 +49,15 @@ def step(w: dict[str, torch.Tensor], density: float, seed: int) -> None:
         flat[mask] = (flat[mask].float() + 0.01).to(t.dtype)
 
 
+def kill_and_restart(c: LocalCluster, host: int) -> None:
+    """SIGKILL a host's daemon and start it again, under its name, joined once more."""
+    old = c.daemons[host]
+    old.proc.send_signal(signal.SIGKILL)
+    old.proc.wait(10)
+    c.start_daemon(host, node=old.node, coordinator_endpoint=c.daemons[0].endpoint)
+    c.wait_joined()
+
+
 def bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return all(torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)) for n in a)
 
@@ -320,11 +329,7 @@ def test_restarted_engine_daemon_gets_dense() -> None:
             step(p.w, 0.02, 1)
             assert p.tr.publish(1).delta_bytes > 4096
             p.eng.wait(1)
-            old = c.daemons[1]
-            old.proc.send_signal(signal.SIGKILL)
-            old.proc.wait(10)
-            c.start_daemon(1, node=old.node, coordinator_endpoint=c.daemons[0].endpoint)
-            c.wait_joined()
+            kill_and_restart(c, 1)
             step(p.w, 0.02, 2)
             for attempt in range(40):  # until the engine re-registered and the plan is new
                 try:

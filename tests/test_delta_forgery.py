@@ -30,7 +30,7 @@ from weightwire.harness.localcluster import LocalCluster
 from weightwire.protocol.errors import ErrorCode, WeightwireError
 from weightwire.protocol.peer import BucketLanded, LandedPart, PeerMsg
 
-from .conftest import FAST, NETNS, NETNS_WHY
+from .conftest import FAST, NETNS, NETNS_WHY, serve
 
 pytestmark = pytest.mark.skipif(not NETNS, reason=f"needs namespaces: {NETNS_WHY}")
 HERE = Path(__file__).parent
@@ -40,11 +40,7 @@ N = 64 << 10  # float32 elements of the one tensor
 @pytest.fixture(scope="module")
 def hosts() -> Iterator[LocalCluster]:
     """host0 (coordinator) runs the trainer, host1 the engine."""
-    c = LocalCluster(hosts=2, use_netns=True, extra=FAST)
-    c.start()
-    c.wait_joined()
-    yield c
-    assert c.stop() == [0, 0], f"logs in {c.workdir}"
+    yield from serve(LocalCluster(hosts=2, use_netns=True, extra=FAST))
 
 
 def forge(c: LocalCluster, msgs: list[PeerMsg]) -> None:

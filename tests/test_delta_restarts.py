@@ -6,7 +6,6 @@ version that completes is bitwise; once the trainer publishes again, deltas resu
 
 from __future__ import annotations
 
-import signal
 import time
 from collections.abc import Iterator
 
@@ -14,11 +13,12 @@ import pytest
 import torch
 
 from weightwire.client import Engine, Trainer
+from weightwire.client.posting import PublishStats
 from weightwire.harness.localcluster import LocalCluster
 from weightwire.protocol.errors import WeightwireError
 
 from .conftest import FAST, NETNS, NETNS_WHY
-from .test_delta_e2e import SMALL, Pair, _jobs, bitwise, step, weights
+from .test_delta_e2e import SMALL, Pair, _jobs, bitwise, kill_and_restart, step, weights
 
 pytestmark = pytest.mark.skipif(not NETNS, reason=f"needs namespaces: {NETNS_WHY}")
 
@@ -52,7 +52,7 @@ class Moved(Pair):
         self.tr.prepare()
 
 
-def publish_until(tr: Trainer, first: int, tries: int = 60) -> tuple[int, object]:
+def publish_until(tr: Trainer, first: int, tries: int = 60) -> tuple[int, PublishStats]:
     for attempt in range(tries):
         try:
             return first + attempt, tr.publish(first + attempt)
@@ -61,54 +61,45 @@ def publish_until(tr: Trainer, first: int, tries: int = 60) -> tuple[int, object
     raise AssertionError("never published again")
 
 
+def dense_then_delta(p: Moved) -> None:
+    p.tr.publish(0)
+    p.eng.wait(0)
+    step(p.w, 0.02, 1)
+    assert p.tr.publish(1).delta_bytes > 4096
+    p.eng.wait(1)
+    assert bitwise(p.dst, p.w)
+    step(p.w, 0.02, 2)
+
+
+def deltas_resume(p: Moved) -> None:
+    """Published again (once the trainer is planned anew), bitwise; then a delta."""
+    v, _ = publish_until(p.tr, 2)
+    p.eng.wait(v)
+    assert bitwise(p.dst, p.w)
+    step(p.w, 0.02, 3)
+    stats = p.tr.publish(v + 1)
+    p.eng.wait(v + 1)
+    assert bitwise(p.dst, p.w)
+    assert stats.delta_bytes > 4096, stats
+
+
 def test_trainer_daemon_restarted_between_delta_versions(three: LocalCluster) -> None:
-    c = three
-    p = Moved(c)
+    p = Moved(three)
     try:
-        p.tr.publish(0)
-        p.eng.wait(0)
-        step(p.w, 0.02, 1)
-        assert p.tr.publish(1).delta_bytes > 4096  # type: ignore[attr-defined]
-        p.eng.wait(1)
-        assert bitwise(p.dst, p.w)
-        old = c.daemons[1]
-        old.proc.send_signal(signal.SIGKILL)
-        old.proc.wait(10)
-        c.start_daemon(1, node=old.node, coordinator_endpoint=c.daemons[0].endpoint)
-        c.wait_joined()
-        step(p.w, 0.02, 2)
-        v, _ = publish_until(p.tr, 2)
-        p.eng.wait(v)
-        assert bitwise(p.dst, p.w)
-        step(p.w, 0.02, 3)
-        stats = p.tr.publish(v + 1)
-        p.eng.wait(v + 1)
-        assert bitwise(p.dst, p.w)
-        assert stats.delta_bytes > 4096, stats
+        dense_then_delta(p)
+        kill_and_restart(three, 1)
+        deltas_resume(p)
     finally:
         p.close()
 
 
 def test_trainer_process_replaced_between_delta_versions(three: LocalCluster) -> None:
-    c = three
-    p = Moved(c)
+    p = Moved(three)
     try:
-        p.tr.publish(0)
-        p.eng.wait(0)
-        step(p.w, 0.02, 1)
-        p.tr.publish(1)
-        p.eng.wait(1)
+        dense_then_delta(p)
         p.tr.close()
-        step(p.w, 0.02, 2)
-        p.tr = Trainer(0, 1, socket=c.daemons[1].socket, job=p.job, timeout_s=30, delta="auto")
+        p.tr = Trainer(0, 1, socket=three.daemons[1].socket, job=p.job, timeout_s=30, delta="auto")
         p.tr.register(p.w)
-        v, stats = publish_until(p.tr, 2)
-        p.eng.wait(v)
-        assert bitwise(p.dst, p.w)
-        step(p.w, 0.02, 3)
-        stats = p.tr.publish(v + 1)
-        p.eng.wait(v + 1)
-        assert bitwise(p.dst, p.w)
-        assert stats.delta_bytes > 4096, stats
+        deltas_resume(p)
     finally:
         p.close()

@@ -29,17 +29,28 @@ def dtype_model() -> dict[str, torch.Tensor]:
     }
 
 
+def ranks(
+    c: LocalCluster,
+    job: str,
+    delta: str,
+    src: dict[str, torch.Tensor],
+    dst: dict[str, torch.Tensor],
+) -> tuple[Trainer, Engine]:
+    """A trainer rank on host0 and an engine rank on host1 (a delta area when `delta`)."""
+    area = {"delta_area": 0.5} if delta != "off" else {}
+    eng = Engine(0, 1, socket=c.daemons[1].socket, job=job, timeout_s=30, **area)
+    tr = Trainer(0, 1, socket=c.daemons[0].socket, job=job, timeout_s=30, delta=delta)
+    tr.register(src)
+    eng.register(dst)
+    return tr, eng
+
+
 @pytest.mark.parametrize("delta", ["off", "on"])
 def test_every_dtype_dense_and_delta(cluster: LocalCluster, delta: str) -> None:
     src = dtype_model()
     dst = {n: torch.zeros_like(t) for n, t in src.items()}
-    job = f"dtypes-{delta}"
-    kw = {"delta_area": 0.5} if delta != "off" else {}
-    eng = Engine(0, 1, socket=cluster.daemons[1].socket, job=job, timeout_s=30, **kw)
-    tr = Trainer(0, 1, socket=cluster.daemons[0].socket, job=job, timeout_s=30, delta=delta)
+    tr, eng = ranks(cluster, f"dtypes-{delta}", delta, src, dst)
     try:
-        tr.register(src)
-        eng.register(dst)
         dense = 0
         for version in range(4):
             if version:
@@ -66,13 +77,8 @@ def test_tied_and_overlapping_tensors(cluster: LocalCluster, delta: str) -> None
     src = {"a": w, "b": w, "o1": base[0:24].view(6, 4), "o2": base[16:40].view(6, 4)}
     tied = torch.zeros(6, 4)  # the engine's a and b are one tensor too
     dst = {"a": tied, "b": tied, "o1": torch.zeros(6, 4), "o2": torch.zeros(6, 4)}
-    job = f"tied-{delta}"
-    kw = {"delta_area": 0.5} if delta != "off" else {}
-    eng = Engine(0, 1, socket=cluster.daemons[1].socket, job=job, timeout_s=30, **kw)
-    tr = Trainer(0, 1, socket=cluster.daemons[0].socket, job=job, timeout_s=30, delta=delta)
+    tr, eng = ranks(cluster, f"tied-{delta}", delta, src, dst)
     try:
-        tr.register(src)
-        eng.register(dst)
         for version in range(3):
             w.add_(1)
             base[version * 7 + 17] += 100  # in both views
