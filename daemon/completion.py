@@ -43,6 +43,11 @@ Fence = Callable[[tuple[str, ...], str], Awaitable[None]]
 
 HISTORY = 64
 _stray = Throttled()  # `Applied` answers nobody asked for, logged once per interval
+_stale = Throttled()  # starts of versions older than the last complete, likewise
+
+
+def _now(method: Callable[..., None], event: str, **fields: object) -> None:
+    method(event, **fields)
 
 
 @dataclass
@@ -115,12 +120,19 @@ class RankCompletion:
         if version in self.failed or self._completed(version):
             return  # another source of a version already settled here
         if version < self.last_complete:
-            # it never completed here and never will: the rank hears that it failed
+            # It never completed here and never will: it fails, for any wait, and its source
+            # is fenced (it would write a stale version: stop it, not the others). The rank
+            # hears it if some of its writes landed here; of a version it never saw a byte
+            # of (a stale start, or a forged one: a source can send these in a loop) it is
+            # not told, and the line is logged once per interval.
+            st = self.current.get(low)
+            seen = st is not None and st.version in (None, version)
             self._fail(
                 version,
                 ErrorCode.ABORTED,
                 f"superseded by version {self.last_complete}",
-                fence=(source,),  # it would write a stale version: stop it, not the others
+                fence=(source,),
+                quiet=not seen,
             )
             return
         if self.dead_lows.get(low) is not None and self.dead_lows[low] != version:
@@ -250,9 +262,16 @@ class RankCompletion:
         self._fail(version, code, message, fence=fence)
 
     def _fail(
-        self, version: int, code: ErrorCode, message: str, *, fence: tuple[str, ...] | None = None
+        self,
+        version: int,
+        code: ErrorCode,
+        message: str,
+        *,
+        fence: tuple[str, ...] | None = None,
+        quiet: bool = False,
     ) -> None:
-        """Reported only once the nodes in `fence` (None: every source) are fenced."""
+        """Reported only once the nodes in `fence` (None: every source) are fenced; `quiet`:
+        not to the rank's sessions, and logged once per interval."""
         low = version_low(version)
         st = self.current.get(low)
         if st is not None and st.version in (None, version):
@@ -262,8 +281,13 @@ class RankCompletion:
         self.failed[version] = msg
         while len(self.failed) > HISTORY:
             self.failed.pop(next(iter(self.failed)))
-        log.warning(
-            "version failed", rank=self.rank, version=version, code=code.value, error=message
+        (_stale.emit if quiet else _now)(
+            log.warning,
+            "version failed",
+            rank=self.rank,
+            version=version,
+            code=code.value,
+            error=message,
         )
         if self.metrics is not None:
             sources = dict.fromkeys(self.expect.sources, 0)
@@ -280,19 +304,23 @@ class RankCompletion:
                 if not fut.done():
                     fut.set_exception(error_from_code(code.value, message))
 
-        self._report(msg, settle, self.expect.sources if fence is None else fence)
+        fenced = self.expect.sources if fence is None else fence
+        self._report(msg, settle, fenced, tell=not quiet)
 
     def _report(
         self,
         msg: VersionComplete | VersionFailed,
         settle: Callable[[], None],
         fence: tuple[str, ...],
+        *,
+        tell: bool = True,
     ) -> None:
-        """Tell the engine's sessions and waiters, once the nodes in `fence` are fenced
-        and after any report of this rank still being made."""
+        """Tell the engine's sessions (`tell`) and waiters, once the nodes in `fence` are
+        fenced and after any report of this rank still being made."""
         before = self._reports
         if (before is None or before.done()) and (not fence or self.fence is None):
-            self.notify(self.job, self.rank, msg)
+            if tell:
+                self.notify(self.job, self.rank, msg)
             settle()
             return
 
@@ -305,7 +333,8 @@ class RankCompletion:
                     await self.fence(fence, reason)
                 except Exception as exc:  # the fence logs what it could not do; report anyway
                     log.error("fence failed", rank=self.rank, version=msg.version, error=repr(exc))
-            self.notify(self.job, self.rank, msg)
+            if tell:
+                self.notify(self.job, self.rank, msg)
             settle()
 
         self._reports = asyncio.get_running_loop().create_task(report())

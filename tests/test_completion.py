@@ -95,3 +95,17 @@ def test_a_failed_verification_is_reported_at_once_without_a_fence() -> None:
     rc.on_applied(3, False, ErrorCode.CHECKSUM.value, "xxh3 differs")
     assert verdicts == [(3, False, "checksum")] and fenced == []
     assert [(type(m).__name__, m.version) for m in told] == [("VersionFailed", 3)]
+
+
+def test_a_start_of_a_version_never_seen_here_is_not_told_to_the_rank() -> None:
+    """No byte of version 3 came; its start arrives after version 8 completed (stale, or
+    forged in a loop): it fails for any wait, but the rank is not told of a version it
+    never saw."""
+    rc, told = rank()
+    rc.on_start(8, "a")
+    rc.on_imm(version_low(8))
+    rc.on_imm(version_low(8))
+    for _ in range(3):
+        rc.on_start(3, "a")
+    assert [(type(m).__name__, m.version) for m in told] == [("VersionComplete", 8)]
+    assert rc.failed[3].code == ErrorCode.ABORTED.value

@@ -31,6 +31,7 @@ from weightwire.protocol.peer import (
     PeerHello,
     PeerMsg,
     VersionAbort,
+    VersionStart,
     VersionVerdict,
 )
 
@@ -298,3 +299,34 @@ def test_a_verdict_under_another_nodes_name_is_refused(hosts: LocalCluster) -> N
     finally:
         tr.close()
         eng.close()
+
+
+def test_a_flood_of_stale_version_starts_is_one_line_a_while(hosts: LocalCluster) -> None:
+    """The trainer's node (a planned source of the engine rank, its own key and name) sends
+    the engine's node 2000 VersionStart of versions older than the last one complete there:
+    each fails a version the rank never began and fences its source, as a late start
+    should, but each was also a warning line; now one per interval. The rank is told of
+    none of them, and the next version lands bitwise."""
+    job = "stale-starts"
+    tr, eng, dst = pair(hosts, job)
+    tr.publish(3000, {"w": weights(1)})
+    eng.wait(3000)
+    heard: list[object] = []
+    eng.on_version(heard.append)
+    d = hosts.daemons[2]
+    lines = len(d.log_path.read_text().splitlines())
+    starts = [
+        VersionStart(job=job, version=v, source_node="host1", source_rank=0) for v in range(2000)
+    ]
+    proc = insider(hosts, key="host1", victim=2, claim="host1", msgs=starts, hold_s=1.0)
+    assert proc.wait(30) == 0
+    failed = [
+        line for line in d.log_path.read_text().splitlines()[lines:] if "version failed" in line
+    ]
+    assert 1 <= len(failed) <= 3, len(failed)
+    tr.publish(3001, {"w": weights(2)})
+    eng.wait(3001)
+    assert torch.equal(dst, weights(2))
+    assert [getattr(h, "version", None) for h in heard] == [3001], heard[:5]
+    tr.close()
+    eng.close()
