@@ -45,12 +45,21 @@ class RankClient:
             replica_size=replica_size,
         )
         self._conn = DaemonConnection(
-            socket, on_notify=self._on_notify, on_reset=self._replay, on_lost=self._lost
+            socket,
+            on_notify=self._on_notify,
+            on_reset=self._replay,
+            on_lost=self._lost,
+            inline=self._on_notify_inline,
         )
         self._conn.request(self._hello)
 
     def _on_notify(self, msg: LocalMessage) -> None:
         """A notification from the daemon (version landed, publish result)."""
+
+    def _on_notify_inline(self, msg: LocalMessage) -> bool:
+        """A notification taken on the connection's thread as it is read (True), one thread
+        hop sooner than `_on_notify`: only what is quick and never blocks."""
+        return False
 
     def _replay(self) -> None:
         """The daemon restarted and forgot this rank: register everything again."""

@@ -80,3 +80,52 @@ def test_a_silent_daemon_times_the_request_out_and_the_connection_recovers(
         finally:
             os.kill(pid, signal.SIGCONT)
         assert isinstance(conn.request(Ping(), timeout_s=10), Pong)
+
+
+@pytest.mark.parametrize("inline_fails", [False, True])
+def test_trainer_notifications_are_taken_on_the_connections_thread(
+    one: LocalCluster, inline_fails: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trainer's notifications (landings, its version's result) are taken on the
+    connection's own thread as they are read, not handed to the delivery thread; one whose
+    inline handling raises goes to the delivery thread instead, and the publish still
+    returns, bitwise."""
+    import torch
+
+    from weightwire.client import Engine, Trainer
+
+    inline: list[str] = []
+    delivered: list[str] = []
+    take, deliver = Trainer._on_notify_inline, Trainer._on_notify
+
+    def taken(self, msg):  # type: ignore[no-untyped-def]
+        inline.append(threading.current_thread().name)
+        if inline_fails:
+            raise RuntimeError("inline handling failed")
+        return take(self, msg)
+
+    def handed(self, msg):  # type: ignore[no-untyped-def]
+        delivered.append(threading.current_thread().name)
+        deliver(self, msg)
+
+    monkeypatch.setattr(Trainer, "_on_notify_inline", taken)
+    monkeypatch.setattr(Trainer, "_on_notify", handed)
+    sock = one.daemons[0].socket
+    job = f"inline{int(inline_fails)}"
+    w = torch.arange(256 * 64, dtype=torch.float32).view(256, 64)
+    got = {"w": torch.zeros_like(w)}
+    with Engine(0, 1, socket=sock, job=job, timeout_s=30) as eng:
+        eng.register(got)
+        with Trainer(0, 1, socket=sock, job=job, timeout_s=30) as tr:
+            tr.register({"w": w})
+            tr.prepare()
+            for version in range(2):
+                w.add_(1)
+                tr.publish(version)
+                eng.wait(version)
+                assert torch.equal(got["w"], w)
+    assert inline and set(inline) == {"ww-conn"}, inline
+    if inline_fails:
+        assert delivered and set(delivered) == {"ww-notify"}, delivered
+    else:
+        assert not delivered, delivered
