@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -231,6 +232,17 @@ class Engine(RankClient):
         sources: Mapping[str, Source],
         layout: EngineLayout | None,
     ) -> list[DestTensor]:
+        for name, t in tensors.items():
+            whole, mine = t.untyped_storage().nbytes(), t.numel() * t.element_size()
+            if whole > mine:
+                warnings.warn(
+                    f"host tensor {name} is {mine} bytes of a {whole}-byte buffer: it moves "
+                    "into shared memory on its own, so whatever else reads that buffer (the "
+                    "tensor it was cut from, another view of it) will not see new versions; "
+                    "register the whole buffer instead",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
         offsets, end = aligned(t.numel() * t.element_size() for t in tensors.values())
         placed = [(name, t, off) for (name, t), off in zip(tensors.items(), offsets, strict=True)]
         with self._conn.region_file(end, f"engine-r{self.rank}") as shared:

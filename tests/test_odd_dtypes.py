@@ -90,3 +90,29 @@ def test_tied_and_overlapping_tensors(cluster: LocalCluster, delta: str) -> None
     finally:
         tr.close()
         eng.close()
+
+
+def test_a_host_view_of_a_larger_buffer_warns_and_lands(cluster: LocalCluster) -> None:
+    """An engine's host tensor that is part of a larger buffer moves into shared memory on
+    its own (the buffer's other readers stop seeing it): registering it warns, naming the
+    tensor, and the view itself still receives every version bitwise; a whole tensor
+    registers without a warning."""
+    w = torch.randn(6, 4)
+    fused = torch.zeros(12, 4)
+    dst = {"q": fused[:6], "k": torch.zeros(6, 4)}
+    eng = Engine(0, 1, socket=cluster.daemons[1].socket, job="hostview", timeout_s=30)
+    tr = Trainer(0, 1, socket=cluster.daemons[0].socket, job="hostview", timeout_s=30)
+    try:
+        tr.register({"q": w, "k": w})
+        with pytest.warns(RuntimeWarning, match=r"host tensor q is 96 bytes of a 192-byte") as rec:
+            eng.register(dst)
+        assert not any("host tensor k" in str(r.message) for r in rec)
+        for version in range(2):
+            w.add_(1)
+            tr.publish(version)
+            eng.wait(version, timeout_s=30)
+            assert torch.equal(dst["q"], w) and torch.equal(dst["k"], w)
+        assert not torch.equal(fused[:6], w)  # what the warning says
+    finally:
+        tr.close()
+        eng.close()
