@@ -298,7 +298,13 @@ class BucketPack:
                     if src.dim() != 2 or not src.is_floating_point():
                         self.rest.append(op)  # quantize_blocks names what is wrong with it
                         continue
+                    quant = isinstance(op.transform, Fp8BlockQuant)
                     at = fp8_at.get((op.source, op.box, block))
+                    if (
+                        at is not None
+                        and (at[0].codes if quant else at[0].scales)[at[1]] is not None
+                    ):
+                        at = None  # the box again, to another destination: an entry of its own
                     if at is None:
                         group = fp8.setdefault(
                             (block, src.dtype, tuple(src.shape)), Fp8Group(block)
@@ -308,7 +314,7 @@ class BucketPack:
                         group.scales.append(None)
                         at = fp8_at[(op.source, op.box, block)] = (group, len(group.srcs) - 1)
                     group, i = at
-                    if isinstance(op.transform, Fp8BlockQuant):
+                    if quant:
                         group.codes[i] = out.view(torch.float8_e4m3fn).view(src.shape)
                     else:
                         tiles = (-(-src.shape[0] // block), -(-src.shape[1] // block))

@@ -168,6 +168,34 @@ def test_fp8_scales_are_hoisted_into_their_codes_bucket_bitwise(monkeypatch) -> 
     assert torch.equal(got, want[0])
 
 
+def test_a_replicated_fp8_tensor_in_place_reaches_every_rank_bitwise(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """One FP8 box written whole to two engine ranks: packed in place, its ops are packed
+    into each rank's region, so a bucket holds the same (source, box) twice for codes and
+    twice for scales. Each destination gets its bytes (the batch once kept only the last
+    destination of a box: one rank's codes and scales were never written)."""
+    rows, cols = 256, 384
+    gen = torch.Generator().manual_seed(7)
+    g = {"w": torch.randn(rows, cols, generator=gen).to(torch.bfloat16)}
+    ts = [trainer("T", 0, g, fsdp(0, 1, g))]
+    box = Box.rows((rows, cols), 0, rows)
+
+    def dests(r: int) -> list:  # type: ignore[type-arg]
+        return [
+            ("w_fp8", "float8_e4m3fn", (rows, cols),
+             (Piece(source="w", box=box, dst_offset=0, transform=Fp8BlockQuant()),)),
+            ("w_scale", "float32", (2, 3),
+             (Piece(source="w", box=box, dst_offset=0, transform=Fp8BlockScale()),)),
+        ]  # fmt: skip
+
+    es = [engine("E", r, dests(r)) for r in range(2)]
+    plans = plan("job", ts, es, PlanOptions())
+    want = execute(plans, ts, es, g)
+    got, (direct, staged) = _in_place(plans, ts, es, g, monkeypatch)
+    assert direct and not staged
+    for rank, region in want.items():
+        assert region.any() and torch.equal(got[rank], region), f"engine rank {rank}"
+
+
 def test_a_bucket_into_several_regions_is_packed_as_one_batch(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """A bucket written to three engine ranks' regions is one target (one BucketPack: one
     launch per kernel, one graph), spanning the regions; still bitwise."""
