@@ -12,7 +12,7 @@ import torch
 import xxhash
 from hypothesis import HealthCheck, given, settings
 
-from weightwire.client.delta import codec, scan
+from weightwire.client.delta import codec, scan, scankernel
 from weightwire.client.delta.codec import Kind
 
 
@@ -28,13 +28,18 @@ def _pair(nbytes: int, width: int, density: float, seed: int) -> tuple[np.ndarra
     return new, old
 
 
-@pytest.fixture(params=["compiled", "numpy"])
+@pytest.fixture(params=["vector", "scalar", "numpy"])
 def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "compiled":
-        if not scan.compiled():
-            pytest.skip("numba is not installed")
+    """The compiled loop with its vector step (where the CPU has it), its scalar step
+    alone, or numpy."""
+    if request.param == "numpy":
+        monkeypatch.setattr(scan, "_kernel", None)
+    elif not scan.compiled():
+        pytest.skip("numba is not installed")
+    elif request.param == "vector" and not scankernel.simd_available():
+        pytest.skip("no AVX-512 VBMI2 here")
     else:
-        monkeypatch.setattr(scan, "_words", None)
+        monkeypatch.setattr(scankernel, "SIMD", request.param == "vector")
     return str(request.param)
 
 
@@ -49,6 +54,7 @@ def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
     offset=st.integers(0, 3),
     chunk=st.sampled_from([64, 4096, 1 << 20]),
     seed=st.integers(0, 2**16),
+    base=st.sampled_from([5, 99, codec.BLOCK - 700, 3 * codec.BLOCK - 1]),
 )
 def test_scan_finds_every_change_and_moves_the_shadow(
     path: str,
@@ -58,7 +64,10 @@ def test_scan_finds_every_change_and_moves_the_shadow(
     offset: int,
     chunk: int,
     seed: int,
+    base: int,
 ) -> None:
+    """At element `base` of its payload's stream (some blocks cross one of its 65536-element
+    blocks), after 5 changes of other blocks, unaligned to 8 bytes, in chunks of any size."""
     new_buf, old_buf = _pair(elements * width + 8 * width, width, density, seed)
     # blocks start anywhere aligned to the element width, not only to 8 bytes
     lo = offset * width
@@ -69,17 +78,19 @@ def test_scan_finds_every_change_and_moves_the_shadow(
     pre_old = old_buf.copy()
     mp = pytest.MonkeyPatch()
     mp.setattr(scan, "CHUNK", chunk)
-    acc = scan.Changes(elements + 5, width, elements + 5)
-    acc.k = 5  # after another block's 5 changes, this block at element 5 of the stream
-    acc.pos[:5] = np.arange(5)
+    acc = scan.Changes(base + elements, width, elements + 5)
+    acc.append(np.arange(5, dtype=np.int64), np.full(5, 7, scan.NP_INT[width]))
     try:
-        assert scan.scan(new, old, acc, 5, h)
+        assert scan.scan(new, old, acc, base, h)
     finally:
         mp.undo()
-    assert np.array_equal(acc.positions[5:], want_np + 5)
+    assert acc.k == 5 + want_np.size
+    assert np.array_equal(acc.positions[5:], want_np + base)
     assert np.array_equal(acc.positions[:5], np.arange(5))
+    assert int(acc.counts.sum()) == acc.k
     el = new.view(scan.NP_INT[width]) if elements else np.zeros(0, scan.NP_INT[width])
     assert acc.values[5 * width :].tobytes() == el[want_np].tobytes()
+    assert acc.values[: 5 * width].tobytes() == np.full(5, 7, scan.NP_INT[width]).tobytes()
     assert np.array_equal(old, new)  # the shadow took every new byte
     assert np.array_equal(old_buf[:lo], pre_old[:lo])  # and nothing outside the block
     assert np.array_equal(old_buf[lo + elements * width :], pre_old[lo + elements * width :])

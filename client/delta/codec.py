@@ -240,6 +240,36 @@ def encode_body_into(
     dst[head:] = values
 
 
+def block_positions(counts: np.ndarray, low: np.ndarray) -> np.ndarray:
+    """Sorted int64 positions from BLOCK16's per-block counts and low 16 bits (trusted:
+    `decode` checks what it receives)."""
+    blocks = np.repeat(np.arange(counts.size, dtype=np.int64) << 16, counts.astype(np.int64))
+    if blocks.size != low.size:
+        raise ValueError(f"BLOCK16 counts add up to {blocks.size}, not {low.size}")
+    pos: np.ndarray = blocks | low
+    return pos
+
+
+def encode_blocks_into(
+    dst: np.ndarray, counts: np.ndarray, low: np.ndarray, values: np.ndarray, n: int, kind: Kind
+) -> None:
+    """`encode_body_into` for changes held in BLOCK16 form (per-block `counts`, at least
+    the stream's blocks, the rest zero; `low`: each change's low 16 position bits):
+    a BLOCK16 body is three copies; the others are built from the positions."""
+    if kind is not Kind.BLOCK16:
+        encode_body_into(dst, block_positions(counts, low), values, n, kind)
+        return
+    nblocks, k = -(-n // BLOCK), low.size
+    head = 4 * nblocks + 2 * k
+    if dst.size != head + values.size:
+        raise ValueError(f"a body of {dst.size} bytes for {head + values.size}")
+    if counts[nblocks:].any():
+        raise ValueError("BLOCK16 changes past the stream's end")
+    np.copyto(dst[: 4 * nblocks].view(np.uint32), counts[:nblocks])
+    np.copyto(dst[4 * nblocks : head].view(np.uint16), low)
+    dst[head:] = values
+
+
 def _decode_head_np(kind: Kind, body: np.ndarray, n: int, k: int) -> tuple[np.ndarray, int]:
     match kind:
         case Kind.POS32:

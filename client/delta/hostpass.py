@@ -77,9 +77,7 @@ class Job:
             self.give_up()
             return
         for _, pos, val in sorted(self.pieces, key=lambda p: p[0]):
-            acc.pos[acc.k : acc.k + pos.size] = pos
-            acc.val[acc.k : acc.k + pos.size] = val
-            acc.k += pos.size
+            acc.append(pos, val)
         self.pieces = []
 
 
@@ -185,7 +183,7 @@ def _scan_split(new: np.ndarray, old: np.ndarray, acc: scan.Changes, base: int, 
         return scan.scan(new, old, acc, base, feed)
     half = size // 2 // 8 * 8  # both halves keep the 8-byte word alignment
     room = acc.limit - acc.k
-    second = scan.Changes((size - half) // w, w, room)
+    second = scan.Changes((size - half) // w, w, room, blocks=acc.counts.size)
     later = _helper().submit(scan.scan, new[half:], old[half:], second, base + half // w, None)
     fits = scan.scan(new[:half], old[:half], acc, base, feed)  # hashed while in cache
     fits = later.result() and fits
@@ -194,9 +192,7 @@ def _scan_split(new: np.ndarray, old: np.ndarray, acc: scan.Changes, base: int, 
     if not fits or acc.k + second.k > acc.limit:
         acc.k = max(acc.k, acc.limit + 1)  # past the limit: the caller sees it go dense
         return False
-    acc.pos[acc.k : acc.k + second.k] = second.positions
-    acc.val[acc.k : acc.k + second.k] = second.val[: second.k]
-    acc.k += second.k
+    acc.extend(second, 0)  # positions in the same stream
     return True
 
 
@@ -213,8 +209,6 @@ def _take(job: Job, seg: scan.Changes, at: int, fits: bool, direct: bool) -> Non
     if not fits or acc.k + seg.k > acc.limit:
         job.give_up()
     elif direct:
-        acc.pos[acc.k : acc.k + seg.k] = seg.positions + at
-        acc.val[acc.k : acc.k + seg.k] = seg.val[: seg.k]
-        acc.k += seg.k
+        acc.extend(seg, at)
     else:
         job.pieces.append((at, seg.positions + at, seg.val[: seg.k]))

@@ -3,125 +3,100 @@
 The sender's CPU hot path. For each block of a bucket (new bytes in staging, the bytes
 last sent in the shadow) `scan` reads both once, in chunks that stay in cache, and:
 
-- finds the elements whose bytes differ, comparing 8-byte words first and only the
-  words that differ element by element (bitwise: integers, never floats);
-- writes only those words into the shadow (the stream is read once and written rarely);
+- finds the elements whose bytes differ (bitwise: integers, never floats) and keeps them
+  in the form a BLOCK16 body sends (`Changes`: per 65536-element block of the payload's
+  stream a count, each change's low 16 position bits, its value);
+- leaves the shadow equal to the new bytes;
 - feeds the new bytes to the range's xxh3 while the chunk is in cache;
 - stops collecting once the changes exceed `limit` (the bucket will go dense), copying
   the rest into the shadow.
 
-With numba installed the compare is one compiled loop over words (no temporaries
-proportional to the stream); without it, numpy in chunks (several times slower at a few
+With numba installed the compare is one compiled loop (`scankernel`: vector compress
+where the CPU has it); without it, numpy in chunks (several times slower at a few
 percent density: `np.flatnonzero` dominates).
 """
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import numpy as np
 
-try:  # optional: the compiled word loop (pip install numba)
-    import numba
-except ImportError:  # pragma: no cover - exercised where numba is absent
-    numba = None  # type: ignore[assignment]
+from . import scankernel
+from .codec import BLOCK, block_positions
 
 CHUNK = 1 << 20  # bytes per step: both streams' chunks stay in L2 while hashed and compared
 NP_INT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 PROJECT_MARGIN = 1.25  # a block whose first eighth or more projects this far past the limit
 SAMPLE_BYTES = 4096
 SAMPLES_PER_BLOCK = 16
-_local = threading.local()
+_kernel = scankernel.run if scankernel.compiled() else None
 
 
 class Changes:
-    """Changes found so far for one payload (across its blocks): element positions in its
-    stream (sorted, int64) and their new values, with room for `limit` of them (and the
-    spare entries the word loop writes past it)."""
+    """Changes found so far for one payload (across its blocks), sorted by position, in
+    BLOCK16 form: `counts` per block of BLOCK elements of the stream (`blocks` of them),
+    each change's low 16 position bits (`low`) and value (`val`); room for `limit` of
+    them (of at most `elements`) and the spare entries the compare loop writes past it.
+    `k` past `limit` means they did not fit (what is kept then is not all of them)."""
 
-    def __init__(self, elements: int, width: int, limit: int) -> None:
-        room = max(0, min(limit, elements)) + 9
+    def __init__(self, elements: int, width: int, limit: int, blocks: int | None = None) -> None:
+        room = max(0, min(limit, elements)) + scankernel.SPARE
         self.width, self.limit, self.k = width, limit, 0
-        self.pos = np.empty(room, dtype=np.int64)
+        nblocks = -(-elements // BLOCK) if blocks is None else blocks
+        self.counts = np.zeros(max(1, nblocks), dtype=np.uint32)
+        self.low = np.empty(room, dtype=np.uint16)
         self.val = np.empty(room, dtype=NP_INT[width])
 
     @property
+    def room(self) -> int:
+        return self.low.size - scankernel.SPARE
+
+    @property
     def positions(self) -> np.ndarray:
-        return self.pos[: self.k]
+        """Their positions in the stream (int64, rebuilt from counts and low bits)."""
+        return block_positions(self.counts, self.low[: self.k])
 
     @property
     def values(self) -> np.ndarray:
         """The changed elements' bytes, in order (uint8)."""
         return self.val[: self.k].view(np.uint8)
 
+    def append(self, pos: np.ndarray, val: np.ndarray) -> None:
+        """Changes at sorted positions `pos` (int64, after every one held), values `val`
+        (elements of the width)."""
+        k, m = self.k, pos.size
+        if not m:
+            return
+        if k + m > self.room or int(pos[-1]) >> 16 >= self.counts.size or int(pos[0]) < 0:
+            raise ValueError(f"{m} changes up to {int(pos[-1])} do not fit")
+        np.copyto(self.low[k : k + m], pos, casting="unsafe")  # keeps the low 16 bits
+        self.val[k : k + m] = val
+        self.counts += np.bincount(pos >> 16, minlength=self.counts.size).astype(np.uint32)
+        self.k = k + m
 
-def _words_py(
-    a64: Any,
-    b64: Any,
-    a_el: Any,
-    pos: Any,
-    val: Any,
-    k: int,
-    limit: int,
-    r: int,
-    base: int,
-    scratch: Any,
-) -> Any:
-    """Compare words a64 with b64 (the shadow, updated where they differ); record
-    (base + element position, value) of each differing element of `r` per word from `k` on
-    (branch-free within a word: pos and val need `r` spare entries past `limit`).
-    Returns (k, words done): it stops after the word that takes k past `limit`.
-
-    Two passes: the indices of the differing words into `scratch` (>= len(a64) + 1
-    entries) without a branch (a streaming read, at memory speed), then only those words.
-    One branch per word mispredicts at a few percent density (16 % of bf16 words differ at
-    4 % of elements): 1.6x slower on the development VM."""
-    bits = np.uint64(64 // r)
-    mask = np.uint64((1 << (64 // r)) - 1) if r > 1 else np.uint64(0xFFFFFFFFFFFFFFFF)
-    n = a64.size
-    m = 0
-    for j in range(n):
-        scratch[m] = j
-        m += a64[j] != b64[j]
-    for i in range(m):
-        j = scratch[i]
-        aj = a64[j]
-        x = aj ^ b64[j]
-        b64[j] = aj
-        for e in range(r):
-            pos[k] = base + j * r + e
-            val[k] = a_el[j * r + e]
-            k += ((x >> (bits * np.uint64(e))) & mask) != 0
-        if k > limit:
-            return k, j + 1
-    return k, n
-
-
-_words = numba.njit(cache=True, nogil=True)(_words_py) if numba is not None else None
+    def extend(self, other: Changes, shift: int) -> None:
+        """`other`'s changes (after every one held), their positions moved by `shift`."""
+        if shift % BLOCK or other.counts.size + shift // BLOCK > self.counts.size:
+            self.append(other.positions + shift, other.val[: other.k])
+            return
+        k, m = self.k, other.k
+        if k + m > self.room:
+            raise ValueError(f"{m} more changes do not fit")
+        at = shift // BLOCK
+        self.counts[at : at + other.counts.size] += other.counts
+        self.low[k : k + m] = other.low[:m]
+        self.val[k : k + m] = other.val[:m]
+        self.k = k + m
 
 
 def compiled() -> bool:
-    return _words is not None
+    return _kernel is not None
 
 
 def warm() -> None:
-    """Compile (or load from numba's cache) the word loop before it is timed."""
-    if _words is None:
-        return
-    for dt in NP_INT.values():
-        a = np.zeros(8, dtype=np.uint8)
-        el = a.view(dt)
-        _words(a.view(np.uint64), a.copy().view(np.uint64), el, np.zeros(1, np.int64),
-               np.zeros(1, dt), 0, 0, 8 // el.itemsize, 0, _scratch())  # fmt: skip
-
-
-def _scratch(words: int = 0) -> np.ndarray:
-    """This thread's word indices for `_words` (at least a chunk's worth, kept)."""
-    buf: np.ndarray | None = getattr(_local, "scratch", None)
-    if buf is None or buf.size <= words:
-        buf = _local.scratch = np.empty(max(words, CHUNK // 8) + 1, dtype=np.int64)
-    return buf
+    """Compile (or load from numba's cache) the compare loop before it is timed."""
+    scankernel.warm()
 
 
 def aligned(new: np.ndarray, old: np.ndarray, width: int) -> bool:
@@ -174,29 +149,16 @@ def _scan_chunk(a: np.ndarray, b: np.ndarray, acc: Changes, base: int) -> int:
     """Changes of chunk a against b (updated) into `acc`, positions from `base`; the bytes
     done (all, unless it stopped past the limit)."""
     width, limit = acc.width, acc.limit
-    whole = a.size - a.size % 8
-    if _words is not None and whole and a.ctypes.data % 8 == 0 and b.ctypes.data % 8 == 0:
-        r = 8 // width
-        acc.k, words = _words(
-            a[:whole].view(np.uint64), b[:whole].view(np.uint64),
-            a[:whole].view(NP_INT[width]), acc.pos, acc.val, acc.k, limit, r, base,
-            _scratch(whole // 8),
-        )  # fmt: skip
-        if acc.k > limit:
-            return int(words) * 8
-        if whole == a.size:
-            return a.size
-        tail_a, tail_b, tail_at = a[whole:], b[whole:], whole
-    else:
-        tail_a, tail_b, tail_at = a, b, 0
-    ea, eb = tail_a.view(NP_INT[width]), tail_b.view(NP_INT[width])
+    ea, eb = a.view(NP_INT[width]), b.view(NP_INT[width])
+    if _kernel is not None:
+        acc.k, done = _kernel(ea, eb, acc.low, acc.val, acc.counts, acc.k, limit, base)
+        return done * width
     hit = np.flatnonzero(ea != eb)
-    k = acc.k
-    take = min(hit.size, max(0, limit - k))
-    acc.pos[k : k + take] = hit[:take] + (base + tail_at // width)
-    acc.val[k : k + take] = ea[hit[:take]]
+    if acc.k + hit.size > limit:
+        acc.k += hit.size  # past the limit: the caller sees it go dense
+    else:
+        acc.append(hit + base, ea[hit])
     eb[hit] = ea[hit]
-    acc.k = k + hit.size
     return a.size
 
 

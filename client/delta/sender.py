@@ -263,17 +263,16 @@ class DeltaSender:
 
     def _payload(self, b: Bucket, job: hostpass.Job, out: torch.Tensor) -> int:
         """Encode a job's changes into `out`; its bytes (0: it goes dense)."""
-        ds, n = job.slot, job.elements
-        pos = job.changes.positions
-        head = self._head(b, ds, n, int(pos.size))
+        ds, n, ch = job.slot, job.elements, job.changes
+        head = self._head(b, ds, n, ch.k)
         if head is None:
             return 0
         kind = codec.Kind(head.kind)
-        values = job.changes.values
         at = ds.src_offset
         dst = out.numpy()
         dst[at : at + head.body_offset] = np.frombuffer(frames.payload_head(head), np.uint8)
-        codec.encode_body_into(dst[at + head.body_offset : at + head.size], pos, values, n, kind)
+        body = dst[at + head.body_offset : at + head.size]
+        codec.encode_blocks_into(body, ch.counts, ch.low[: ch.k], ch.values, n, kind)
         return head.size
 
     def _encode(
