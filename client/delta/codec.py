@@ -38,6 +38,7 @@ class Kind(enum.IntEnum):
 
 INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 NP_INT = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
+NP_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 @dataclass(frozen=True)
@@ -248,6 +249,26 @@ def block_positions(counts: np.ndarray, low: np.ndarray) -> np.ndarray:
         raise ValueError(f"BLOCK16 counts add up to {blocks.size}, not {low.size}")
     pos: np.ndarray = blocks | low
     return pos
+
+
+def block16_parts(
+    body: np.ndarray, n: int, k: int, width: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A BLOCK16 body (uint8) of k changes of n elements as its three parts: counts
+    (uint32), low 16 position bits (uint16), values (unsigned, of the width; a view that
+    may be unaligned). Its size is checked, as `decode` does; its contents are not."""
+    want = body_size(Kind.BLOCK16, n, k, width)
+    if body.size != want:
+        raise ValueError(f"BLOCK16 body of {body.size} bytes, expected {want}")
+    if not 0 <= k <= n:
+        raise ValueError(f"{k} changes of {n} elements")
+    if body.ctypes.data % 4:
+        body = body.copy()
+    nblocks = -(-n // BLOCK)
+    head = 4 * nblocks + 2 * k
+    counts = body[: 4 * nblocks].view(np.uint32)
+    low = body[4 * nblocks : head].view(np.uint16)
+    return counts, low, body[head:].view(NP_UINT[width])
 
 
 def encode_blocks_into(

@@ -28,7 +28,7 @@ from weightwire.protocol.errors import ErrorCode
 from weightwire.protocol.local import Applied, ApplyBucket, ApplyVersion
 from weightwire.protocol.plan import check_blocks, span
 
-from . import codec, decodeloop, digest, frames
+from . import codec, decodeloop, digest, frames, hostapply
 
 
 @dataclass(frozen=True)
@@ -135,6 +135,9 @@ class DeltaReceiver:
         t0 = time.perf_counter()
         try:
             early.checked = self._check_ranges(msg.ranges, early.checked)
+            ranges = set(msg.ranges)
+            hashed = self._host(ranges)
+            taken: dict[frames.Range, list[int]] = {}
             for offset, length in msg.payloads:
                 if early.base < 0:
                     raise ApplyError(
@@ -142,10 +145,16 @@ class DeltaReceiver:
                         f"this rank holds no verified version",
                         ErrorCode.STALE_BASE,
                     )
-                self._payload(msg.version, early.base, offset, length, set(msg.ranges))
+                got = self._payload(msg.version, early.base, offset, length, ranges, hashed)
+                for r, value in got.items():
+                    taken.setdefault(r, []).append(value)
                 early.applied.add((msg.sender, offset))
                 early.nbytes += length
             for r in msg.ranges:
+                sums = taken.get(r, ())
+                if len(sums) == 1:  # hashed as its payload wrote it
+                    early.sums[(msg.sender, r)] = sums[0]
+                    continue
                 blocks = digest.range_blocks(self.pieces, r)
                 early.sums[(msg.sender, r)] = digest.range_digest(blocks, self.is_gpu(r[0]))
         except Exception as exc:  # reported when the version ends here
@@ -211,10 +220,19 @@ class DeltaReceiver:
         sums = early.sums if early is not None else {}
         nbytes = early.nbytes if early is not None else 0
         for tr in trailers:
+            ranges = set(tr.ranges)
+            hashed = self._host({r for r in ranges if (tr.sender, r) not in sums})
+            taken: dict[frames.Range, list[int]] = {}
             for offset, length in tr.deltas:
                 if (tr.sender, offset) not in applied:
-                    self._payload(msg.version, tr.base, offset, length, set(tr.ranges))
+                    found = self._payload(msg.version, tr.base, offset, length, ranges, hashed)
+                    for r, value in found.items():
+                        taken.setdefault(r, []).append(value)
                     nbytes += length
+            for r, values in taken.items():
+                if len(values) == 1:  # hashed as its payload wrote it, at the end
+                    sums[(tr.sender, r)] = values[0]
+                    self.tail_ranges += 1
         for tr in trailers:
             got = digest.combine([self._range_sum(sums, tr.sender, r) for r in tr.ranges])
             if got != tr.digest:
@@ -258,11 +276,23 @@ class DeltaReceiver:
             got = digest.range_digest(digest.range_blocks(self.pieces, r), self.is_gpu(r[0]))
         return got
 
+    def _host(self, ranges: set[frames.Range]) -> set[frames.Range]:
+        """Those of `ranges` in host memory (checksummed with xxh3)."""
+        return {r for r in ranges if not self.is_gpu(r[0])}
+
     def _payload(
-        self, version: int, base: int, offset: int, length: int, ranges: set[frames.Range]
-    ) -> None:
+        self,
+        version: int,
+        base: int,
+        offset: int,
+        length: int,
+        ranges: set[frames.Range],
+        hashed: set[frames.Range],
+    ) -> dict[frames.Range, int]:
         """Apply one payload; its blocks must be among `ranges` (what its sender wrote here
-        in its bucket, or this version): it never writes where no checksum will look."""
+        in its bucket, or this version): it never writes where no checksum will look.
+        Returns the checksums of those of its blocks in `hashed` it took while writing
+        them (`hostapply`: a BLOCK16 body into host memory)."""
         head = frames.read_payload_head(self._area_bytes(offset, min(length, 1 << 20)), length)
         if head.size != length:
             raise ApplyError(f"payload at {offset}: {head.size} bytes, the trailer says {length}")
@@ -286,6 +316,10 @@ class DeltaReceiver:
         if head.kind == codec.Kind.DENSE:
             raise ApplyError(f"payload at {offset} is dense: dense bytes travel as writes")
         body = self.area[offset + head.body_offset : offset + head.size]
+        if head.kind == codec.Kind.BLOCK16 and self._host_only(head.blocks):
+            return hostapply.block16(
+                body.numpy(), n, head.count, w, head.blocks, self.pieces, hashed
+            )
         pos, values = codec.decode(codec.Kind(head.kind), body, n, head.count, w)
         start = 0
         for region, dst, blen, count, stride in head.blocks:
@@ -301,3 +335,12 @@ class DeltaReceiver:
                         codec.scatter(out, local, values[a * w : b * w].to(out.device), w)
                     at += out.numel()
                 start += blen
+        return {}
+
+    def _host_only(self, blocks: tuple[frames.Range, ...]) -> bool:
+        """The compiled host apply takes the payload: a host area, host targets."""
+        return (
+            decodeloop.compiled()
+            and self.area.device.type == "cpu"
+            and not any(self.is_gpu(r[0]) for r in blocks)
+        )
