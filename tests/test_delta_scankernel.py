@@ -171,3 +171,22 @@ def test_encode_blocks_into_matches_encode_body(kind: Kind, k: int) -> None:
     out = np.full(codec.body_size(kind, n, k, 2) + 1, 7, dtype=np.uint8)
     codec.encode_blocks_into(out[1:], ch.counts, ch.low[:k], ch.values, n, kind)  # unaligned
     assert out[0] == 7 and out[1:].tobytes() == ref.numpy().tobytes()
+
+
+@pytest.mark.parametrize(("first", "then"), [(2, 2), (2, 4), (8, 1)])
+def test_changes_reuse_spare_buffers(first: int, then: int) -> None:
+    """A payload's changes in the buffers an earlier one used (another width too): the
+    same results as in fresh ones; buffers too small are not reused."""
+    a = scan.Changes(10_000, first, 10_000)
+    a.append(np.arange(0, 20_000, 2, dtype=np.int64)[:5000], np.ones(5000, DTYPES[first]))
+    spare = a.buffers()
+    new, old = _pair(20_000, then, 0.1, seed=1)
+    fresh = scan.Changes(20_000, then, 4_000)
+    reused = scan.Changes(20_000, then, 4_000, spare=spare)
+    assert np.shares_memory(reused.low, spare.low) and np.shares_memory(reused.val, spare.val)
+    for acc in (fresh, reused):
+        assert scan.scan(new.view(np.uint8), old.copy().view(np.uint8), acc, 0, None)
+    assert np.array_equal(reused.positions, fresh.positions)
+    assert reused.values.tobytes() == fresh.values.tobytes()
+    big = scan.Changes(1 << 20, then, 1 << 20, spare=spare)  # needs more room than spare has
+    assert not np.shares_memory(big.low, spare.low)

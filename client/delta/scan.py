@@ -18,7 +18,7 @@ percent density: `np.flatnonzero` dominates).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -33,6 +33,13 @@ SAMPLES_PER_BLOCK = 16
 _kernel = scankernel.run if scankernel.compiled() else None
 
 
+class Buffers(NamedTuple):
+    """The position and value buffers of a `Changes` (values as bytes), to reuse."""
+
+    low: np.ndarray
+    val: np.ndarray
+
+
 class Changes:
     """Changes found so far for one payload (across its blocks), sorted by position, in
     BLOCK16 form: `counts` per block of BLOCK elements of the stream (`blocks` of them),
@@ -40,17 +47,34 @@ class Changes:
     them (of at most `elements`) and the spare entries the compare loop writes past it.
     `k` past `limit` means they did not fit (what is kept then is not all of them)."""
 
-    def __init__(self, elements: int, width: int, limit: int, blocks: int | None = None) -> None:
+    def __init__(
+        self,
+        elements: int,
+        width: int,
+        limit: int,
+        blocks: int | None = None,
+        spare: Buffers | None = None,
+    ) -> None:
+        """`spare`: buffers to reuse (`buffers()` of an earlier one) where they are large
+        enough (fresh memory costs a page fault per page the loop first writes)."""
         room = max(0, min(limit, elements)) + scankernel.SPARE
         self.width, self.limit, self.k = width, limit, 0
         nblocks = -(-elements // BLOCK) if blocks is None else blocks
         self.counts = np.zeros(max(1, nblocks), dtype=np.uint32)
-        self.low = np.empty(room, dtype=np.uint16)
-        self.val = np.empty(room, dtype=NP_INT[width])
+        if spare is not None and spare.low.size >= room and spare.val.nbytes >= room * width:
+            self.low = spare.low
+            self.val = spare.val[: spare.val.nbytes // width * width].view(NP_INT[width])
+        else:
+            self.low = np.empty(room, dtype=np.uint16)
+            self.val = np.empty(room, dtype=NP_INT[width])
+
+    def buffers(self) -> Buffers:
+        """Its buffers, for another one to reuse once this one is done with."""
+        return Buffers(self.low, self.val.view(np.uint8))
 
     @property
     def room(self) -> int:
-        return self.low.size - scankernel.SPARE
+        return min(self.low.size, self.val.size) - scankernel.SPARE
 
     @property
     def positions(self) -> np.ndarray:

@@ -203,8 +203,8 @@ def run(
     (k, elements done)."""
     assert _run is not None, "numba is not installed"
     n = a.size
-    if b.size != n or b.dtype != a.dtype or val.dtype != a.dtype:
-        raise ValueError("a run compares two arrays of one dtype and size")
+    if b.size != n or b.dtype != a.dtype or val.dtype != a.dtype or a.ndim != 1 or b.ndim != 1:
+        raise ValueError("a run compares two flat arrays of one dtype and size")
     if pos0 < 0 or (n and (pos0 + n + 0xFFFF) >> BLOCK_BITS > counts.size):
         raise ValueError(f"positions {pos0}..{pos0 + n} past {counts.size} blocks")
     room = min(low.size, val.size)

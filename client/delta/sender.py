@@ -34,6 +34,9 @@ Mode = Literal["off", "auto", "on"]
 SAMPLE_MARGIN = 1.0
 """A slot goes dense without a full compare when its sampled density gives a payload this
 many times its capacity (a wrong guess costs bytes, never correctness)."""
+SPARES = 4
+"""Host compare buffers kept for the next bucket's payloads (the largest): a payload's
+changes go into memory already paged in (bounded by a few payloads' capacity)."""
 
 
 @dataclass
@@ -64,6 +67,7 @@ class DeltaSender:
         self._changed = 0
         self._compared = 0
         self.phases: dict[str, float] = {}  # seconds of the last version, by phase (host path)
+        self._spare: list[scan.Buffers] = []  # host compare buffers, reused bucket to bucket
 
     @property
     def shadow_bytes(self) -> int:
@@ -206,6 +210,8 @@ class DeltaSender:
                 ds = job.slot
                 sent.append((b.index, index, nbytes))
                 self._trailers.sent(ds, nbytes)
+        kept = [job.changes.buffers() for job in jobs.values() if not job.dense]
+        self._spare = sorted(self._spare + kept, key=lambda s: s.low.size)[-SPARES:]
         return sent
 
     def _tick(self, phase: str, since: float) -> None:
@@ -244,7 +250,8 @@ class DeltaSender:
         for off, length, i in blocks:
             starts.append((off, length, start, i))
             start += length // w
-        return hostpass.Job(ds, n, scan.Changes(n, w, limit), starts)
+        spare = self._spare.pop() if self._spare else None
+        return hostpass.Job(ds, n, scan.Changes(n, w, limit, spare=spare), starts)
 
     def _head(self, b: Bucket, ds: DeltaSlot, n: int, k: int) -> frames.PayloadHead | None:
         """The head of the payload of `k` changed of `n` elements for `ds`; None when it goes
