@@ -7,6 +7,9 @@ before any byte is written."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 import torch
@@ -79,16 +82,25 @@ LAYOUTS = {
 }
 
 
+@pytest.fixture(scope="module")
+def pool() -> Iterator[ThreadPoolExecutor]:
+    with ThreadPoolExecutor(2) as p:
+        yield p
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("density", [0.0, 0.042, 0.5])
 @pytest.mark.parametrize("gap", [0, 1])
+@pytest.mark.parametrize("threads", [1, 2])
 def test_apply_matches_reference_and_hashes_each_range(
-    layout: str, density: float, gap: int
+    layout: str, density: float, gap: int, threads: int, pool: ThreadPoolExecutor
 ) -> None:
+    """Applied on one thread, or the blocks on two at once (a version's end)."""
     width, sizes, blocks = LAYOUTS[layout]
     rx, _, _, new, body, n, k = _case(width, sizes, blocks, density, gap, seed=len(layout))
     ranges = set(blocks)
-    got = hostapply.block16(body.numpy(), n, k, width, blocks, rx.pieces, ranges)
+    on = pool if threads == 2 else None
+    got = hostapply.block16(body.numpy(), n, k, width, blocks, rx.pieces, ranges, on)
     assert torch.equal(_stream(rx, blocks), new)
     assert got == {r: _digest_after(rx, r) for r in blocks}
 

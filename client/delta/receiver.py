@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Iterable
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 import torch
@@ -225,7 +226,9 @@ class DeltaReceiver:
             taken: dict[frames.Range, list[int]] = {}
             for offset, length in tr.deltas:
                 if (tr.sender, offset) not in applied:
-                    found = self._payload(msg.version, tr.base, offset, length, ranges, hashed)
+                    found = self._payload(
+                        msg.version, tr.base, offset, length, ranges, hashed, hostapply.tail_pool()
+                    )
                     for r, value in found.items():
                         taken.setdefault(r, []).append(value)
                     nbytes += length
@@ -288,11 +291,13 @@ class DeltaReceiver:
         length: int,
         ranges: set[frames.Range],
         hashed: set[frames.Range],
+        pool: Executor | None = None,
     ) -> dict[frames.Range, int]:
         """Apply one payload; its blocks must be among `ranges` (what its sender wrote here
         in its bucket, or this version): it never writes where no checksum will look.
         Returns the checksums of those of its blocks in `hashed` it took while writing
-        them (`hostapply`: a BLOCK16 body into host memory)."""
+        them (`hostapply`: a BLOCK16 body into host memory, on `pool`'s threads when
+        given: at a version's end, where nothing is left to overlap it with)."""
         head = frames.read_payload_head(self._area_bytes(offset, min(length, 1 << 20)), length)
         if head.size != length:
             raise ApplyError(f"payload at {offset}: {head.size} bytes, the trailer says {length}")
@@ -318,7 +323,7 @@ class DeltaReceiver:
         body = self.area[offset + head.body_offset : offset + head.size]
         if head.kind == codec.Kind.BLOCK16 and self._host_only(head.blocks):
             return hostapply.block16(
-                body.numpy(), n, head.count, w, head.blocks, self.pieces, hashed
+                body.numpy(), n, head.count, w, head.blocks, self.pieces, hashed, pool
             )
         pos, values = codec.decode(codec.Kind(head.kind), body, n, head.count, w)
         start = 0
