@@ -106,11 +106,7 @@ def block16_starts(counts: np.ndarray, low: np.ndarray, n: int) -> np.ndarray:
         raise ValueError(f"{counts.size} BLOCK16 counts for {n} elements")
     assert _starts is not None, "numba is not installed: decode with block16_positions"
     starts = np.empty(counts.size + 1, dtype=np.int64)
-    match _starts(counts, low, n, starts):
-        case 1:
-            raise ValueError("BLOCK16 counts do not add up to the changes")
-        case 2:
-            raise ValueError("delta positions are out of range or not increasing")
+    _check(_starts(counts, low, n, starts))
     return starts
 
 
@@ -133,12 +129,17 @@ def block16_positions(counts: np.ndarray, low: np.ndarray, n: int) -> np.ndarray
     if _block16 is None:
         return None
     pos = np.empty(low.size, dtype=np.int64)
-    match _block16(counts, low, n, pos):
+    _check(_block16(counts, low, n, pos))
+    return pos
+
+
+def _check(code: int) -> None:
+    """Raise what a compiled decode's return code says (as the numpy decode does)."""
+    match code:
         case 1:
             raise ValueError("BLOCK16 counts do not add up to the changes")
         case 2:
             raise ValueError("delta positions are out of range or not increasing")
-    return pos
 
 
 def warm() -> None:
