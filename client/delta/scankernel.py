@@ -58,9 +58,12 @@ def simd_available() -> bool:
     from numba.core import codegen, config
 
     features: Any = getattr(config, "CPU_FEATURES", None)  # what numba compiles for
-    if features is None:
-        host: Any = codegen.get_host_cpu_features
-        features = host()
+    try:
+        if features is None:
+            host: Any = codegen.get_host_cpu_features
+            features = host()
+    except (AttributeError, RuntimeError):  # another numba: no vector step, to be safe
+        return False
     have = set(str(features).split(","))
     return {"+avx512f", "+avx512bw", "+avx512vl", "+avx512vbmi2"} <= have
 
