@@ -78,11 +78,17 @@ class Direct:
         return self._targets.get(bucket.index)
 
     def _make_all(self, plan: RankPlan, device: torch.device) -> dict[int, list[Target] | None]:
-        """Every bucket's targets, once per plan, FP8 scales hoisted (`hoist_scales`)."""
-        moved = {
-            b.index: self._moved(plan, b, device) if b.packs and not b.deltas else None
-            for b in plan.buckets
-        }
+        """Every bucket's targets, once per plan, FP8 scales hoisted (`hoist_scales`). A
+        bucket with a region not mapped here goes through staging, which packs its planned
+        ops only: it is left out before hoisting, so that no scales move into it (they
+        would be packed nowhere while their own bucket's immediates are delivered)."""
+        descs = {(r.node, r.id): r for r in plan.regions}
+        moved: dict[int, dict[tuple[str, int], list[PackOp]] | None] = {}
+        for b in plan.buckets:
+            m = self._moved(plan, b, device) if b.packs and not b.deltas else None
+            if m is not None and any(self._region(descs[r], device) is None for r in m):
+                m = None
+            moved[b.index] = m
         hoist_scales(moved)
         return {i: None if m is None else self._finish(plan, m, device) for i, m in moved.items()}
 

@@ -1,0 +1,258 @@
+"""Model layouts we did not choose, packed through the trainer's real packing paths and
+compared byte for byte with the plain per-op run (`planlib.execute`) and, for FP8, with
+`quantize_blocks` of the global box: staging packed a bucket at a time (`Packer.pack_bucket`:
+the batched copies, FP8 groups and `rest`), and colocated packing in place (`Direct._make_all`:
+ops moved into the engines' regions, FP8 scales hoisted into their codes' bucket, one span
+per bucket), a bucket that does not qualify going through staging as it would."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from weightwire.client import direct as directmod
+from weightwire.client.direct import Direct
+from weightwire.client.fp8 import quantize_blocks
+from weightwire.client.pack import Packer
+from weightwire.plan.planner import EngineRank, PlanOptions, plan
+from weightwire.protocol.errors import PlanError
+from weightwire.protocol.regions import RegionDescriptor
+from weightwire.protocol.tensors import Box, Cast, DestTensor, Fp8BlockQuant, Fp8BlockScale, Piece
+
+from .planlib import engine as engine_
+from .planlib import execute, slice_of, trainer
+from .test_direct import UUID, _on_gpu
+
+Dest = tuple[str, str, tuple[int, ...], tuple[Piece, ...]]
+
+
+def _apply(bucket, staging, regions, counts, owner) -> None:  # type: ignore[no-untyped-def]
+    for w in bucket.writes:
+        dst = regions[(w.dst_node, w.dst_region)]
+        for so, do in w.blocks():
+            dst[do : do + w.length] = staging[so : so + w.length]
+        counts[owner[(w.dst_node, w.dst_region)]] += 1
+
+
+def run(plans, ts, es, g, monkeypatch=None, fail=frozenset(), by_region=False):  # type: ignore[no-untyped-def]
+    """Every trainer rank's buckets through `Packer.pack_bucket` into staging and its writes
+    (monkeypatch None), or packed in place where `Direct._make_all` says (regions of
+    engine ranks in `fail`, or with (node, region id) in it, cannot be opened); returns each
+    engine rank's region bytes (or, `by_region`, each region's)."""
+    regions = {
+        (e.node, r.id): torch.zeros(r.length, dtype=torch.uint8) for e in es for r in e.regions
+    }
+    owner = {(e.node, r.id): e.rank for e in es for r in e.regions}
+    counts = dict.fromkeys(owner.values(), 0)
+    if monkeypatch is not None:
+        monkeypatch.setattr(directmod, "device_uuid", lambda device: UUID)
+        monkeypatch.setattr(
+            Direct,
+            "_region",
+            lambda self, desc, device: (
+                None
+                if owner[(desc.node, desc.id)] in fail or (desc.node, desc.id) in fail
+                else regions[(desc.node, desc.id)]
+            ),
+        )
+    for t in ts:
+        local = {s.name: slice_of(g[s.name], s.held()).clone() for s in t.tensors}
+        rp = next(s for s in plans[t.node].sends if s.rank == t.rank)
+        packer = Packer()
+        targets = {}
+        if monkeypatch is not None:
+            rp = _on_gpu(rp)
+            targets = Direct()._make_all(rp, torch.device("cpu"))
+        for bucket in rp.buckets:
+            there = targets.get(bucket.index)
+            if there is None:
+                staging = torch.zeros(max(rp.staging_bytes, 1), dtype=torch.uint8)
+                packer.pack_bucket(bucket.packs, local, staging)
+                _apply(bucket, staging, regions, counts, owner)
+                continue
+            for region, ops in there:
+                packer.pack_bucket(ops, local, region)
+            for w in bucket.writes:
+                counts[owner[(w.dst_node, w.dst_region)]] += 1
+    for e in es:
+        expect = next(x for x in plans[e.node].expects if x.rank == e.rank)
+        assert expect.count == counts[e.rank], (e.rank, expect.count, counts)
+    return regions if by_region else {owner[k]: v for k, v in regions.items()}
+
+
+def fp8_reference(es, g) -> dict[int, torch.Tensor]:  # type: ignore[no-untyped-def]
+    """Each engine rank's region built the plain way from the global tensors (copy, cast,
+    and quantize_blocks of each piece's box on its own)."""
+    out = {}
+    for e in es:
+        region = torch.zeros(e.regions[0].length, dtype=torch.uint8)
+        for d in e.tensors:
+            for p in d.pieces or ():
+                part = slice_of(g[p.source], p.box)
+                if isinstance(p.transform, Fp8BlockQuant):
+                    part = quantize_blocks(part.contiguous(), p.transform.block)[0]
+                elif isinstance(p.transform, Fp8BlockScale):
+                    part = quantize_blocks(part.contiguous(), p.transform.block)[1]
+                elif isinstance(p.transform, Cast):
+                    part = part.to(getattr(torch, p.transform.dtype))
+                raw = part.contiguous().view(torch.uint8).flatten()
+                at = d.offset + p.dst_offset
+                region[at : at + raw.numel()] = raw
+        out[e.rank] = region
+    return out
+
+
+def check_all(plans, ts, es, g, monkeypatch) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+    """Staging and in place both bitwise as the reference; returns how many buckets went
+    in place and how many did not."""
+    want = fp8_reference(es, g)
+    for name, got in (
+        ("execute", execute(plans, ts, es, g)),
+        ("staging", run(plans, ts, es, g)),
+        ("in place", run(plans, ts, es, g, monkeypatch)),
+    ):
+        for rank, region in want.items():
+            assert torch.equal(got[rank], region), f"{name}: engine rank {rank}"
+    placed = [
+        Direct()._make_all(_on_gpu(s), torch.device("cpu")) for p in plans.values() for s in p.sends
+    ]
+    n = sum(v is not None for t in placed for v in t.values())
+    return n, sum(v is None for t in placed for v in t.values())
+
+
+def fp8_dests(name: str, shape: tuple[int, ...], box: Box, block: int = 128) -> list[Dest]:
+    tiles = (-(-box.sizes[0] // block), -(-box.sizes[1] // block))
+    return [
+        (f"{name}_fp8", "float8_e4m3fn", tuple(box.sizes),
+         (Piece(source=name, box=box, dst_offset=0, transform=Fp8BlockQuant(block=block)),)),
+        (f"{name}_scale", "float32", tiles,
+         (Piece(source=name, box=box, dst_offset=0, transform=Fp8BlockScale(block=block)),)),
+    ]  # fmt: skip
+
+
+def rows_of(shape: tuple[int, ...], rank: int, world: int, align: int = 1) -> Box:
+    per = -(-shape[0] // world)
+    step = -(-per // align) * align
+    lo = min(shape[0], rank * step)
+    return Box.rows(shape, lo, min(shape[0], lo + step))
+
+
+def randn(*shape: int, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _replicated(ranks: int, replicas: int, fp8: bool, shape: tuple[int, int]):  # type: ignore[no-untyped-def]
+    g = {"w": randn(*shape, seed=1), "b": randn(shape[1], seed=2)}
+    ts = [trainer("T", 0, g, {n: Box.full(tuple(t.shape)) for n, t in g.items()})]
+    full = Box.full(shape)
+    dests: list[Dest] = [
+        (
+            "b",
+            "bfloat16",
+            (shape[1],),
+            (Piece(source="b", box=Box.full((shape[1],)), dst_offset=0),),
+        )
+    ]
+    dests += (
+        fp8_dests("w", shape, full)
+        if fp8
+        else [("w", "bfloat16", shape, (Piece(source="w", box=full, dst_offset=0),))]
+    )
+    es = [
+        engine_(f"E{rep}", rep * ranks + r, dests) for rep in range(replicas) for r in range(ranks)
+    ]
+    return g, ts, es
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize(("ranks", "replicas"), [(2, 1), (4, 1), (2, 2), (1, 3)])
+@pytest.mark.parametrize("bucket", [1 << 20, 4096])
+def test_replicated_tensors_to_ranks_and_replicas(
+    ranks, replicas, fp8, bucket, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    g, ts, es = _replicated(ranks, replicas, fp8, (200, 130))
+    plans = plan("job", ts, es, PlanOptions(bucket_bytes=bucket, max_write_bytes=3000))
+    direct, _ = check_all(plans, ts, es, g, monkeypatch)
+    assert direct
+
+
+@pytest.mark.parametrize(
+    ("shape", "trainers", "tp"),
+    [
+        ((300, 260), 2, 2),
+        ((1, 200), 1, 2),
+        ((200, 1), 2, 1),
+        ((130, 129), 3, 3),
+        ((256, 384), 2, 3),
+    ],
+)
+@pytest.mark.parametrize("bucket", [1 << 20, 2500])
+def test_fp8_fsdp_rows_to_tp_columns(shape, trainers, tp, bucket, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """FSDP row shards (whole 128-row tiles for the FP8 source, any rows for the cast one)
+    to TP column slices (partial tiles at the slice's end), sizes off 128, 1-row and
+    1-column tensors, buckets that cut a box's codes from its scales, writes cut at
+    max_write_bytes."""
+    g = {"w": randn(*shape, seed=3), "x": randn(*shape, seed=4, dtype=torch.float32)}
+    ts = [
+        trainer(
+            "T", r, g, {"w": rows_of(shape, r, trainers, 128), "x": rows_of(shape, r, trainers)}
+        )
+        for r in range(trainers)
+    ]
+    step = -(-shape[1] // tp)
+
+    def dests(r: int) -> list[Dest]:
+        lo, hi = min(shape[1], r * step), min(shape[1], r * step + step)
+        box = Box.rows(shape, lo, hi, dim=1)
+        cast = (Piece(source="x", box=box, dst_offset=0, transform=Cast(dtype="bfloat16")),)
+        return [*fp8_dests("w", shape, box), ("x", "bfloat16", tuple(box.sizes), cast)]
+
+    es = [engine_("E", r, dests(r)) for r in range(tp)]
+    plans = plan("job", ts, es, PlanOptions(bucket_bytes=bucket, max_write_bytes=700))
+    direct, _ = check_all(plans, ts, es, g, monkeypatch)
+    assert direct
+
+
+def test_an_fp8_tile_split_between_trainer_ranks_is_a_plan_error() -> None:
+    g = {"w": randn(300, 260)}
+    ts = [trainer("T", r, g, {"w": rows_of((300, 260), r, 2)}) for r in range(2)]
+    es = [engine_("E", 0, fp8_dests("w", (300, 260), Box.full((300, 260))))]
+    with pytest.raises(PlanError, match="w_fp8: FP8 block quantization of w needs whole"):
+        plan("job", ts, es, PlanOptions())
+
+
+def test_scales_hoisted_into_a_bucket_that_cannot_go_in_place_still_land(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """An engine rank whose FP8 codes and scales are separate regions (separate allocations),
+    the codes' region one this process cannot open (its buckets go through staging): the
+    scales, in a later bucket packed in place, must not be hoisted into the codes' bucket,
+    which packs its planned ops into staging and never the hoisted ones."""
+    shape = (256, 256)
+    g = {"w": randn(*shape, seed=1), "a": randn(64, 64, seed=2)}
+    ts = [trainer("T", 0, g, {n: Box.full(tuple(t.shape)) for n, t in g.items()})]
+    (codes, codes_piece), (scales, scale_piece) = [
+        (d, d[3]) for d in fp8_dests("w", shape, Box.full(shape))
+    ]
+    tensors = (
+        DestTensor(name=codes[0], dtype=codes[1], shape=codes[2], region=1, offset=0,
+                   pieces=codes_piece),
+        DestTensor(name=scales[0], dtype=scales[1], shape=scales[2], region=2, offset=0,
+                   pieces=scale_piece),
+        DestTensor(name="a", dtype="bfloat16", shape=(64, 64), region=2, offset=64,
+                   pieces=(Piece(source="a", box=Box.full((64, 64)), dst_offset=0),)),
+    )  # fmt: skip
+    regions = (
+        RegionDescriptor(id=1, node="E", kind="cpu", length=256 * 256),
+        RegionDescriptor(id=2, node="E", kind="cpu", length=64 + 64 * 64 * 2),
+    )
+    es = [EngineRank("E", 0, tensors, regions)]
+    plans = plan("job", ts, es, PlanOptions(bucket_bytes=256 * 256))
+    rp = plans["T"].sends[0]
+    where = {(op.source, type(op.transform)): b.index for b in rp.buckets for op in b.packs}
+    assert where[("w", Fp8BlockScale)] > where[("w", Fp8BlockQuant)]  # the layout at issue
+    want = run(plans, ts, es, g, by_region=True)
+    got = run(plans, ts, es, g, monkeypatch, fail={("E", 1)}, by_region=True)
+    codes_, scales_ = quantize_blocks(g["w"])
+    assert torch.equal(want[("E", 1)], codes_.view(torch.uint8).flatten())
+    assert torch.equal(want[("E", 2)][:16], scales_.view(torch.uint8).flatten())
+    for region, bytes_ in want.items():
+        assert torch.equal(got[region], bytes_), f"region {region}"
