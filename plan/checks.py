@@ -19,6 +19,8 @@ from weightwire.protocol.tensors import (
 from .boxes import fmt_box
 from .sources import SourceIndex
 
+FP8_CODES = "float8_e4m3fn"  # the codes the packers make (`client/fp8.quantize_blocks`)
+
 
 def check_destination(
     dst: DestTensor,
@@ -59,6 +61,12 @@ def check_pieces(dst: DestTensor, index: SourceIndex) -> str | None:
             return (
                 f"{dst.name} reads {piece.source}{fmt_box(piece.box)} outside its shape "
                 f"{list(src_shape)}"
+            )
+        if isinstance(piece.transform, Fp8BlockQuant) and piece.transform.dtype != FP8_CODES:
+            code = ErrorCode.DTYPE_MISMATCH.value
+            return (
+                f"{dst.name}: FP8 block quantization of {piece.source} to "
+                f"{piece.transform.dtype}: only {FP8_CODES} codes are made [{code}]"
             )
         out_dtype = _out_dtype(src_dtype, piece)
         if out_dtype != dst.dtype:
