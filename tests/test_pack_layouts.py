@@ -366,3 +366,52 @@ def test_fp8_codes_of_another_fp8_dtype_are_a_plan_error() -> None:
     es = [engine_("E", 0, [("w_fp8", "float8_e5m2", (128, 128), (piece,))])]
     with pytest.raises(PlanError, match=r"w_fp8: FP8 block quantization of w to float8_e5m2"):
         plan("job", ts, es, PlanOptions())
+
+
+@pytest.mark.parametrize("bucket", [1 << 20, 5000])
+def test_one_box_under_every_recipe_in_one_bucket(bucket, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The same box of one source to engine ranks that each want it differently (FP8 at
+    block 128 and at block 64, bf16, fp32), two replicas of them, and one rank that wants
+    the codes at both block sizes: no recipe's bytes stand in for another's."""
+    shape = (160, 200)
+    g = {"w": randn(*shape, seed=11)}
+    ts = [trainer("T", 0, g, {"w": Box.full(shape)})]
+    full = Box.full(shape)
+    wants: list[list[Dest]] = [
+        fp8_dests("w", shape, full),
+        fp8_dests("w", shape, full, block=64),
+        [("w", "bfloat16", shape, (Piece(source="w", box=full, dst_offset=0),))],
+        [("w", "float32", shape,
+          (Piece(source="w", box=full, dst_offset=0, transform=Cast(dtype="float32")),))],
+        [*fp8_dests("w", shape, full, block=64), *[
+            (f"b{n}", t, s, p) for n, t, s, p in fp8_dests("w", shape, full)]],
+    ]  # fmt: skip
+    es = [
+        engine_(f"E{rep}", rep * len(wants) + r, d) for rep in range(2) for r, d in enumerate(wants)
+    ]
+    plans = plan("job", ts, es, PlanOptions(bucket_bytes=bucket, max_write_bytes=4096))
+    direct, _ = check_all(plans, ts, es, g, monkeypatch)
+    assert direct
+
+
+@pytest.mark.parametrize("trainers", [2, 3])
+@pytest.mark.parametrize("bucket", [1 << 20, 9000])
+def test_sources_every_trainer_rank_holds_whole(trainers, bucket, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Sources replicated on the trainer side (every rank holds them whole), to FP8, bf16
+    and cast destinations on three engine ranks: however the planner shares the boxes and
+    their tiles between trainer ranks, every byte is bitwise."""
+    shape = (400, 272)
+    g = {"w": randn(*shape, seed=12), "v": randn(*shape, seed=13, dtype=torch.float32)}
+    ts = [trainer("T", r, g, {n: Box.full(shape) for n in g}) for r in range(trainers)]
+
+    def dests(r: int) -> list[Dest]:
+        cols = Box.rows(shape, r * 136 // 2, r * 136 // 2 + 136, dim=1)
+        cast = Piece(source="v", box=cols, dst_offset=0, transform=Cast(dtype="bfloat16"))
+        return [*fp8_dests("w", shape, cols), ("v", "bfloat16", tuple(cols.sizes), (cast,))]
+
+    es = [engine_("E", r, dests(r)) for r in range(3)]
+    plans = plan("job", ts, es, PlanOptions(bucket_bytes=bucket, max_write_bytes=6000))
+    sending = [s.rank for p in plans.values() for s in p.sends if s.buckets]
+    assert len(sending) > 1, sending  # the boxes are shared out
+    direct, _ = check_all(plans, ts, es, g, monkeypatch)
+    assert direct
