@@ -62,7 +62,8 @@ class Direct:
     """Per plan: which buckets this rank packs in place, and their moved ops (made once)."""
 
     def __init__(self) -> None:
-        self._plan = ""
+        self._plan: RankPlan | None = None  # the last plan seen (its object)
+        self._key: tuple[str, tuple[RegionDescriptor, ...]] = ("", ())
         self._targets: dict[int, list[Target] | None] = {}
         self._regions: dict[tuple[str, int], torch.Tensor | None] = {}
         self._opened: dict[bytes, int] = {}  # IPC handle -> base here
@@ -71,8 +72,14 @@ class Direct:
         """Where bucket's ops go when it is packed in place, or None: through staging."""
         if device.type != "cuda" or plan.trailers or bucket.deltas or not bucket.packs:
             return None
-        if plan.plan_hash != self._plan:
-            self._plan, self._targets, self._regions = plan.plan_hash, {}, {}
+        if plan is not self._plan:
+            # The plan's hash is of its layout only: an engine restarted with the same
+            # layout comes back under the same hash in new memory (new IPC handles), so
+            # the regions (their keys) are part of what the targets were made for.
+            self._plan = plan
+            key = (plan.plan_hash, plan.regions)
+            if key != self._key:
+                self._key, self._targets, self._regions = key, {}, {}
         if not self._targets:
             self._targets = self._make_all(plan, device)
         return self._targets.get(bucket.index)
@@ -174,8 +181,7 @@ class Direct:
                     self._regions[at] = None
                     return None
                 self._opened[key.ipc_handle] = base
-            mem = _Mem(base + key.offset, desc.length)
-            self._regions[at] = torch.as_tensor(mem, device=device)
+            self._regions[at] = _span(base + key.offset, desc.length, device)
         return self._regions[at]
 
     def close(self) -> None:

@@ -7,6 +7,7 @@ per bucket), a bucket that does not qualify going through staging as it would.""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 
@@ -415,3 +416,79 @@ def test_sources_every_trainer_rank_holds_whole(trainers, bucket, monkeypatch) -
     assert len(sending) > 1, sending  # the boxes are shared out
     direct, _ = check_all(plans, ts, es, g, monkeypatch)
     assert direct
+
+
+@pytest.mark.parametrize("bucket", [1 << 20, 40000])
+def test_fp8_of_a_stacked_3d_source(bucket, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Stacked experts as one 3-D source (tiles on the last two dims), FP8 by column
+    halves to two ranks, cut between experts by small buckets and writes (through `rest`)."""
+    shape = (6, 136, 200)
+    g = {"experts": randn(*shape, seed=14)}
+    ts = [trainer("T", 0, g, {"experts": Box.full(shape)})]
+
+    def dests(r: int) -> list[Dest]:
+        box = Box.rows(shape, r * 100, r * 100 + 100, dim=2)
+        tiles = (6, 2, 1)
+        return [
+            ("w_fp8", "float8_e4m3fn", (6, 136, 100),
+             (Piece(source="experts", box=box, dst_offset=0, transform=Fp8BlockQuant()),)),
+            ("w_scale", "float32", tiles,
+             (Piece(source="experts", box=box, dst_offset=0, transform=Fp8BlockScale()),)),
+        ]  # fmt: skip
+
+    es = [engine_("E", r, dests(r)) for r in range(2)]
+    plans = plan("job", ts, es, PlanOptions(bucket_bytes=bucket, max_write_bytes=30000))
+    direct, _ = check_all(plans, ts, es, g, monkeypatch)
+    assert direct
+
+
+def test_an_engine_back_in_new_memory_under_the_same_plan_hash_is_packed_there(
+    monkeypatch,  # type: ignore[no-untyped-def]
+) -> None:
+    """A colocated engine restarted with the same layout: the plan comes back under the
+    same hash (it hashes the layout), its region now behind a new IPC handle. Packing in
+    place goes to the new memory (it went on into the old mapping: the new engine got its
+    immediates and none of the bytes)."""
+    import ctypes
+
+    shape = (128, 136)
+    g = {"w": randn(*shape, seed=15)}
+    ts = [trainer("T", 0, g, {"w": Box.full(shape)})]
+    whole = (Piece(source="w", box=Box.full(shape), dst_offset=0),)
+    es = [
+        engine_("E", 0, [*fp8_dests("w", shape, Box.full(shape)), ("w", "bfloat16", shape, whole)])
+    ]
+    want = fp8_reference(es, g)[0]
+    old, new = torch.zeros_like(want), torch.zeros_like(want)
+    monkeypatch.setitem(directmod.EXPORTED, b"\1" * 64, old.data_ptr())
+    monkeypatch.setitem(directmod.EXPORTED, b"\2" * 64, new.data_ptr())
+    monkeypatch.setattr(directmod, "device_uuid", lambda device: UUID)
+    monkeypatch.setattr(
+        directmod,
+        "_span",
+        lambda ptr, n, device: torch.frombuffer(
+            (ctypes.c_uint8 * n).from_address(ptr), dtype=torch.uint8
+        ),
+    )
+    d, packer, local = Direct(), Packer(), {"w": g["w"].clone()}
+    plans = []
+    for handle in (b"\1" * 64, b"\2" * 64):
+        rp = _on_gpu(plan("job", ts, es, PlanOptions(bucket_bytes=9000))["T"].sends[0])
+        rp = msgspec.structs.replace(
+            rp,
+            regions=tuple(
+                msgspec.structs.replace(
+                    r, keys=msgspec.structs.replace(
+                        r.keys, cuda=msgspec.structs.replace(r.keys.cuda, ipc_handle=handle)))
+                for r in rp.regions
+            ),
+        )  # fmt: skip
+        plans.append(rp)
+        for bucket in rp.buckets:
+            targets = d.targets(rp, bucket, torch.device("cuda", 0))
+            assert targets is not None
+            for region, ops in targets:
+                packer.pack_bucket(ops, local, region)
+    assert plans[0].plan_hash == plans[1].plan_hash
+    assert torch.equal(old, want)
+    assert torch.equal(new, want), "the restarted engine's memory"
