@@ -9,6 +9,7 @@ from collections.abc import Iterable
 
 from weightwire.protocol.errors import ErrorCode, PlanError, VersionError
 from weightwire.protocol.plan import RankPlan, StagingRing
+from weightwire.protocol.regions import RegionDescriptor
 from weightwire.transport.base import LocalRegion
 
 from .runs import Run
@@ -31,6 +32,21 @@ def check_version(
             f"rank {rank}: versions only go forwards"
         )
     return plan
+
+
+def check_served(plan: RankPlan, served: tuple[RegionDescriptor, ...] | None) -> None:
+    """The rank holds this plan's regions. The hash does not cover them all: an elastic
+    trainer plan's hash is its packs', the same whichever replicas are live, and a plan's
+    hash covers region ids and lengths, not keys. A rank that packs in place
+    (`client/direct.py`) writes to its own plan's regions, so after a replica joined,
+    left or came back it must fetch the plan again (it packed into the old replicas'
+    memory only, while the daemon delivered the new one's immediates)."""
+    if served is not None and served is not plan.regions and served != plan.regions:
+        raise PlanError(
+            "the plan's regions changed since this rank fetched it (engine replicas came "
+            "or went, or an engine is in new memory): fetch the plan again",
+            code=ErrorCode.PLAN_CHANGED,
+        )
 
 
 def check_regions(

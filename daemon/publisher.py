@@ -27,6 +27,7 @@ from weightwire.protocol.errors import (
 from weightwire.protocol.local import Verdict
 from weightwire.protocol.peer import LandedPart
 from weightwire.protocol.plan import RankPlan, StagingRing
+from weightwire.protocol.regions import RegionDescriptor
 from weightwire.transport.base import LocalRegion
 
 from . import deltas, packgate
@@ -34,7 +35,13 @@ from .metrics import Recorder
 from .packgate import MakeGate, PackGate
 from .posting import Poster
 from .prepared import PreparedWrites, SourceRegion
-from .publishchecks import check_buckets, check_in_place, check_regions, check_version
+from .publishchecks import (
+    check_buckets,
+    check_in_place,
+    check_regions,
+    check_served,
+    check_version,
+)
 from .ringslots import Reply, RingSlots
 from .runs import Run, progress
 from .seams import PickTransport
@@ -64,6 +71,9 @@ class Publisher:
     metrics: Recorder | None = None
     """Told of each landed bucket and each finished version (never per write)."""
     plan: RankPlan | None = None
+    served: tuple[RegionDescriptor, ...] | None = None
+    """The regions of the plan the rank was last given (GetPlan): a version begun on a plan
+    of the same hash with other regions is refused (`check_served`)."""
     staging: LocalRegion | None = None
     delta_out: LocalRegion | None = None  # where the rank encodes payloads and trailers
     last_version: int = -1
@@ -201,6 +211,7 @@ class Publisher:
         answers the rank first, then calls `started` (the version's announce is a send to
         each destination node, off the BeginVersion's round trip)."""
         plan = check_version(self.plan, plan_hash, version, self.last_version, self.rank)
+        check_served(plan, self.served)
         ring = self.ring(staging_buckets)
         check_regions(plan, ring, self.staging, self.delta_out, (self.previous, self.run))
         counters = None

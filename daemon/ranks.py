@@ -117,7 +117,7 @@ class Ranks:
             self._plans.check(session.job)
             rp = self._plans.rank_plan(session.job, session.rank)
             if rp is not None:
-                self._publishing.publisher(session)
+                self._publishing.publisher(session).served = rp.regions
                 return PlanReply(req=req, plan=rp)
             left = deadline - time.monotonic()
             if left <= 0:

@@ -173,6 +173,11 @@ def test_replica_killed_restarted_and_added(cluster: LocalCluster) -> None:
     restarted_s = time.monotonic() - back
     for r in reps:
         r.check(version)
+    # the trainer holds the plan with the restarted replica's regions (new ids, the same
+    # plan hash): a rank packing in place writes to its plan's regions
+    held = tr._start.plan(5)
+    tr._start.forget_plan()
+    assert tr._start.plan(5).regions == held.regions, "the trainer's plan is stale"
     assert {i: plan_of(cluster, HOST_OF[i], job) for i in (0, 2)} == plans_before
 
     # a fourth replica joins while the trainer publishes back to back

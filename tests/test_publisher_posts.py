@@ -82,3 +82,43 @@ def test_a_bad_bucket_in_a_post_is_named_and_nothing_of_it_is_posted(
         await pub.drain(5)
 
     uvloop.run(main())
+
+
+def test_a_version_on_a_plan_whose_regions_changed_under_the_same_hash_is_refused() -> None:
+    """The plan back under the same hash with other regions (elastic: a replica came or
+    went; here the same region behind a new IPC handle). A version begun by a rank that
+    fetched the plan before is refused with PLAN_CHANGED, so the rank fetches it again (a
+    rank packing in place writes to its own plan's regions); once it has, it begins. End
+    to end: tests/test_elastic.py, the restarted replica."""
+    from weightwire.protocol.errors import PlanError
+    from weightwire.protocol.regions import CudaKey, RegionDescriptor, RegionKeys
+
+    def plan(handle: bytes) -> RankPlan:
+        key = CudaKey(host_id="h", device_uuid="GPU-0", ipc_handle=handle)
+        region = RegionDescriptor(id=3, node="e", kind="gpu", length=64, keys=RegionKeys(cuda=key))
+        return RankPlan(
+            plan_hash="h", rank=0, staging_bytes=0, buckets=(Bucket(index=0),), regions=(region,)
+        )
+
+    async def main() -> list[PublishResult]:
+        results: list[PublishResult] = []
+        pub = publisher(results)
+        old = plan(b"\1" * 64)
+        pub.set_plan(old)
+        pub.served = old.regions  # what GetPlan gave the rank
+        pub.begin(1, "h")
+        pub.bucket_ready(1, (0,))
+        await pub.drain(5)
+        new = plan(b"\2" * 64)
+        pub.set_plan(new)
+        with pytest.raises(PlanError) as err:
+            pub.begin(2, "h")
+        assert err.value.code is ErrorCode.PLAN_CHANGED and "fetch the plan again" in str(err.value)
+        pub.served = new.regions  # fetched again
+        pub.begin(2, "h")
+        pub.bucket_ready(2, (0,))
+        await pub.drain(5)
+        return results
+
+    results = uvloop.run(main())
+    assert [(r.version, r.ok) for r in results] == [(1, True), (2, True)]
