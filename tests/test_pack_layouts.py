@@ -446,10 +446,10 @@ def test_fp8_of_a_stacked_3d_source(bucket, monkeypatch) -> None:  # type: ignor
 def test_an_engine_back_in_new_memory_under_the_same_plan_hash_is_packed_there(
     monkeypatch,  # type: ignore[no-untyped-def]
 ) -> None:
-    """A colocated engine restarted with the same layout: the plan comes back under the
-    same hash (it hashes the layout), its region now behind a new IPC handle. Packing in
-    place goes to the new memory (it went on into the old mapping: the new engine got its
-    immediates and none of the bytes)."""
+    """A plan of the same hash with other regions (an elastic trainer plan's hash is its
+    packs', the same whichever replicas are live; a hash never covers keys): here the
+    engine's region behind a new IPC handle. Packing in place goes to the new memory (it
+    went on into the old mapping: the engine got its immediates and none of the bytes)."""
     import ctypes
 
     shape = (128, 136)
