@@ -72,12 +72,17 @@ def in_use() -> int | None:
     return fd
 
 
+BURST = 256  # connections libzmq may accept before the guard's thread runs (a loaded host)
+
+
 def headroom(lim: int, base: int) -> int:
     """Descriptors kept free under `lim`: the connections the kernel may have queued when
-    the listener's name goes and a burst accepted before the guard hears of it, a small
-    share of a large limit; at most half of what the daemon had to spare (`base` in use
-    when it started), so that a small limit still takes connections."""
-    return max(1, min(max(BACKLOG + 64, min(4096, lim // 8)), (lim - base) // 2))
+    the listener's name goes and a burst accepted before the guard hears of it (`BURST`:
+    with 50 kept free, a flood of 1000 on a loaded 2-core host got past a guard that was
+    not scheduled in time, and libzmq aborted the daemon), a small share of a large limit;
+    at most half of what the daemon had to spare (`base` in use when it started), so that
+    a small limit still takes connections."""
+    return max(1, min(max(BACKLOG + BURST, min(4096, lim // 8)), (lim - base) // 2))
 
 
 def thresholds(lim: int, base: int) -> tuple[int, int]:
