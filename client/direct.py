@@ -38,6 +38,9 @@ from .cuda import EXPORTED, gpu_uuid
 
 log = structlog.get_logger("weightwire.client.direct")
 
+Descs = dict[tuple[str, int], RegionDescriptor]
+"""A plan's regions by (node, id), made once per plan."""
+
 Target = tuple[torch.Tensor, tuple[PackOp, ...]]
 """A destination region's bytes (as a flat uint8 tensor) and the ops packed into it."""
 
@@ -92,22 +95,22 @@ class Direct:
         descs = {(r.node, r.id): r for r in plan.regions}
         moved: dict[int, dict[tuple[str, int], list[PackOp]] | None] = {}
         for b in plan.buckets:
-            m = self._moved(plan, b, device) if b.packs and not b.deltas else None
+            m = self._moved(b, descs, device) if b.packs and not b.deltas else None
             if m is not None and any(self._region(descs[r], device) is None for r in m):
                 m = None
             moved[b.index] = m
         hoist_scales(moved)
-        return {i: None if m is None else self._finish(plan, m, device) for i, m in moved.items()}
+        return {i: None if m is None else self._finish(m, descs, device) for i, m in moved.items()}
 
     def _make(self, plan: RankPlan, bucket: Bucket, device: torch.device) -> list[Target] | None:
         """One bucket's targets on its own (no scales hoisted into it)."""
-        moved = self._moved(plan, bucket, device)
-        return None if moved is None else self._finish(plan, moved, device)
+        descs = {(r.node, r.id): r for r in plan.regions}
+        moved = self._moved(bucket, descs, device)
+        return None if moved is None else self._finish(moved, descs, device)
 
     def _finish(
-        self, plan: RankPlan, moved: dict[tuple[str, int], list[PackOp]], device: torch.device
+        self, moved: dict[tuple[str, int], list[PackOp]], regions: Descs, device: torch.device
     ) -> list[Target] | None:
-        regions = {(r.node, r.id): r for r in plan.regions}
         out: list[Target] = []
         for region, ops in moved.items():
             if not ops:
@@ -119,11 +122,10 @@ class Direct:
         return _one_target(out, device)
 
     def _moved(
-        self, plan: RankPlan, bucket: Bucket, device: torch.device
+        self, bucket: Bucket, regions: Descs, device: torch.device
     ) -> dict[tuple[str, int], list[PackOp]] | None:
         """The bucket's ops moved to their destination regions' offsets, or None."""
         uuid = device_uuid(device)
-        regions = {(r.node, r.id): r for r in plan.regions}
         blocks: list[tuple[int, int, tuple[str, int], int]] = []  # (src, length, dst, offset)
         for w in bucket.writes:
             desc = regions.get((w.dst_node, w.dst_region))
