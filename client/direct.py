@@ -82,6 +82,7 @@ class Direct:
             self._plan = plan
             key = (plan.plan_hash, plan.regions)
             if key != self._key:
+                self._release(plan, device)
                 self._key, self._targets, self._regions = key, {}, {}
         if not self._targets:
             self._targets = self._make_all(plan, device)
@@ -185,6 +186,23 @@ class Direct:
                 self._opened[key.ipc_handle] = base
             self._regions[at] = _span(base + key.offset, desc.length, device)
         return self._regions[at]
+
+    def _release(self, plan: RankPlan, device: torch.device) -> None:
+        """Close the mappings of engine memory the new plan no longer names (an engine gone,
+        or back in new memory): each keeps that memory allocated on this GPU for as long as
+        it is open, so elastic churn would pile them up. Packs already queued may still write
+        through them: the device is synchronized first (a replan, not a version's path)."""
+        live = {r.keys.cuda.ipc_handle for r in plan.regions if r.keys.cuda is not None}
+        stale = [h for h in self._opened if h not in live]
+        if not stale:
+            return
+        torch.cuda.synchronize(device)
+        drv = driver()
+        for handle in stale:
+            base = self._opened.pop(handle)
+            with contextlib.suppress(CudaError):
+                drv.ipc_close(base)
+        log.info("closed mappings of engine memory no longer planned", count=len(stale))
 
     def close(self) -> None:
         self._regions.clear()

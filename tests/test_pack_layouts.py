@@ -474,16 +474,9 @@ def test_an_engine_back_in_new_memory_under_the_same_plan_hash_is_packed_there(
     d, packer, local = Direct(), Packer(), {"w": g["w"].clone()}
     plans = []
     for handle in (b"\1" * 64, b"\2" * 64):
-        rp = _on_gpu(plan("job", ts, es, PlanOptions(bucket_bytes=9000))["T"].sends[0])
-        rp = msgspec.structs.replace(
-            rp,
-            regions=tuple(
-                msgspec.structs.replace(
-                    r, keys=msgspec.structs.replace(
-                        r.keys, cuda=msgspec.structs.replace(r.keys.cuda, ipc_handle=handle)))
-                for r in rp.regions
-            ),
-        )  # fmt: skip
+        rp = _behind(
+            _on_gpu(plan("job", ts, es, PlanOptions(bucket_bytes=9000))["T"].sends[0]), handle
+        )
         plans.append(rp)
         for bucket in rp.buckets:
             targets = d.targets(rp, bucket, torch.device("cuda", 0))
@@ -493,3 +486,74 @@ def test_an_engine_back_in_new_memory_under_the_same_plan_hash_is_packed_there(
     assert plans[0].plan_hash == plans[1].plan_hash
     assert torch.equal(old, want)
     assert torch.equal(new, want), "the restarted engine's memory"
+
+
+def _behind(rp, handle: bytes):  # type: ignore[no-untyped-def]
+    """rp with every region behind the IPC handle `handle`."""
+    return msgspec.structs.replace(
+        rp,
+        regions=tuple(
+            msgspec.structs.replace(
+                r, keys=msgspec.structs.replace(
+                    r.keys, cuda=msgspec.structs.replace(r.keys.cuda, ipc_handle=handle)))
+            for r in rp.regions
+        ),
+    )  # fmt: skip
+
+
+def test_mappings_of_engine_memory_no_longer_planned_are_closed(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """An engine back in new memory (or gone): the old handle's mapping is closed once the
+    device has finished what was queued (it kept the old memory allocated on the GPU, one
+    more mapping per engine restart); the mapping still planned stays open."""
+    import ctypes
+
+    shape = (64, 64)
+    g = {"w": randn(*shape, seed=16)}
+    ts = [trainer("T", 0, g, {"w": Box.full(shape)})]
+    whole = (Piece(source="w", box=Box.full(shape), dst_offset=0),)
+    es = [engine_("E", 0, [("w", "bfloat16", shape, whole)])]
+    memory = {
+        h: torch.zeros(shape[0] * shape[1] * 2, dtype=torch.uint8) for h in (b"\1" * 64, b"\2" * 64)
+    }
+    events: list[tuple[str, object]] = []
+
+    class Driver:
+        def use(self, ordinal: int) -> None:
+            pass
+
+        def ipc_open(self, handle: bytes) -> int:
+            events.append(("open", handle))
+            return memory[handle].data_ptr()
+
+        def ipc_close(self, ptr: int) -> None:
+            events.append(("close", ptr))
+
+    monkeypatch.setattr(directmod, "driver", Driver)
+    monkeypatch.setattr(
+        torch.cuda, "synchronize", lambda device=None: events.append(("sync", device))
+    )
+    monkeypatch.setattr(directmod, "device_uuid", lambda device: UUID)
+    monkeypatch.setattr(
+        directmod,
+        "_span",
+        lambda ptr, n, device: torch.frombuffer(
+            (ctypes.c_uint8 * n).from_address(ptr), dtype=torch.uint8
+        ),
+    )
+    d, packer, local, dev = Direct(), Packer(), {"w": g["w"].clone()}, torch.device("cuda", 0)
+    base = _on_gpu(plan("job", ts, es, PlanOptions(bucket_bytes=4096))["T"].sends[0])
+    for handle in (b"\1" * 64, b"\1" * 64, b"\2" * 64):
+        rp = _behind(base, handle)
+        for bucket in rp.buckets:
+            for region, ops in d.targets(rp, bucket, dev) or ():
+                packer.pack_bucket(ops, local, region)
+    old, new = memory[b"\1" * 64].data_ptr(), memory[b"\2" * 64]
+    assert events == [
+        ("open", b"\1" * 64),
+        ("sync", dev),
+        ("close", old),
+        ("open", b"\2" * 64),
+    ], "opened once, closed once the plan moved on, after a synchronize"
+    assert torch.equal(new.view(torch.bfloat16).view(shape), g["w"])
+    d.close()
+    assert events[-1] == ("close", new.data_ptr())
