@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import operator
 import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +41,10 @@ _data_ptr = torch.Tensor.data_ptr
 _graph_failure_logged = False
 _kernel_failed = False  # the FP8 kernel failed once in this process: the torch path only
 _copy_failed = False  # the copy kernel failed once in this process: torch's copies only
+_capture_lock = threading.Lock()
+"""One graph capture at a time in this process: two ranks' threads capturing at once
+segfaulted inside torch's `capture_begin` (once, in test_pack_streams). A capture is made
+once per bucket and plan, never per version, so they rarely wait on each other."""
 
 
 def box_of(t: torch.Tensor, op: PackOp) -> torch.Tensor:
@@ -237,7 +242,7 @@ class BucketPack:
         side = make(self._device)
         side.wait_stream(current)
         try:
-            with torch.cuda.stream(side):
+            with _capture_lock, torch.cuda.stream(side):
                 graph.capture_begin(capture_error_mode="thread_local")
                 try:
                     if self.plain is not None:
