@@ -76,6 +76,32 @@ if triton is not None:
         return res ^ 0x80
 
     @triton.jit  # type: ignore[untyped-decorator,unused-ignore]
+    def _code_rows(  # type: ignore[no-untyped-def]
+        x_at,
+        out_at,
+        s0,
+        c,
+        nr,
+        nc,
+        ncols,
+        scale,
+        fast,
+        ROWS: tl.constexpr,
+        BLOCK: tl.constexpr,
+        HW_CVT: tl.constexpr,
+        FAST_DIV: tl.constexpr,
+    ):
+        # a tile's codes ROWS rows at a time, each slice read again (from L2)
+        r = tl.arange(0, ROWS)
+        cc = tl.arange(0, BLOCK)
+        for k in tl.range(0, BLOCK, ROWS):
+            rk = r + k
+            within = (rk[:, None] < nr) & (cc[None, :] < nc)
+            x = tl.load(x_at + rk[:, None] * s0 + c[None, :], mask=within, other=0.0)
+            res = _codes(x.to(tl.float32), scale, fast, HW_CVT, FAST_DIV)
+            tl.store(out_at + (rk[:, None] * ncols + cc[None, :]), res.to(tl.uint8), mask=within)
+
+    @triton.jit  # type: ignore[untyped-decorator,unused-ignore]
     def _amax_bits(x):  # type: ignore[no-untyped-def]
         # one reduction for the amax and the NaN test: |x|'s bits order as integers as
         # the values do, and a NaN's bits are above +inf's (0x7F800000)
@@ -164,25 +190,16 @@ if triton is not None:
                     out = out_at + (r[:, None] * ncols + cc[None, :])
                     tl.store(out, res.to(tl.uint8), mask=inside)
                 else:  # inf, NaN or huge: the IEEE division, re-read in slices (from L2)
-                    rs = tl.arange(0, SLICE)
-                    for k in tl.range(0, BLOCK, SLICE):
-                        rk = rs + k
-                        within = (rk[:, None] < nr) & (cc[None, :] < nc)
-                        xs = tl.load(x_at + rk[:, None] * s0 + c[None, :], mask=within, other=0.0)
-                        res = _codes(xs.to(tl.float32), scale, fast, HW_CVT, False)
-                        out = out_at + (rk[:, None] * ncols + cc[None, :])
-                        tl.store(out, res.to(tl.uint8), mask=within)
+                    _code_rows(
+                        x_at, out_at, s0, c, nr, nc, ncols, scale, fast, SLICE, BLOCK, HW_CVT, False
+                    )
             elif STEP == BLOCK:
                 res = _codes(x.to(tl.float32), scale, fast, HW_CVT, FAST_DIV)
                 out = out_at + (r[:, None] * ncols + cc[None, :])
                 tl.store(out, res.to(tl.uint8), mask=inside)
             else:
-                for k in tl.range(0, BLOCK, STEP):
-                    rk = r + k
-                    inside = (rk[:, None] < nr) & (cc[None, :] < nc)
-                    x = tl.load(x_at + rk[:, None] * s0 + c[None, :], mask=inside, other=0.0)
-                    res = _codes(x.to(tl.float32), scale, fast, HW_CVT, FAST_DIV)
-                    out = out_at + (rk[:, None] * ncols + cc[None, :])
-                    tl.store(out, res.to(tl.uint8), mask=inside)
+                _code_rows(
+                    x_at, out_at, s0, c, nr, nc, ncols, scale, fast, STEP, BLOCK, HW_CVT, FAST_DIV
+                )
 
     quantize = _quantize  # its name (`_quantize`) is the kernel's, as profiles show it
