@@ -121,7 +121,11 @@ def test_unchanged_and_all_changed_versions(pair: Pair) -> None:
         t.view(torch.uint8).bitwise_not_()
     stats = pair.tr.publish(2)  # everything changed: auto goes dense
     pair.eng.wait(2)
-    assert stats.density == 1.0 and bitwise(pair.dst, pair.w)
+    total = sum(t.numel() * t.element_size() for t in pair.w.values())
+    assert stats.nbytes >= total and bitwise(pair.dst, pair.w)
+    # not sampled (the last version went delta far inside its limits): each compare stops
+    # at its limit, so the density counts what it found by then, a lower bound
+    assert pair.tr.delta.sampled == 0 and stats.density > 0.5
 
 
 def fails_checksum(pair: Pair, v: int) -> None:
@@ -351,3 +355,38 @@ def test_restarted_engine_daemon_gets_dense() -> None:
             p.close()
     finally:
         c.stop()
+
+
+def test_sampling_skipped_only_after_a_delta_well_inside_its_limit(pair: Pair) -> None:
+    """A slot whose last payload went delta far from its limit is compared without the
+    sampling pass first (a dense version in between, `off`, changes nothing); one that
+    went dense or came close is sampled. A wrong guess (a version that changed
+    everything after a sparse one) stops at the limit and goes dense: bitwise either
+    way."""
+    total = sum(t.numel() * t.element_size() for t in pair.w.values())
+    pair.tr.publish(0)
+    pair.eng.wait(0)
+    sent: list[tuple[int, float, int]] = []
+    steps = (0.02, 0.02, "off", 0.02, 1.0, 0.02, 0.12, 0.02)
+    for v, density in enumerate(steps, start=1):
+        pair.tr.delta.mode = "off" if density == "off" else "auto"
+        if density == 1.0:  # new weights: every element changes
+            for n, t in weights(seed=v).items():
+                pair.w[n].copy_(t)
+        else:
+            step(pair.w, 0.02 if density == "off" else float(density), v)
+        stats = pair.tr.publish(v)
+        pair.eng.wait(v)
+        assert bitwise(pair.dst, pair.w), f"version {v} differs"
+        sent.append((pair.tr.delta.sampled, stats.nbytes / total, len(pair.tr.delta._fill)))
+    slots = sent[0][2]
+    assert slots > 1  # several delta slots, each went delta
+    s1, s2, off, s4, s5, s6, s7, s8 = sent
+    assert s1[0] == slots  # nothing known yet: every slot sampled
+    assert s2[0] == 0 and s2[1] < 0.15  # sparse after sparse: none sampled, still delta
+    assert off[0] == 0 and off[1] > 0.99 and off[2] == slots  # dense: nothing compared
+    assert s4[0] == 0 and s4[1] < 0.15  # what the last compare found still holds
+    assert s5[0] == 0 and s5[1] > 0.99 and s5[2] == 0  # the wrong guess: all went dense
+    assert s6[0] == slots and s6[1] < 0.15  # after dense: sampled again
+    assert s7[0] == 0 and s7[1] < 0.5  # 12 %: fits, but more than half of what fits
+    assert s8[0] == slots  # came close: sampled

@@ -34,6 +34,13 @@ Mode = Literal["off", "auto", "on"]
 SAMPLE_MARGIN = 1.0
 """A slot goes dense without a full compare when its sampled density gives a payload this
 many times its capacity (a wrong guess costs bytes, never correctness)."""
+SKIP_FILL = 0.5
+"""A slot skips the sampling pass when, the last time it was compared (the last delta
+version; dense versions in between, `off` or to a destination that lost its base, leave
+it be), it went delta with at most this fraction of the changes that fit (its `limit`).
+The compare stops at the limit anyway, so a wrong guess costs a compare up to it and a
+dense payload, never correctness. A slot that went dense, or came closer to its limit,
+is sampled first."""
 SPARES = 4
 """Host compare buffers kept for the next bucket's payloads (the largest): a payload's
 changes go into memory already paged in (bounded by a few payloads' capacity)."""
@@ -68,6 +75,10 @@ class DeltaSender:
         self._compared = 0
         self.phases: dict[str, float] = {}  # seconds of the last version, by phase (host path)
         self._spare: list[scan.Buffers] = []  # host compare buffers, reused bucket to bucket
+        # (bucket, slot index) -> changes / limit of the slot's payload, where it went delta
+        # the last time it was compared (the host path; see SKIP_FILL)
+        self._fill: dict[tuple[int, int], float] = {}
+        self.sampled = 0  # delta slots of the last version that were sampled first
 
     @property
     def shadow_bytes(self) -> int:
@@ -77,6 +88,7 @@ class DeltaSender:
         if plan.plan_hash != self.plan_hash:  # a replan: whose bytes are still known?
             kept = unchanged(self._plan, plan, self.held) if self.shadow is not None else {}
             self.plan_hash, self.held = plan.plan_hash, kept
+            self._fill = {}  # another plan's buckets and slots
             if not kept:
                 self.shadow_version, self.shadow = -1, None
         self._plan = plan
@@ -88,7 +100,7 @@ class DeltaSender:
         self._trailers.begin(plan)
         self._version = version
         self._base = self.shadow_version
-        self._changed = self._compared = 0
+        self._changed = self._compared = self.sampled = 0
         self.phases = {"sample": 0.0, "scan": 0.0, "copy": 0.0, "encode": 0.0}
 
     def in_place(
@@ -168,7 +180,7 @@ class DeltaSender:
         jobs: dict[int, hostpass.Job] = {}
         for index, ds in enumerate(b.deltas):
             if self._wants_delta(ds):
-                job = self._claim(b, ds, new, shadow)
+                job = self._claim(b, ds, new, shadow, self._fill.pop((b.index, index), 1.0))
                 if job is not None:
                     jobs[index] = job
         self._tick("sample", t0)
@@ -210,6 +222,7 @@ class DeltaSender:
                 ds = job.slot
                 sent.append((b.index, index, nbytes))
                 self._trailers.sent(ds, nbytes)
+                self._fill[(b.index, index)] = job.changes.k / max(1, job.changes.limit)
         kept = [job.changes.buffers() for job in jobs.values() if not job.dense]
         self._spare = sorted(self._spare + kept, key=lambda s: s.low.size)[-SPARES:]
         return sent
@@ -218,20 +231,24 @@ class DeltaSender:
         self.phases[phase] = self.phases.get(phase, 0.0) + time.perf_counter() - since
 
     def _claim(
-        self, b: Bucket, ds: DeltaSlot, new: Planned | InPlace, shadow: np.ndarray
+        self, b: Bucket, ds: DeltaSlot, new: Planned | InPlace, shadow: np.ndarray, fill: float
     ) -> hostpass.Job | None:
         """A compare job for delta slot `ds`; None when it goes dense: misaligned, or a
-        sampled density that would not fit."""
+        sampled density that would not fit. Not sampled where the slot's last payload
+        went delta with `fill` (changes / limit) at most SKIP_FILL."""
         w = ds.width
         blocks = [(off, length, i) for i in ds.writes for off, length in src_blocks(b.writes[i])]
         changed = compared = 0
+        sample = fill > SKIP_FILL
+        self.sampled += sample
         for off, length, _ in blocks:
             for at, piece in new.pieces(off, length):
                 a, old = piece.numpy(), shadow[at : at + piece.numel()]
                 if not scan.aligned(a, old, w):
                     return None
-                c, m = scan.sample(a, old, w)
-                changed, compared = changed + c, compared + m
+                if sample:
+                    c, m = scan.sample(a, old, w)
+                    changed, compared = changed + c, compared + m
         n = sum(length for _, length, _ in blocks) // w
         room = ds.capacity - frames.body_offset(len(ds.writes))
         limit = codec.max_changes(n, w, room)  # more changes than this cannot fit
@@ -363,7 +380,7 @@ class DeltaSender:
 
     def abandon(self) -> None:
         """The version failed on this side: the shadow may be half moved on."""
-        self.shadow_version, self.held = -1, {}
+        self.shadow_version, self.held, self._fill = -1, {}, {}  # everything dense next
 
 
 def _cat(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
