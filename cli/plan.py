@@ -53,6 +53,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["fp8", "bf16"], required=True, help="engine weights")
     p.add_argument("--ep", type=int, default=0, help="expert-parallel size (default: T for MoE)")
     p.add_argument("--bucket-mb", type=float, default=256.0, help="plan bucket size (MiB)")
+    p.add_argument(
+        "--tail-mb",
+        type=float,
+        default=64.0,
+        help="the last bucket-mb of each trainer's send in buckets of at most this (MiB; 0: off)",
+    )
     p.add_argument("--max-write-mb", type=float, default=32.0, help="largest write (MiB)")
     p.add_argument("--bucket-overhead-us", type=float, default=100.0, help="fixed cost per bucket")
     p.add_argument("--write-overhead-us", type=float, default=0.0, help="fixed cost per write")
@@ -139,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
             topo,
             args.dtype,
             bucket_bytes=int(args.bucket_mb * (1 << 20)),
+            tail_bytes=int(args.tail_mb * (1 << 20)),
             max_write_bytes=int(args.max_write_mb * (1 << 20)),
             bucket_overhead_s=args.bucket_overhead_us * 1e-6,
             pack_Bps=args.pack_gbps * 1e9,

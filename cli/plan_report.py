@@ -143,6 +143,7 @@ def run_plan(
     dtype: str,
     *,
     bucket_bytes: int = 256 << 20,
+    tail_bytes: int = 64 << 20,
     max_write_bytes: int = 32 << 20,
     bucket_overhead_s: float = 100e-6,
     pack_Bps: float = 0.0,
@@ -167,6 +168,7 @@ def run_plan(
             topo,
             dtype,
             bucket_bytes=bucket_bytes,
+            tail_bytes=tail_bytes,
             max_write_bytes=max_write_bytes,
             bucket_overhead_s=bucket_overhead_s,
             pack_Bps=pack_Bps,
@@ -191,6 +193,7 @@ def _run_plan(
     dtype: str,
     *,
     bucket_bytes: int,
+    tail_bytes: int,
     max_write_bytes: int,
     bucket_overhead_s: float,
     pack_Bps: float,
@@ -229,6 +232,7 @@ def _run_plan(
     say(f"planning: {topo.trainers} trainer ranks x {pieces:,} engine pieces")
     options = PlanOptions(
         bucket_bytes=bucket_bytes,
+        tail_bytes=tail_bytes,
         max_write_bytes=max_write_bytes,
         share_keys=delta_density is not None,  # as the daemon plans a delta-capable job
     )
@@ -255,6 +259,7 @@ def _run_plan(
     timings.run("simulate", t0)
     opts = {
         "bucket_mb": bucket_bytes / (1 << 20),
+        "tail_mb": tail_bytes / (1 << 20),
         "max_write_mb": max_write_bytes / (1 << 20),
         "bucket_overhead_us": bucket_overhead_s * 1e6,
         "pack_gbps": pack_Bps / 1e9 if pack_Bps > 0 else None,

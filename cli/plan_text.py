@@ -48,6 +48,7 @@ def render(j: Mapping[str, Any]) -> str:
         f"bound           {j['bound_s']:.4f} s  ({j['bound_limited_by']}: busiest engine "
         f"{j['bound_engine_s']:.4f} s, all trainers {j['bound_trainer_s']:.4f} s)",
         f"simulated       {j['simulated_s']:.4f} s  (bucket {j['options']['bucket_mb']:g} MB, "
+        f"tail {j['options'].get('tail_mb', 0):g} MB, "
         f"{j['options']['bucket_overhead_us']:g} us per bucket)",
         f"efficiency      {j['efficiency']:.3f}  (bound / simulated)",
         f"plan hash       {j['plan_hash']}",

@@ -121,6 +121,9 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     version_timeout_s: float = 600.0  # a version still incomplete after this long fails
     shutdown_timeout_s: float = 10.0  # SIGTERM: the longest the transports get to close
     bucket_bytes: int = 256 << 20  # plan granularity (the coordinator's): bytes per bucket
+    # the last bucket_bytes of each trainer rank's send go in buckets of at most this, so
+    # less is left to cross and to apply after its last bucket is packed (0: off)
+    bucket_tail_bytes: int = 64 << 20
     max_write_bytes: int = 32 << 20  # plan granularity: the largest single write
     # control messages larger than this are refused (too_large); beyond 16 times it, dropped
     max_message_bytes: int = 64 << 20

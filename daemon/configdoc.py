@@ -37,7 +37,7 @@ SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Data plane", ("transport", "cuda", "tcp_")),
     ("RDMA (verbs): see the README's RDMA section", ("verbs_",)),
     ("Liveness and limits", ("stall_", "heartbeat_", "session_", "version_", "shutdown_")),
-    ("Plan granularity (used by the coordinator)", ("bucket_bytes", "max_")),
+    ("Plan granularity (used by the coordinator)", ("bucket_bytes", "bucket_tail", "max_")),
     ("Logs, metrics, scripts", ("log_level", "ready_file", "metrics_")),
 )
 

@@ -95,7 +95,11 @@ class Daemon:
             heartbeat_interval_s=cfg.heartbeat_interval_s,
             heartbeat_timeout_s=cfg.heartbeat_timeout_s,
         )
-        options = PlanOptions(bucket_bytes=cfg.bucket_bytes, max_write_bytes=cfg.max_write_bytes)
+        options = PlanOptions(
+            bucket_bytes=cfg.bucket_bytes,
+            tail_bytes=cfg.bucket_tail_bytes,
+            max_write_bytes=cfg.max_write_bytes,
+        )
         coordinator = (
             Coordinator(
                 node=node,

@@ -92,6 +92,7 @@ def build(
         len(trainers),
         options.bucket_bytes,
         partial(_zero_copy, index, keys) if zc else None,
+        options.tail_bytes,
     )
     say("cutting writes")
     pack = packs.of_item

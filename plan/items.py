@@ -182,7 +182,8 @@ class Chunker:
         return hit
 
     def chunks(self, piece: Piece) -> list[tuple[Box, SubPiece]] | str:
-        """A piece cut into parts single ranks hold, each at most a bucket; or the problem."""
+        """A piece cut into parts single ranks hold, each at most a bucket (of the tail's
+        size, `PlanOptions.chunk_bytes`); or the problem."""
         return _chunks(piece, self.index, self.options)
 
     def group(self, source: str, sub: Box) -> int:
@@ -206,7 +207,7 @@ def _chunks(
     out = []
     try:
         for sub in subs:
-            for chunk in split_rows(sub, piece, dtype, options.bucket_bytes):
+            for chunk in split_rows(sub, piece, dtype, options.chunk_bytes):
                 out.append((chunk, place(piece, dtype, chunk)))
     except PlanError as exc:
         return f": {exc.message}"

@@ -2,12 +2,15 @@
 its staging region (dense first, then experts; engines interleaved block by block, each
 block in tensor order, so every engine is fed from the start and neighbouring tensors
 merge into one write), and cut into buckets of at most `bucket_bytes` (a larger pack
-alone), a bucket never mixing dense and experts."""
+alone), a bucket never mixing dense and experts. The last `bucket_bytes` of each trainer
+rank's send are cut into buckets of at most `tail_bytes` (where that is smaller): what
+is left after its last bucket is packed (crossing the link; a delta's apply and check
+at the engine) is a small bucket's worth instead of a whole one."""
 
 from __future__ import annotations
 
 import itertools
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -50,6 +53,7 @@ def pack_layout(
     trainers: int,
     bucket_bytes: int,
     zero_copy: Callable[[int, int], tuple[int, int] | None] | None = None,
+    tail_bytes: int = 0,
 ) -> Packs:
     nkeys = max(1, int(key_nbytes.shape[0]))
     uniq, first, inv = np.unique(chosen * nkeys + key, return_index=True, return_inverse=True)
@@ -72,21 +76,30 @@ def pack_layout(
                 region[i], offset[i] = zc
 
     # buckets: a new one where the kind changes (or the trainer), or where the next pack
-    # would overflow a bucket that holds anything
+    # would overflow a bucket that holds anything; a trainer's last bucket_bytes (from
+    # the first pack that ends within them) in buckets of tail_bytes
     bounds = np.searchsorted(p_trainer, np.arange(trainers + 1))
     cum = np.concatenate([[0], np.cumsum(nbytes)]).tolist()
     kind_edge = (
         np.flatnonzero((p_expert[1:] != p_expert[:-1]) | (p_trainer[1:] != p_trainer[:-1])) + 1
     )
     segs = sorted(set(kind_edge.tolist()) | set(bounds.tolist()))
+    ends = set(bounds.tolist())
+    taper = 0 < tail_bytes < bucket_bytes
     starts: list[int] = []
-    for lo, hi in itertools.pairwise(segs):
+
+    def cut(lo: int, hi: int, cap: int) -> None:
         s = lo
         while s < hi:
             starts.append(s)
-            fits = bisect_right(cum, cum[s] + bucket_bytes, s, hi + 1) - 1
+            fits = bisect_right(cum, cum[s] + cap, s, hi + 1) - 1
             empty = bisect_right(cum, cum[s], s, hi + 1)  # packs of 0 bytes join any bucket
             s = min(hi, max(s + 1, fits, empty))
+
+    for lo, hi in itertools.pairwise(segs):
+        tail = bisect_left(cum, cum[hi] - bucket_bytes, lo, hi + 1) if taper and hi in ends else hi
+        cut(lo, tail, bucket_bytes)
+        cut(tail, hi, tail_bytes)
     b_first = np.asarray([*starts, sort.shape[0]], dtype=np.int64)
     nb = len(starts)
     b_of_pack = np.repeat(np.arange(nb, dtype=np.int64), np.diff(b_first))

@@ -208,10 +208,26 @@ def layout(
     bucket_packs: list[list[Pack]] = []
     bucket_kinds: list[str] = []
     filled = options.bucket_bytes  # forces a first bucket
-    for p in packs:
+    # the send's last bucket_bytes, from the first pack ending within them (of the last
+    # kind), in buckets of at most tail_bytes
+    tail_at, cap = len(packs), options.bucket_bytes
+    if 0 < options.tail_bytes < options.bucket_bytes:
+        left = 0
+        while (
+            tail_at > 0
+            and packs[tail_at - 1].expert == packs[-1].expert
+            and left + packs[tail_at - 1].nbytes <= options.bucket_bytes
+        ):
+            tail_at -= 1
+            left += packs[tail_at].nbytes
+    for i, p in enumerate(packs):
         kind = "experts" if p.expert else "dense"
-        if (filled + p.nbytes > options.bucket_bytes and filled > 0) or (
-            bucket_kinds and bucket_kinds[-1] != kind
+        if i == tail_at:
+            cap = options.tail_bytes
+        if (
+            (filled + p.nbytes > cap and filled > 0)
+            or (bucket_kinds and bucket_kinds[-1] != kind)
+            or (i == tail_at and bucket_packs and bucket_packs[-1] and _last_kind(packs, i))
         ):
             bucket_packs.append([])
             bucket_kinds.append(kind)
@@ -253,6 +269,12 @@ def layout(
             )
         )
     return buckets, offset
+
+
+def _last_kind(packs: list[Pack], i: int) -> bool:
+    """Pack i starts the tail within its kind's run (not at its first pack, which starts a
+    bucket anyway)."""
+    return i > 0 and packs[i - 1].expert == packs[i].expert
 
 
 def _alignment(p: Pack) -> int:

@@ -82,6 +82,10 @@ CASES = [
     ("kimi-k2", (2, 4, 2), "bfloat16", "whole3", {}),
     ("kimi-k2", (2, 2, 2), "bfloat16", "whole3", {"bucket_bytes": 1 << 16}),
     ("qwen3-moe", (2, 2, 2), "bfloat16", "whole3", {"bucket_bytes": 40_000}),
+    # a tapered tail: the last bucket_bytes of each send in buckets of tail_bytes
+    ("kimi-k2", (2, 2, 2), "bfloat16", "whole3", {"bucket_bytes": 1 << 16, "tail_bytes": 9000}),
+    ("qwen3-moe", (3, 4, 4), "bfloat16", "mixed", {"bucket_bytes": 40_000, "tail_bytes": 7000}),
+    ("qwen3-moe-fp8", (2, 2, 2), "fp8", "fsdp2", {"bucket_bytes": 1 << 15, "tail_bytes": 4096}),
     (
         "qwen3-moe",
         (2, 2, 1),

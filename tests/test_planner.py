@@ -357,3 +357,39 @@ def test_one_slice_of_many_experts_is_one_strided_write() -> None:
                 for i in range(do, do + w.length):
                     covered[i] += 1
     assert set(covered) == {1}, "every destination byte written exactly once"
+
+
+@pytest.mark.parametrize(
+    ("tail", "dense", "experts"),
+    [
+        (4096, [16384] * 3 + [4096] * 4, []),
+        (0, [16384] * 4, []),
+        (16384, [16384] * 4, []),  # a tail as large as a bucket: off
+        (4096, [16384] * 4, [16384] * 3 + [4096] * 4),  # only the send's end, the experts
+        (5000, [16384] * 3 + [4992, 3200] * 2, []),  # chunks of whole rows: 39 and 25 of 128 B
+    ],
+)
+def test_a_send_ends_in_tail_buckets(tail: int, dense: list[int], experts: list[int]) -> None:
+    """The last bucket_bytes of a trainer rank's send go in buckets of at most tail_bytes
+    (chunks cut to fit), the rest as before; bitwise either way."""
+    g = {f"layers.{i}.w": torch.randn(64, 64).to(torch.bfloat16) for i in range(8)}  # 8 KiB
+    g.update(
+        {f"layers.0.mlp.experts.{i}.w": torch.randn(64, 64).to(torch.bfloat16) for i in range(8)}
+        if experts
+        else {}
+    )
+    ts = [trainer("T", 0, g, dict.fromkeys(g))]
+    es = [engine("E", 0, [d for n in g for d in full_of(n)])]
+    options = PlanOptions(bucket_bytes=16384, tail_bytes=tail, max_write_bytes=4096)
+    plans = plan("job", ts, es, options)
+    buckets = [b for s in plans["T"].sends for b in s.buckets]
+    assert [b.nbytes for b in buckets if b.kind == "dense"] == dense
+    assert [b.nbytes for b in buckets if b.kind == "experts"] == experts
+    assert [b.index for b in buckets] == list(range(len(buckets)))
+    check_bitwise(execute(plans, ts, es, g), es, g)
+
+
+def full_of(name: str) -> list[tuple[str, str, tuple[int, ...], tuple[Piece, ...]]]:
+    return [
+        (name, "bfloat16", (64, 64), (Piece(source=name, box=Box.full((64, 64)), dst_offset=0),))
+    ]

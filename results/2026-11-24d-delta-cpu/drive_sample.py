@@ -1,4 +1,5 @@
-"""Delta against dense on a fixed pair of versions, the sampling pass skipped or not, in one process (from `../2026-11-24c-delta-cpu/drive.py`).
+"""Delta against dense on a fixed pair of versions, the sampling pass skipped or not,
+alternated in one process (`../2026-11-24c-delta-cpu/drive.py` with other settings).
 
 The bench's setting (two daemons in namespaces, tcp, 4 streams; one trainer and one
 engine rank in this process; 8 x 8192^2 bf16 = 1.07 GB), but without the AdamW steps:
@@ -7,9 +8,11 @@ its bf16 elements flipped), so every delta version has the same 4.2 % density an
 version pairs are quick. Each repetition publishes a delta version, then the same bytes
 dense; every version is checked bitwise. Prints medians per configuration.
 
-    .venv/bin/python results/2026-11-24c-delta-cpu/drive.py LINK_GBPS|none CONFIGS REPS
+    .venv/bin/python results/2026-11-24d-delta-cpu/drive_sample.py LINK_GBPS|none CONFIGS REPS
 
-CONFIGS, comma-separated: `skip` (the sampling pass skipped where the slot went delta well inside its limit, the default) or `sample` (every slot sampled, as before), `+thr` to print CPU ticks.
+CONFIGS, comma-separated: `skip` (the sampling pass skipped where the slot went delta
+well inside its limit, the default) or `sample` (every slot sampled, as before); `+thr`
+to print CPU ticks.
 """
 
 from __future__ import annotations
