@@ -1,6 +1,6 @@
 """`weightwire bench delta --json` on a small model: every field of issue 17's item 6, the
-unshaped run first and a run on veth shaped by tc; every version verified. Speed is never
-asserted (only that each ratio is the ratio of its own figures)."""
+unshaped run first and a run on veth shaped by tc (10 Gbit/s by default); every version
+verified. Speed is never asserted (only that each ratio is the ratio of its own figures)."""
 
 from __future__ import annotations
 
@@ -12,19 +12,28 @@ import pytest
 
 from .conftest import NETNS, NETNS_WHY
 
+SMALL = ["--layers", "2", "--width", "1024", "--steps", "1", "--lr", "1e-6"]
 
-@pytest.mark.skipif(not NETNS, reason=f"--link-gbps shapes veth in namespaces: {NETNS_WHY}")
-def test_bench_delta_reports_unshaped_and_shaped_runs() -> None:
-    cmd = [
-        sys.executable, "-m", "weightwire.cli.main", "bench", "delta", "--json",
-        "--layers", "2", "--width", "1024", "--steps", "1", "--lr", "1e-6", "--link-gbps", "1",
-    ]  # fmt: skip
+
+def bench(*flags: str) -> dict:
+    cmd = [sys.executable, "-m", "weightwire.cli.main", "bench", "delta", "--json", *SMALL, *flags]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
-    report = json.loads(out.stdout.strip().splitlines()[-1])
-    assert report["verified"] is True and report["link_gbps"] == [1.0]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not NETNS, reason=f"--link-gbps shapes veth in namespaces: {NETNS_WHY}")
+@pytest.mark.parametrize(
+    ("flags", "links"),
+    [((), [10.0]), (("--link-gbps", "1"), [1.0]), (("--unshaped-only",), [])],
+)
+def test_bench_delta_reports_unshaped_and_shaped_runs(
+    flags: tuple[str, ...], links: list[float]
+) -> None:
+    report = bench(*flags)
+    assert report["verified"] is True and report["link_gbps"] == links
     runs = report["runs"]
-    assert [r["link_gbps"] for r in runs] == [None, 1.0]
+    assert [r["link_gbps"] for r in runs] == [None, *links]
     for r in runs:
         assert r["verified"] is True
         assert 0 < r["density"] < 1
