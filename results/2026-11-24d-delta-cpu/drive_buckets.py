@@ -10,7 +10,8 @@ same load. Every version is checked bitwise. Prints medians per bucket size.
         LINK_GBPS|none MIB,MIB,.. ROUNDS [FLAG=V,..]
 
 FLAG=V: more daemon flags for every cluster; a size written `256+bucket-tail-bytes=0`
-gives that cluster its own flags.
+gives that cluster its own flags, and `+sample` samples every slot before its compare
+(`sender.SKIP_FILL` off, as before). DENSITY (environment): of B's elements flipped.
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ import torch
 
 import weightwire.bench.delta as bd
 from weightwire.client import Engine, Trainer
+from weightwire.client.delta import sender
 from weightwire.harness import netns
 from weightwire.harness.localcluster import LocalCluster
 
 LAYERS, WIDTH = 8, 8192
+DENSITY = float(os.environ.get("DENSITY", "0.042"))  # of the elements flipped in B
 link = None if sys.argv[1] == "none" else float(sys.argv[1])
 configs = sys.argv[2].split(",")
 rounds = int(sys.argv[3])
@@ -41,14 +44,14 @@ for i in range(LAYERS):
     A[f"layers.{i}.weight"] = torch.from_numpy(w).to(torch.bfloat16)
     b = A[f"layers.{i}.weight"].clone()
     v = b.view(torch.int16).numpy().reshape(-1)
-    v[rng.random(v.size, dtype=np.float32) < 0.042] ^= 1
+    v[rng.random(v.size, dtype=np.float32) < DENSITY] ^= 1
     B[f"layers.{i}.weight"] = b
 params = {n: t.clone() for n, t in A.items()}
 
 setups = []
 try:
     for cfg in configs:
-        mib, *more = cfg.split("+")
+        mib, *more = (x for x in cfg.split("+") if x != "sample")
         flags = {"tcp-streams": "4", "version-timeout-s": "600", **common}
         flags["bucket-bytes"] = str(int(float(mib) * (1 << 20)))
         flags.update(dict(kv.split("=", 1) for kv in more))
@@ -77,6 +80,7 @@ try:
         for s in setups:
             cfg, cl, tr, eng, dst, v, rows = s
             v += 1
+            sender.SKIP_FILL = -1.0 if "+sample" in cfg else 0.5
             tr.delta.mode = "auto"
             w0 = time.time()
             d = tr.publish(v)
@@ -112,6 +116,8 @@ try:
             "verified": all(r[4] for r in rows),
             "delta_s_each": [round(r[0], 3) for r in rows],
             "dense_s_each": [round(r[1], 3) for r in rows],
+            "pack_each": [round(r[3]["pack"], 3) for r in rows],
+            "after_pack_each": [round(r[3]["total"] - r[3]["pack"], 3) for r in rows],
         }
         print(cfg, {k: round(x, 4) if isinstance(x, float) else x for k, x in out.items()},
               flush=True)  # fmt: skip
