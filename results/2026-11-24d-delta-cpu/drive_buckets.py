@@ -35,17 +35,25 @@ DENSITY = float(os.environ.get("DENSITY", "0.042"))  # of the elements flipped i
 link = None if sys.argv[1] == "none" else float(sys.argv[1])
 configs = sys.argv[2].split(",")
 rounds = int(sys.argv[3])
+TIMELINE = ("pack", "last_landed", "after_landed", "engine_early", "engine_tail")
 common = dict(kv.split("=", 1) for kv in sys.argv[4].split(",")) if len(sys.argv) > 4 else {}
 use_netns, _ = netns.available()
-rng = np.random.default_rng(0)
+
+
+def pair(rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's A (std 0.02) and B (A, the low bit of DENSITY of its elements flipped)."""
+    a = torch.from_numpy(rng.standard_normal((WIDTH, WIDTH), dtype=np.float32) * 0.02)
+    a = a.to(torch.bfloat16)
+    flip = torch.from_numpy(rng.random(WIDTH * WIDTH, dtype=np.float32) < DENSITY)
+    b = a.clone()
+    b.view(torch.int16).view(-1).bitwise_xor_(flip.to(torch.int16))
+    return a, b
+
+
+gen = np.random.default_rng(0)
 A, B = {}, {}
 for i in range(LAYERS):
-    w = rng.standard_normal((WIDTH, WIDTH), dtype=np.float32) * 0.02
-    A[f"layers.{i}.weight"] = torch.from_numpy(w).to(torch.bfloat16)
-    b = A[f"layers.{i}.weight"].clone()
-    v = b.view(torch.int16).numpy().reshape(-1)
-    v[rng.random(v.size, dtype=np.float32) < DENSITY] ^= 1
-    B[f"layers.{i}.weight"] = b
+    A[f"layers.{i}.weight"], B[f"layers.{i}.weight"] = pair(gen)
 params = {n: t.clone() for n, t in A.items()}
 
 setups = []
@@ -94,31 +102,26 @@ try:
             eng.wait(v)
             ok &= all(torch.equal(dst[n], params[n]) for n in params)
             s[5] = v
-            dense_timeline = bd._phases(dn, w1, eng)
+            late = bd._phases(dn, w1, eng)
             rows.append(
-                (d.total_seconds, dn.total_seconds, phases, timeline, ok, d.nbytes, dense_timeline)
+                {
+                    "delta_s": d.total_seconds,
+                    "dense_s": dn.total_seconds,
+                    **{k: phases[k] for k in ("sample", "scan", "encode")},
+                    **{k: timeline[k] for k in TIMELINE},
+                    "after_pack": timeline["total"] - timeline["pack"],
+                    "dense_after_pack": late["total"] - late["pack"],
+                    "delta_mb": d.nbytes / 1e6,
+                    "ok": ok,
+                }
             )
-    med = statistics.median
     print("load average", os.getloadavg(), flush=True)
     for cfg, _cl, _tr, _eng, _dst, _v, rows in setups:
-        out = {
-            "delta_s": med(r[0] for r in rows),
-            "dense_s": med(r[1] for r in rows),
-            "speedup": med(r[1] for r in rows) / med(r[0] for r in rows),
-            **{k: med(r[2][k] for r in rows) for k in ("sample", "scan", "encode")},
-            **{
-                k: med(r[3][k] for r in rows)
-                for k in ("pack", "last_landed", "after_landed", "engine_early", "engine_tail")
-            },
-            "after_pack": med(r[3]["total"] - r[3]["pack"] for r in rows),
-            "dense_after_pack": med(r[6]["total"] - r[6]["pack"] for r in rows),
-            "delta_mb": med(r[5] for r in rows) / 1e6,
-            "verified": all(r[4] for r in rows),
-            "delta_s_each": [round(r[0], 3) for r in rows],
-            "dense_s_each": [round(r[1], 3) for r in rows],
-            "pack_each": [round(r[3]["pack"], 3) for r in rows],
-            "after_pack_each": [round(r[3]["total"] - r[3]["pack"], 3) for r in rows],
-        }
+        out = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "ok"}
+        out["speedup"] = out["dense_s"] / out["delta_s"]
+        out["verified"] = all(r["ok"] for r in rows)
+        for k in ("delta_s", "dense_s", "pack", "after_pack"):
+            out[f"{k}_each"] = [round(r[k], 3) for r in rows]
         print(cfg, {k: round(x, 4) if isinstance(x, float) else x for k, x in out.items()},
               flush=True)  # fmt: skip
 finally:
