@@ -1,0 +1,352 @@
+"""Delta sync against model layouts weightwire did not choose, with real daemons.
+
+slime's delta sync corrupted grouped-MoE weights (slime#2209): a loader hack that patched
+`copy_` could not follow gate and up concatenated into one w13, experts stacked into one
+3-D parameter, or a TP slice of each. Here the engine ranks' layouts are the ones SGLang
+and vLLM use, fed by Recipes from the trainer's tensors (and the other way round), and
+every version, dense first then deltas, is checked bitwise at every engine rank against
+what a dense sync gives (the reference is built from the trainer's tensors the plain way:
+slicing, concatenation, FP8 block quantization), with deltas actually sent:
+
+- experts stacked and gate/up fused on the trainer, per-expert tensors on the engines,
+  split by expert parallelism;
+- per-expert tensors on the trainer, stacked w13 (gate|up) and w2 on the engines, each
+  engine rank a TP slice of every expert (gate's rows and up's rows of its slice side by
+  side: the layout slime#2209 broke);
+- tied embeddings (one source tensor to two destinations of each rank) and a norm written
+  whole to both TP ranks;
+- an FP8 engine: codes and float32 scales from one bf16 source per expert, deltas of both;
+- 1-element and odd-sized tensors, a 1-byte dtype with an odd count;
+- trainer tensors that are views of one buffer, non-contiguous views (a transpose, every
+  other column), and a parameter replaced by a new tensor object between versions.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from weightwire.client import Engine, Recipe, Trainer
+from weightwire.client.fp8 import quantize_blocks
+from weightwire.harness.localcluster import LocalCluster
+from weightwire.protocol.errors import ErrorCode, WeightwireError
+from weightwire.protocol.tensors import Box, Fp8BlockQuant, Fp8BlockScale, Piece
+
+from .conftest import FAST, NETNS, serve
+from .test_delta_e2e import SMALL
+
+_jobs = itertools.count()
+E, I, H = 4, 96, 160  # experts, intermediate, hidden
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    yield from serve(LocalCluster(hosts=2, use_netns=NETNS, extra={**FAST, **SMALL}))
+
+
+def bf16(g: torch.Generator, *shape: int, scale: float = 0.02) -> torch.Tensor:
+    return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
+
+
+def step(tensors: list[torch.Tensor], density: float, seed: int) -> None:
+    """Change about `density` of the elements of each tensor in place, through whatever
+    view it is (strided views included)."""
+    g = torch.Generator().manual_seed(seed)
+    for t in tensors:
+        mask = torch.rand(t.shape, generator=g) < density
+        if t.dtype in (torch.uint8, torch.int8):
+            t[mask] = t[mask] + 1
+        else:
+            t[mask] = (t[mask].float() + 0.01).to(t.dtype)
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8).reshape(-1)
+
+
+def box_of(t: torch.Tensor, box: Box) -> torch.Tensor:
+    return t[tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes, strict=True))]
+
+
+def reference(pieces: tuple[Piece, ...], nbytes: int, src: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A destination's bytes from the trainer's global tensors, built the plain way."""
+    out = torch.zeros(nbytes, dtype=torch.uint8)
+    for p in pieces:
+        part = box_of(src[p.source], p.box)
+        if isinstance(p.transform, Fp8BlockQuant):
+            data = raw(quantize_blocks(part.reshape(part.shape[-2:]), p.transform.block)[0])
+        elif isinstance(p.transform, Fp8BlockScale):
+            data = raw(quantize_blocks(part.reshape(part.shape[-2:]), p.transform.block)[1])
+        else:
+            data = raw(part)
+        out[p.dst_offset : p.dst_offset + data.numel()] = data
+    return out
+
+
+@dataclass
+class Dest:
+    tensor: torch.Tensor
+    pieces: tuple[Piece, ...]
+
+
+@dataclass
+class Job:
+    """A trainer rank's tensors (as registered: views included), the global tensors they
+    are views of (for the reference), and each engine rank's destinations."""
+
+    trainer: dict[str, torch.Tensor]
+    globals_: Callable[[], dict[str, torch.Tensor]]
+    engines: dict[int, dict[str, Dest]]
+    mutable: list[torch.Tensor] = field(default_factory=list)  # what a step changes
+
+
+def run(c: LocalCluster, job: Job, versions: int = 4, density: float = 0.02) -> None:
+    name = f"layouts{next(_jobs)}"
+    engines = {}
+    try:
+        for rank, dests in job.engines.items():
+            eng = Engine(
+                rank, len(job.engines), socket=c.daemons[1].socket, job=name, timeout_s=30,
+                delta_area=0.5,
+            )  # fmt: skip
+            engines[rank] = eng
+            eng.register(
+                {n: d.tensor for n, d in dests.items()},
+                {n: Recipe(d.pieces) for n, d in dests.items()},
+            )
+        tr = Trainer(0, 1, socket=c.daemons[0].socket, job=name, timeout_s=30, delta="on")
+        try:
+            tr.register(job.trainer)
+            for v in range(versions):
+                if v:
+                    step(job.mutable or list(job.trainer.values()), density, v)
+                stats = tr.publish(v)
+                src = job.globals_()
+                for rank, dests in job.engines.items():
+                    engines[rank].wait(v)
+                    for n, d in dests.items():
+                        want = reference(d.pieces, d.tensor.nbytes, src)
+                        assert torch.equal(raw(d.tensor), want), f"v{v} rank {rank}: {n} differs"
+                    assert engines[rank].delta is not None and engines[rank].delta.held == v
+                if v:
+                    assert stats.delta_bytes > 4096, f"v{v}: no deltas sent ({stats})"
+        finally:
+            tr.close()
+    finally:
+        for eng in engines.values():
+            eng.close()
+
+
+def test_stacked_fused_experts_to_per_expert_ranks(cluster: LocalCluster) -> None:
+    """Trainer: experts stacked, gate|up fused (w13 [E, 2I, H]), w2 [E, H, I]. Engine
+    ranks: per-expert gate, up, down, experts split over two ranks (EP)."""
+    g = torch.Generator().manual_seed(1)
+    w = {"experts.w13": bf16(g, E, 2 * I, H), "experts.w2": bf16(g, E, H, I)}
+    engines: dict[int, dict[str, Dest]] = {}
+    for rank in (0, 1):
+        dests = {}
+        for e in range(rank * E // 2, (rank + 1) * E // 2):
+            parts = {
+                "gate": ("experts.w13", Box(offsets=(e, 0, 0), sizes=(1, I, H)), (I, H)),
+                "up": ("experts.w13", Box(offsets=(e, I, 0), sizes=(1, I, H)), (I, H)),
+                "down": ("experts.w2", Box(offsets=(e, 0, 0), sizes=(1, H, I)), (H, I)),
+            }
+            for part, (source, box, shape) in parts.items():
+                dests[f"experts.{e}.{part}"] = Dest(
+                    torch.zeros(shape, dtype=torch.bfloat16),
+                    (Piece(source=source, box=box, dst_offset=0),),
+                )
+        engines[rank] = dests
+    run(cluster, Job(w, lambda: w, engines))
+
+
+def test_per_expert_to_tp_sliced_fused_w13(cluster: LocalCluster) -> None:
+    """Trainer: per-expert gate, up, down. Engine ranks (TP 2): w13 [E, 2 * I/2, H], each
+    expert's slice of gate rows then its slice of up rows; w2 [E, H, I/2] (columns)."""
+    g = torch.Generator().manual_seed(2)
+    w = {}
+    for e in range(E):
+        w[f"experts.{e}.gate"] = bf16(g, I, H)
+        w[f"experts.{e}.up"] = bf16(g, I, H)
+        w[f"experts.{e}.down"] = bf16(g, H, I)
+    half = I // 2
+    engines: dict[int, dict[str, Dest]] = {}
+    for rank in (0, 1):
+        w13, w2 = [], []
+        for e in range(E):
+            rows = Box.rows((I, H), rank * half, (rank + 1) * half)
+            at = e * 2 * half * H * 2
+            w13.append(Piece(source=f"experts.{e}.gate", box=rows, dst_offset=at))
+            w13.append(Piece(source=f"experts.{e}.up", box=rows, dst_offset=at + half * H * 2))
+            cols = Box.rows((H, I), rank * half, (rank + 1) * half, dim=1)
+            w2.append(Piece(source=f"experts.{e}.down", box=cols, dst_offset=e * H * half * 2))
+        engines[rank] = {
+            "experts.w13": Dest(torch.zeros(E, 2 * half, H, dtype=torch.bfloat16), tuple(w13)),
+            "experts.w2": Dest(torch.zeros(E, H, half, dtype=torch.bfloat16), tuple(w2)),
+        }
+    run(cluster, Job(w, lambda: w, engines))
+
+
+def whole(name: str, t: torch.Tensor) -> Dest:
+    return Dest(torch.zeros(tuple(t.shape), dtype=t.dtype), (Piece(source=name, box=Box.full(tuple(t.shape)), dst_offset=0),))
+
+
+def test_tied_embeddings_and_replicated_norms(cluster: LocalCluster) -> None:
+    """One source tensor to two destinations of each engine rank (embed_tokens and
+    lm_head tied); a norm whole to both TP ranks; 1-element and odd-sized tensors; a
+    1-byte dtype with an odd count."""
+    g = torch.Generator().manual_seed(3)
+    V = 1000
+    w = {
+        "embed": bf16(g, V, H),
+        "norm": (1 + torch.randn(H, generator=g) * 0.02).to(torch.bfloat16),
+        "one": bf16(g, 1),
+        "odd": bf16(g, 7, 13),
+        "bytes": torch.randint(0, 200, (3, 11), generator=g, dtype=torch.uint8),
+        "f32": torch.randn(33, generator=g),
+    }
+    engines: dict[int, dict[str, Dest]] = {}
+    for rank in (0, 1):
+        rows = Box.rows((V, H), rank * V // 2, (rank + 1) * V // 2)
+        shape = (V // 2, H)
+        engines[rank] = {
+            "embed_tokens": Dest(torch.zeros(shape, dtype=torch.bfloat16),
+                                 (Piece(source="embed", box=rows, dst_offset=0),)),
+            "lm_head": Dest(torch.zeros(shape, dtype=torch.bfloat16),
+                            (Piece(source="embed", box=rows, dst_offset=0),)),
+            **{n: whole(n, w[n]) for n in ("norm", "one", "odd", "bytes", "f32")},
+        }  # fmt: skip
+    run(cluster, Job(w, lambda: w, engines), density=0.05)
+
+
+def test_fp8_engine_codes_and_scales(cluster: LocalCluster) -> None:
+    """An FP8 engine: per-expert bf16 sources quantized into stacked codes and float32
+    scales (tiles of 128, the last ones partial); deltas of both."""
+    g = torch.Generator().manual_seed(4)
+    rows, cols = 200, 300
+    tr_, tc_ = -(-rows // 128), -(-cols // 128)
+    w = {f"experts.{e}.down": bf16(g, rows, cols) for e in range(E)}
+    box = Box.full((rows, cols))
+    codes = tuple(
+        Piece(source=f"experts.{e}.down", box=box, dst_offset=e * rows * cols,
+              transform=Fp8BlockQuant())
+        for e in range(E)
+    )  # fmt: skip
+    scales = tuple(
+        Piece(source=f"experts.{e}.down", box=box, dst_offset=e * tr_ * tc_ * 4,
+              transform=Fp8BlockScale())
+        for e in range(E)
+    )  # fmt: skip
+    engines = {
+        0: {
+            "w2": Dest(torch.zeros(E, rows, cols, dtype=torch.float8_e4m3fn), codes),
+            "w2_scale_inv": Dest(torch.zeros(E, tr_, tc_, dtype=torch.float32), scales),
+        }
+    }
+    run(cluster, Job(w, lambda: w, engines))
+
+
+def test_trainer_views_of_one_buffer_and_strided(cluster: LocalCluster) -> None:
+    """Trainer tensors that share storage (gate and up: halves of one w13 buffer, as a
+    fused parameter's views), a transpose and every other column (non-contiguous): the
+    in-place compare reads them where they are, packing copies them; a step changes the
+    buffers through other views."""
+    g = torch.Generator().manual_seed(5)
+    w13 = bf16(g, 2 * I, H)
+    base_t = bf16(g, H, I)
+    wide = bf16(g, I, 2 * H)
+    trainer = {
+        "gate": w13[:I],
+        "up": w13[I:],
+        "down": base_t.t(),  # (I, H), non-contiguous
+        "cols": wide[:, ::2],  # (I, H), every other column
+    }
+    engines = {0: {n: whole(n, t) for n, t in trainer.items()}}
+    run(cluster, Job(trainer, lambda: trainer, engines, mutable=[w13, base_t, wide]))
+
+
+def test_parameter_replaced_between_versions(cluster: LocalCluster) -> None:
+    """Between versions a parameter gets new storage (`param.data = ...`, as offloading
+    does), another is passed to publish as a new tensor object (then not, so the
+    registered one is read again), and a third is changed in place after publish
+    returned: each version bitwise, deltas throughout."""
+    name = f"layouts{next(_jobs)}"
+    g = torch.Generator().manual_seed(6)
+    p = torch.nn.Parameter(bf16(g, 256, 512), requires_grad=False)
+    w = {"p": p, "q": bf16(g, 256, 512), "r": bf16(g, 300, 100)}
+    dst = {n: torch.zeros(tuple(t.shape), dtype=t.dtype) for n, t in w.items()}
+    eng = Engine(0, 1, socket=cluster.daemons[1].socket, job=name, timeout_s=30, delta_area=0.5)
+    eng.register(dst)
+    tr = Trainer(0, 1, socket=cluster.daemons[0].socket, job=name, timeout_s=30, delta="on")
+    try:
+        tr.register(w)
+        tr.publish(0)
+        eng.wait(0)
+        assert all(torch.equal(raw(dst[n]), raw(w[n])) for n in w)
+        for v in range(1, 6):
+            step([p.data, w["q"], w["r"]], 0.02, v)
+            given = None
+            if v % 2:
+                p.data = p.data.clone()  # new storage, same parameter object
+                given = {"q": w["q"].clone()}
+                step([given["q"]], 0.02, 100 + v)  # the version publishes this one
+            stats = tr.publish(v, given)
+            eng.wait(v)
+            want = {**w, **(given or {})}
+            for n in w:
+                assert torch.equal(raw(dst[n]), raw(want[n])), f"v{v}: {n} differs"
+            assert stats.delta_bytes > 4096, stats
+            step([w["r"]], 0.02, 200 + v)  # after publish returned: the next one sends it
+    finally:
+        tr.close()
+        eng.close()
+
+
+def test_tensors_registered_between_versions(cluster: LocalCluster) -> None:
+    """Replans between versions: the engine rank registers one more tensor (zeros: the
+    engine holds a verified version, but not of these bytes) and the trainer its source,
+    twice. Every version bitwise; an empty tensor and a 1-element one along."""
+    name = f"layouts{next(_jobs)}"
+    g = torch.Generator().manual_seed(7)
+    w = {
+        "a": bf16(g, 512, 256),
+        "b": bf16(g, 300, 200),
+        "c": bf16(g, 128, 64),
+        "one": bf16(g, 1),
+        "empty": bf16(g, 0, 16),
+    }
+    dst = {n: torch.zeros(tuple(t.shape), dtype=t.dtype) for n, t in w.items()}
+    eng = Engine(0, 1, socket=cluster.daemons[1].socket, job=name, timeout_s=30, delta_area=0.5)
+    held: list[str] = ["a", "one", "empty"]
+    eng.register({n: dst[n] for n in held})
+    tr = Trainer(0, 1, socket=cluster.daemons[0].socket, job=name, timeout_s=30, delta="on")
+    try:
+        tr.register({n: w[n] for n in held})
+        for v in range(7):
+            if v in (2, 4):  # one more tensor at both ends
+                more = "b" if v == 2 else "c"
+                eng.register({more: dst[more]})
+                tr.register({more: w[more]})
+                held.append(more)
+            if v:
+                step([w[n] for n in w], 0.02, v)
+            for attempt in range(20):  # a replan reaches the trainer as PLAN_CHANGED
+                try:
+                    stats = tr.publish(v)
+                    break
+                except WeightwireError as exc:
+                    assert exc.code == ErrorCode.PLAN_CHANGED, exc
+            else:
+                raise AssertionError(f"version {v} never published")
+            eng.wait(v)
+            for n in held:
+                assert torch.equal(raw(dst[n]), raw(w[n])), f"v{v}: {n} differs"
+            if v in (1, 3, 6):
+                assert stats.delta_bytes > 4096, (v, stats)
+    finally:
+        tr.close()
+        eng.close()
