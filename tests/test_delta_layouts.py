@@ -26,16 +26,18 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import pytest
 import torch
 
-from weightwire.client import Engine, Recipe, Trainer
+from weightwire.client import Engine, Recipe, Shard, Trainer
+from weightwire.client.dtypes import TORCH
 from weightwire.client.fp8 import quantize_blocks
 from weightwire.harness.localcluster import LocalCluster
 from weightwire.protocol.errors import ErrorCode, WeightwireError
-from weightwire.protocol.tensors import Box, Fp8BlockQuant, Fp8BlockScale, Piece
+from weightwire.protocol.tensors import Box, Cast, Fp8BlockQuant, Fp8BlockScale, Piece
 
 from .conftest import FAST, NETNS, serve
 from .test_delta_e2e import SMALL
@@ -82,6 +84,8 @@ def reference(pieces: tuple[Piece, ...], nbytes: int, src: dict[str, torch.Tenso
             data = raw(quantize_blocks(part.reshape(part.shape[-2:]), p.transform.block)[0])
         elif isinstance(p.transform, Fp8BlockScale):
             data = raw(quantize_blocks(part.reshape(part.shape[-2:]), p.transform.block)[1])
+        elif isinstance(p.transform, Cast):
+            data = raw(part.to(TORCH[p.transform.dtype]))
         else:
             data = raw(part)
         out[p.dst_offset : p.dst_offset + data.numel()] = data
@@ -421,4 +425,79 @@ def test_registered_parameter_changed_under_us_is_refused(
             assert (stats.delta_bytes > 4096) == (mode == "delta"), stats
     finally:
         tr.close()
+        eng.close()
+
+
+def test_fp32_shards_of_two_trainers_cast_into_fused_bf16(cluster: LocalCluster) -> None:
+    """Two trainer ranks hold fp32 master weights, each half of every expert's rows
+    (FSDP); the engine rank holds stacked bf16 w13 (gate|up) and w2, cast on the way:
+    deltas compared after the cast. Updates far below a bf16 ULP for most elements.
+    Between versions trainer rank 1 is replaced by a new process's worth of state (no
+    shadow): it sends dense, rank 0 keeps sending deltas, every version bitwise."""
+    name = f"layouts{next(_jobs)}"
+    g = torch.Generator().manual_seed(9)
+    full = {}
+    for e in range(E):
+        for part, shape in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I))):
+            full[f"experts.{e}.{part}"] = torch.randn(*shape, generator=g) * 0.02
+    cast = Cast(dtype="bfloat16")
+    w13, w2 = [], []
+    for e in range(E):
+        at = e * 2 * I * H * 2
+        for k, part in enumerate(("gate", "up")):
+            w13.append(Piece(source=f"experts.{e}.{part}", box=Box.full((I, H)),
+                             dst_offset=at + k * I * H * 2, transform=cast))  # fmt: skip
+        w2.append(Piece(source=f"experts.{e}.down", box=Box.full((H, I)),
+                        dst_offset=e * H * I * 2, transform=cast))  # fmt: skip
+    dests = {
+        "experts.w13": Dest(torch.zeros(E, 2 * I, H, dtype=torch.bfloat16), tuple(w13)),
+        "experts.w2": Dest(torch.zeros(E, H, I, dtype=torch.bfloat16), tuple(w2)),
+    }
+    eng = Engine(0, 1, socket=cluster.daemons[1].socket, job=name, timeout_s=30, delta_area=0.5)
+    eng.register(
+        {n: d.tensor for n, d in dests.items()}, {n: Recipe(d.pieces) for n, d in dests.items()}
+    )
+
+    def shard(rank: int) -> dict[str, torch.Tensor]:
+        return {n: t.chunk(2)[rank] for n, t in full.items()}  # views of the master weights
+
+    def trainer(rank: int) -> Trainer:
+        tr = Trainer(rank, 2, socket=cluster.daemons[0].socket, job=name, timeout_s=30,
+                     delta="auto")  # fmt: skip
+        tr.register(shard(rank), Shard(0, rank, 2), {n: tuple(t.shape) for n, t in full.items()})
+        return tr
+
+    trs = [trainer(0), trainer(1)]
+    pool = ThreadPoolExecutor(2)
+    try:
+        for v in range(6):
+            if v:
+                gen = torch.Generator().manual_seed(v)
+                for t in full.values():
+                    t += torch.randn(t.shape, generator=gen) * 1e-5  # mostly below bf16's ULP
+            if v == 3:
+                trs[1].close()
+                trs[1] = trainer(1)
+            for _ in range(50):
+                try:
+                    stats = list(pool.map(Trainer.publish, trs, [v, v]))
+                    break
+                except WeightwireError as exc:
+                    assert exc.code in (ErrorCode.PLAN_CHANGED, ErrorCode.NOT_READY), exc
+                    time.sleep(0.1)
+            else:
+                raise AssertionError(f"version {v} never published")
+            eng.wait(v)
+            for n, d in dests.items():
+                assert torch.equal(raw(d.tensor), reference(d.pieces, d.tensor.nbytes, full)), (
+                    f"v{v}: {n} differs"
+                )
+            if v:
+                assert stats[0].delta_bytes > 4096, stats[0]
+            if v == 3:
+                assert stats[1].delta_bytes < 4096, stats[1]  # the new rank: dense
+    finally:
+        pool.shutdown()
+        for tr in trs:
+            tr.close()
         eng.close()
