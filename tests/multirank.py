@@ -87,17 +87,27 @@ def out_dir(ranks: list[Rank]) -> Path:
 
 
 def engine_group(
-    cluster: LocalCluster, hf: dict[str, Any], tp: int, ep: int, job: str, first: int, world: int
+    cluster: LocalCluster,
+    hf: dict[str, Any],
+    tp: int,
+    ep: int,
+    job: str,
+    first: int,
+    world: int,
+    delta_area: float = 0.0,
 ) -> tuple[list[Engine], list[dict[str, torch.Tensor]]]:
     """TP-`tp` / EP-`ep` engine ranks `first`.. of `world` on daemon 1, zeroed tensors
-    registered with their SGLang layout."""
+    registered with their SGLang layout (and a delta area of `delta_area`)."""
     engines, received = [], []
     for r in range(tp):
         lay = layout(hf, tp, r, ep, "")
         tensors = {
             t.name: torch.zeros(t.shape, dtype=TORCH[t.dtype]) for t in engine_tensors(hf, lay)
         }
-        eng = Engine(first + r, world, socket=cluster.daemons[1].socket, job=job, timeout_s=60)
+        eng = Engine(
+            first + r, world, socket=cluster.daemons[1].socket, job=job, timeout_s=60,
+            delta_area=delta_area,
+        )  # fmt: skip
         eng.register(tensors, layout=lay)
         engines.append(eng)
         received.append(tensors)

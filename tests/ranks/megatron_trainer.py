@@ -2,12 +2,15 @@
 gloo, CPU) for tests/test_megatron.py. Commands on stdin, one JSON object a line:
 
 - {"cmd": "setup", "job": ..., "hf": {HF config}, "tp": n, "pp": n, "ep": n, "etp": n,
-  "divisible_by": n}: (re)initialize Megatron's parallel groups, build this stage's
-  GPTModel from the HF config (vocabulary padded as Megatron-LM pads it), give every
-  parameter values of its own (replicas alike), register it with
+  "divisible_by": n, "delta": "off" | "auto" | "on"}: (re)initialize Megatron's
+  parallel groups, build this stage's GPTModel from the HF config (vocabulary padded as
+  Megatron-LM pads it), give every parameter values of its own (replicas alike),
+  register it with
   `Trainer.register_megatron`, prepare;
-- {"cmd": "publish", "version": v, "move": bool}: an optimizer-like in-place step (with
-  `move`, on new storage for every parameter), then this rank's own
+- {"cmd": "publish", "version": v, "move": bool, "sparse": bool}: an optimizer-like
+  in-place step (with `move`, on new storage for every parameter; with `sparse`, of
+  about 2 % of each parameter's elements, as RL steps change bf16 weights), then this
+  rank's own
   parameters as they are (Megatron names, with its TP/PP/EP coordinates) saved to
   `<out>/<job>-v<v>-r<rank>.pt` for the test's own Megatron->HF conversion, then
   `publish(v)`;
@@ -186,14 +189,20 @@ def fill(model: Any) -> None:
             p.copy_(torch.randn(p.shape, generator=g))  # bfloat16 (float32 expert bias)
 
 
-def step(model: Any, version: int, move: bool) -> None:
+def step(model: Any, version: int, move: bool, sparse: bool = False) -> None:
     """An optimizer-like update in place; with `move`, every parameter first gets new
-    storage (what offloading the model to the CPU and back between rollouts does)."""
+    storage (what offloading the model to the CPU and back between rollouts does); with
+    `sparse`, of about 2 % of its elements (the same ones on replicas)."""
     with torch.no_grad():
-        for p in tensors(model).values():
+        for name, p in tensors(model).items():
             if move:
                 p.data = p.data.clone()
-            p.mul_(0.75).add_(version / 8)
+            if sparse:
+                g = torch.Generator().manual_seed(zlib.crc32(f"{name}|{version}".encode()))
+                mask = torch.rand(p.shape, generator=g) < 0.02
+                p[mask] = p[mask] * 0.75 + version / 8
+            else:
+                p.mul_(0.75).add_(version / 8)
 
 
 def main() -> None:
@@ -214,7 +223,7 @@ def main() -> None:
         hf = msg["hf"]
         model = build(hf, msg["tp"], msg["pp"], msg["ep"], msg["etp"], msg["divisible_by"])
         fill(model)
-        tr = ranked.trainer(job)
+        tr = ranked.trainer(job, msg.get("delta", "off"))
         boxes = tr.register_megatron(model, hf)
         tr.prepare()
         say(event="ready", rank=a.rank, job=job, boxes=boxes, **coordinates())
@@ -222,7 +231,7 @@ def main() -> None:
     def publish(msg: dict[str, Any]) -> None:
         assert model is not None
         v = msg["version"]
-        step(model, v, bool(msg.get("move")))
+        step(model, v, bool(msg.get("move")), bool(msg.get("sparse")))
         own = {n: p.detach().clone() for n, p in tensors(model).items()}
         torch.save(
             {"params": own, **coordinates()},

@@ -17,6 +17,7 @@ from typing import Any
 import torch.distributed as dist
 
 from weightwire.client import Trainer
+from weightwire.client.delta.sender import Mode
 from weightwire.protocol.errors import WeightwireError
 
 
@@ -46,15 +47,20 @@ class Ranked:
         self.a = a
         self.tr: Trainer | None = None
 
-    def trainer(self, job: str) -> Trainer:
+    def trainer(self, job: str, delta: Mode = "off") -> Trainer:
         self.close()
-        self.tr = Trainer(self.a.rank, self.a.world, socket=self.a.socket, job=job, timeout_s=60)
+        self.tr = Trainer(
+            self.a.rank, self.a.world, socket=self.a.socket, job=job, timeout_s=60, delta=delta
+        )
         return self.tr
 
     def publish(self, version: int) -> None:
         assert self.tr is not None
         s = self.tr.publish(version)
-        say(event="published", rank=self.a.rank, version=version, bytes=s.nbytes)
+        say(
+            event="published", rank=self.a.rank, version=version, bytes=s.nbytes,
+            delta_bytes=s.delta_bytes,
+        )  # fmt: skip
 
     def close(self) -> None:
         if self.tr is not None:
