@@ -5,13 +5,11 @@ gloo, CPU) for tests/test_megatron.py. Commands on stdin, one JSON object a line
   "divisible_by": n, "delta": "off" | "auto" | "on"}: (re)initialize Megatron's
   parallel groups, build this stage's GPTModel from the HF config (vocabulary padded as
   Megatron-LM pads it), give every parameter values of its own (replicas alike),
-  register it with
-  `Trainer.register_megatron`, prepare;
+  register it with `Trainer.register_megatron`, prepare;
 - {"cmd": "publish", "version": v, "move": bool, "sparse": bool}: an optimizer-like
   in-place step (with `move`, on new storage for every parameter; with `sparse`, of
   about 2 % of each parameter's elements, as RL steps change bf16 weights), then this
-  rank's own
-  parameters as they are (Megatron names, with its TP/PP/EP coordinates) saved to
+  rank's own parameters as they are (Megatron names, with its TP/PP/EP coordinates) saved to
   `<out>/<job>-v<v>-r<rank>.pt` for the test's own Megatron->HF conversion, then
   `publish(v)`;
 - {"cmd": "close"}.
