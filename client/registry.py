@@ -236,10 +236,11 @@ class SourceRegistry:
                     f"{list(shape)} (its storage was replaced since)",
                     code=ErrorCode.SHAPE_MISMATCH,
                 )
-            if t.numel() and t.untyped_storage().nbytes() == 0:
+            if t.numel() and (t.is_meta or t.untyped_storage().nbytes() == 0):
                 raise RegistrationError(
-                    f"tensor {name} has no memory (its storage was freed, as FSDP frees "
-                    "parameters after use): give it its bytes back before publishing",
+                    f"tensor {name} has no data (its storage was freed, as FSDP frees "
+                    "parameters after use, or it is on the meta device): give it its bytes "
+                    "back before publishing",
                     code=ErrorCode.INVALID,
                 )
         self._ptrs = ptrs  # only empty tensors at address 0

@@ -375,6 +375,10 @@ def _free(p: torch.nn.Parameter) -> None:
     p.data.untyped_storage().resize_(0)  # FSDP's way of freeing a parameter's memory
 
 
+def _meta(p: torch.nn.Parameter) -> dict[str, torch.Tensor]:
+    return {"p": torch.empty_like(p.data, device="meta")}  # a placeholder passed to publish
+
+
 @pytest.mark.parametrize("mode", ["delta", "dense"])
 @pytest.mark.parametrize(
     "change, code",
@@ -383,11 +387,15 @@ def _free(p: torch.nn.Parameter) -> None:
         (_swap_wider, ErrorCode.DTYPE_MISMATCH),
         (_swap_shape, ErrorCode.SHAPE_MISMATCH),
         (_free, ErrorCode.INVALID),
+        (_meta, ErrorCode.INVALID),
     ],
-    ids=["fp16", "fp32", "transposed", "freed"],
+    ids=["fp16", "fp32", "transposed", "freed", "meta"],
 )
 def test_registered_parameter_changed_under_us_is_refused(
-    cluster: LocalCluster, change: Callable[[torch.nn.Parameter], None], code: ErrorCode, mode: str
+    cluster: LocalCluster,
+    change: Callable[[torch.nn.Parameter], dict[str, torch.Tensor] | None],
+    code: ErrorCode,
+    mode: str,
 ) -> None:
     """A registered parameter given storage of another dtype or shape (or its storage
     freed) after registration: publish refuses it with a typed error naming it, before
@@ -410,9 +418,9 @@ def test_registered_parameter_changed_under_us_is_refused(
         tr.publish(0)
         eng.wait(0)
         good = p.data.clone()
-        change(p)
+        given = change(p)
         with pytest.raises(WeightwireError) as err:
-            tr.publish(1)
+            tr.publish(1, given)
         assert err.value.code == code and "tensor p" in str(err.value), err.value
         assert eng.delta is not None and eng.delta.held == 0  # nothing of version 1 landed
         assert all(torch.equal(raw(dst[n]), raw(t)) for n, t in (("p", good), ("q", w["q"])))
