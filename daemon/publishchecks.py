@@ -34,6 +34,21 @@ def check_version(
     return plan
 
 
+def check_earlier(plan: RankPlan, version: int, earlier: tuple[str, int], rank: int) -> None:
+    """A new session of a trainer rank (its process restarted, resumed from a checkpoint)
+    publishing on the plan its earlier session used continues after that session's last
+    version: the engine ranks hold that version (or have failed it) and would take a
+    version number they already settled as one already done (no verdict, a publish that
+    waits out its timeout while its bytes overwrite theirs)."""
+    plan_hash, last = earlier
+    if plan.plan_hash == plan_hash and version <= last:
+        raise VersionError(
+            f"version {version} of trainer rank {rank}: an earlier session of this rank "
+            f"published version {last} on this plan, which the engine ranks hold or "
+            f"failed; publish version {last + 1} or later"
+        )
+
+
 def check_served(plan: RankPlan, served: tuple[RegionDescriptor, ...] | None) -> None:
     """The rank holds this plan's regions. The hash does not cover them all: an elastic
     trainer plan's hash is its packs', the same whichever replicas are live, and a plan's

@@ -37,6 +37,7 @@ from .posting import Poster
 from .prepared import PreparedWrites, SourceRegion
 from .publishchecks import (
     check_buckets,
+    check_earlier,
     check_in_place,
     check_regions,
     check_served,
@@ -77,6 +78,9 @@ class Publisher:
     staging: LocalRegion | None = None
     delta_out: LocalRegion | None = None  # where the rank encodes payloads and trailers
     last_version: int = -1
+    earlier: tuple[str, int] = ("", -1)
+    """(plan hash, last version begun) of the rank's earlier session on this node: a new
+    session (a trainer process restarted) on the same plan continues after that version."""
     run: Run | None = None
     previous: Run | None = None  # the last run of an earlier session of this rank
     prepared: PreparedWrites = field(init=False)
@@ -211,6 +215,7 @@ class Publisher:
         answers the rank first, then calls `started` (the version's announce is a send to
         each destination node, off the BeginVersion's round trip)."""
         plan = check_version(self.plan, plan_hash, version, self.last_version, self.rank)
+        check_earlier(plan, version, self.earlier, self.rank)
         check_served(plan, self.served)
         ring = self.ring(staging_buckets)
         check_regions(plan, ring, self.staging, self.delta_out, (self.previous, self.run))

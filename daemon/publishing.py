@@ -33,6 +33,10 @@ from .seams import PeerSend, PickTransport, RankLink
 from .sessions import Session
 from .slotfence import Counters
 
+EARLIER = 4096
+"""Gone trainer ranks whose last version is remembered (a new session of the rank on the
+same plan continues after it), the oldest forgotten first."""
+
 log = structlog.get_logger("weightwire.daemon")
 
 
@@ -113,6 +117,8 @@ class Publishing:
         self._metrics = metrics
         self.publishers: dict[tuple[str, int], Publisher] = {}
         self._detached: dict[tuple[str, int], Run] = {}  # runs of gone sessions still writing
+        # (plan hash, last version begun) of each trainer rank's last session that is gone
+        self._earlier: dict[tuple[str, int], tuple[str, int]] = {}
 
     def publisher(self, session: Session) -> Publisher:
         if session.role != "trainer":
@@ -134,6 +140,7 @@ class Publishing:
                 metrics=self._metrics,
             )
             pub.previous = self._detached.pop(key, None)
+            pub.earlier = self._earlier.pop(key, pub.earlier)
             self.publishers[key] = pub
             plan = self._plans.get(session.job)
             rp = next((s for s in plan.sends if s.rank == session.rank), None) if plan else None
@@ -176,6 +183,10 @@ class Publishing:
         gone = self.publishers.pop((session.job, session.rank), None)
         if gone is None:
             return None
+        if gone.plan is not None and gone.last_version >= 0:
+            self._earlier[(session.job, session.rank)] = (gone.plan.plan_hash, gone.last_version)
+            while len(self._earlier) > EARLIER:
+                del self._earlier[next(iter(self._earlier))]
         run, counters = gone.run, gone.run.counters if gone.run is not None else None
         if run is not None:  # nothing waits on its slot counters any more, and its
             run.counters = None  # staging is unmapped next: no release write there
