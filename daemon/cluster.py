@@ -194,7 +194,7 @@ class Cluster:
             case VersionStart(job=job, version=version, source_node=src):
                 for rc in self._completions.of_job(job):
                     if src in rc.expect.sources:
-                        rc.on_start(version, src)
+                        rc.on_start(version, src, msg.source_rank)
             case BucketLanded(job=job, source_node=src, parts=parts):
                 by_slot = {p.slot: p for p in parts}
                 for rc in self._completions.of_job(job):

@@ -58,6 +58,7 @@ class _InProgress:
     started: float = field(default_factory=time.monotonic)
     first_imm: float | None = None
     sources: set[str] = field(default_factory=set)
+    began: set[tuple[str, int]] = field(default_factory=set)  # (node, rank) of its starts
     applying: bool = False
 
 
@@ -72,6 +73,8 @@ class RankCompletion:
     current: dict[int, _InProgress] = field(default_factory=dict)
     completed: deque[VersionComplete] = field(default_factory=lambda: deque(maxlen=HISTORY))
     failed: dict[int, VersionFailed] = field(default_factory=dict)
+    began: dict[int, set[tuple[str, int]]] = field(default_factory=dict)
+    """(node, rank) of the sources that started each completed version (the last HISTORY)."""
     dead_lows: dict[int, int] = field(default_factory=dict)  # low bits -> failed version
     waiters: dict[int, list[asyncio.Future[VersionComplete]]] = field(default_factory=dict)
     apply: Apply | None = None
@@ -115,10 +118,31 @@ class RankCompletion:
     def _completed(self, version: int) -> bool:
         return any(done.version == version for done in self.completed)
 
-    def on_start(self, version: int, source: str) -> None:
+    def on_start(self, version: int, source: str, source_rank: int = -1) -> None:
         low = version_low(version)
-        if version in self.failed or self._completed(version):
+        if version in self.failed:
             return  # another source of a version already settled here
+        if self._completed(version):
+            began = self.began.setdefault(version, set())
+            if source_rank < 0 or (source, source_rank) not in began:
+                began.add((source, source_rank))
+                return  # another source rank's start, late: nothing to say
+            # The same source rank starts it again (a trainer rank resumed from a
+            # checkpoint, numbering from there): it would never complete here, its
+            # writes overwriting the version the rank holds. It fails as a stale start
+            # does: its later writes refused (its low bits dead), its source fenced.
+            st = self.current.get(low)
+            seen = st is not None and st.version is None
+            self._fail(
+                version,
+                ErrorCode.ABORTED,
+                f"version {version} already completed here, started by trainer rank "
+                f"{source_rank} of {source} before: versions only go forwards, publish "
+                f"version {self.last_complete + 1} or later",
+                fence=(source,),
+                quiet=not seen,
+            )
+            return
         if version < self.last_complete:
             # It never completed here and never will: it fails, for any wait, and its source
             # is fenced (it would write a stale version: stop it, not the others). The rank
@@ -147,6 +171,7 @@ class RankCompletion:
             assert st is not None
         st.version = version
         st.sources.add(source)
+        st.began.add((source, source_rank))
         if st.count == self.expect.count:
             self._landed(st)
 
@@ -207,6 +232,9 @@ class RankCompletion:
             rank=self.rank, version=st.version, nbytes=self.expect.nbytes, seconds=seconds
         )
         self.completed.append(done)
+        self.began[st.version] = st.began
+        while len(self.began) > HISTORY:
+            self.began.pop(next(iter(self.began)))
         log.debug(
             "version complete",
             rank=self.rank,

@@ -59,6 +59,7 @@ class Completions:
             if old is not None:
                 old.fail_in_progress(ErrorCode.PLAN_CHANGED, "the plan changed mid-version")
                 rc.completed, rc.failed, rc.dead_lows = old.completed, old.failed, old.dead_lows
+                rc.began = old.began
                 rc.waiters, rc._reports = old.waiters, old._reports
             fresh[(job, e.rank)] = rc
         for key, old in self.ranks.items():

@@ -109,3 +109,36 @@ def test_a_start_of_a_version_never_seen_here_is_not_told_to_the_rank() -> None:
         rc.on_start(3, "a")
     assert [(type(m).__name__, m.version) for m in told] == [("VersionComplete", 8)]
     assert rc.failed[3].code == ErrorCode.ABORTED.value
+
+
+def test_a_completed_version_started_again_by_the_same_source_rank_fails() -> None:
+    """A source rank that starts a version it already completed here (a trainer rank
+    resumed from a checkpoint, on another node's daemon or after its daemon restarted)
+    hears at once that it fails, its writes are refused from then on; another source
+    rank's late start of it stays a note. Before, any start of a completed version was
+    ignored: the new run never completed nor failed (its publish waited out its timeout)
+    while its writes landed over the version the rank holds."""
+    rc, told = rank()
+    rc.on_start(5, "a", 0)
+    rc.on_imm(version_low(5))
+    rc.on_imm(version_low(5))
+    rc.on_start(5, "b", 1)  # another source rank, late: nothing to say
+    assert [(type(m).__name__, m.version) for m in told] == [("VersionComplete", 5)]
+    assert 5 not in rc.failed
+    rc.on_imm(version_low(5))  # the run again: a write before its start
+    rc.on_start(5, "a", 0)
+    assert [(type(m).__name__, m.version) for m in told] == [
+        ("VersionComplete", 5),
+        ("VersionFailed", 5),
+    ]
+    failed = told[1]
+    assert isinstance(failed, VersionFailed) and failed.code == ErrorCode.ABORTED.value
+    assert "already completed here" in failed.message and "version 6 or later" in failed.message
+    assert rc.dead_lows.get(version_low(5)) == 5  # its later writes are refused
+    assert version_low(5) not in rc.current
+    rc.on_start(5, "b", 1)  # b starts it again too: settled already, nothing more
+    assert len(told) == 2 and rc.last_complete == 5
+    rc.on_start(6, "a", 0)  # the next version goes through
+    rc.on_imm(version_low(6))
+    rc.on_imm(version_low(6))
+    assert [(type(m).__name__, m.version) for m in told][-1] == ("VersionComplete", 6)

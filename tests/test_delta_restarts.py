@@ -15,7 +15,7 @@ import torch
 from weightwire.client import Engine, Trainer
 from weightwire.client.posting import PublishStats
 from weightwire.harness.localcluster import LocalCluster
-from weightwire.protocol.errors import WeightwireError
+from weightwire.protocol.errors import ErrorCode, WeightwireError
 
 from .conftest import FAST, NETNS, NETNS_WHY
 from .test_delta_e2e import SMALL, Pair, _jobs, bitwise, kill_and_restart, step, weights
@@ -101,5 +101,44 @@ def test_trainer_process_replaced_between_delta_versions(three: LocalCluster) ->
         p.tr = Trainer(0, 1, socket=three.daemons[1].socket, job=p.job, timeout_s=30, delta="auto")
         p.tr.register(p.w)
         deltas_resume(p)
+    finally:
+        p.close()
+
+
+def test_trainer_back_after_its_daemon_restarted_with_a_settled_version(
+    three: LocalCluster,
+) -> None:
+    """The trainer's daemon restarts and the trainer process too (resumed from a
+    checkpoint): the new daemon knows nothing of the rank's earlier versions, and the new
+    process publishes version 1 again, which the engine rank completed. The engine's
+    daemon fails it at once (`aborted`, naming the version to publish, and fences the
+    source), where it ignored it before (the publish waited out its whole timeout, 20 s
+    here); then version 2 lands, bitwise."""
+    p = Moved(three)
+    try:
+        dense_then_delta(p)
+        p.tr.close()
+        kill_and_restart(three, 1)
+        p.tr = Trainer(0, 1, socket=three.daemons[1].socket, job=p.job, timeout_s=20, delta="auto")
+        p.tr.register(p.w)
+        t0 = time.monotonic()
+        for _ in range(40):  # until the trainer is planned anew
+            try:
+                p.tr.publish(1)
+            except WeightwireError as exc:
+                if exc.code in (ErrorCode.NOT_READY, ErrorCode.PLAN_CHANGED):
+                    time.sleep(0.25)
+                    continue
+                # the engine's verdict, or its daemon refusing the writes of a version it
+                # failed, or fencing the source, whichever reaches the trainer first
+                assert exc.code in (ErrorCode.ABORTED, ErrorCode.PEER_LOST), exc
+                break
+            raise AssertionError("a settled version completed again")
+        else:
+            raise AssertionError("never refused")
+        assert time.monotonic() - t0 < 15  # refused at once, not a timeout
+        v, stats = publish_until(p.tr, 2)
+        p.eng.wait(v)
+        assert bitwise(p.dst, p.w) and stats.delta_bytes < 4096  # no shadow: dense
     finally:
         p.close()
