@@ -99,15 +99,13 @@ def engine_group(
     """TP-`tp` / EP-`ep` engine ranks `first`.. of `world` on daemon 1, zeroed tensors
     registered with their SGLang layout (and a delta area of `delta_area`)."""
     engines, received = [], []
+    sock = cluster.daemons[1].socket
     for r in range(tp):
         lay = layout(hf, tp, r, ep, "")
         tensors = {
             t.name: torch.zeros(t.shape, dtype=TORCH[t.dtype]) for t in engine_tensors(hf, lay)
         }
-        eng = Engine(
-            first + r, world, socket=cluster.daemons[1].socket, job=job, timeout_s=60,
-            delta_area=delta_area,
-        )  # fmt: skip
+        eng = Engine(first + r, world, socket=sock, job=job, timeout_s=60, delta_area=delta_area)
         eng.register(tensors, layout=lay)
         engines.append(eng)
         received.append(tensors)
