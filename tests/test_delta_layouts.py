@@ -51,8 +51,13 @@ def cluster() -> Iterator[LocalCluster]:
     yield from serve(LocalCluster(hosts=2, use_netns=NETNS, extra={**FAST, **SMALL}))
 
 
-def bf16(g: torch.Generator, *shape: int, scale: float = 0.02) -> torch.Tensor:
-    return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
+CPU = torch.device("cpu")
+
+
+def bf16(
+    g: torch.Generator, *shape: int, scale: float = 0.02, dev: torch.device = CPU
+) -> torch.Tensor:
+    return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16).to(dev)
 
 
 def step(tensors: list[torch.Tensor], density: float, seed: int) -> None:
@@ -60,7 +65,7 @@ def step(tensors: list[torch.Tensor], density: float, seed: int) -> None:
     view it is (strided views included)."""
     g = torch.Generator().manual_seed(seed)
     for t in tensors:
-        mask = torch.rand(t.shape, generator=g) < density
+        mask = (torch.rand(t.shape, generator=g) < density).to(t.device)
         if t.dtype in (torch.uint8, torch.int8):
             t[mask] = t[mask] + 1
         else:
@@ -68,7 +73,7 @@ def step(tensors: list[torch.Tensor], density: float, seed: int) -> None:
 
 
 def raw(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8).reshape(-1)
+    return t.cpu().contiguous().view(torch.uint8).reshape(-1)
 
 
 def box_of(t: torch.Tensor, box: Box) -> torch.Tensor:
@@ -79,7 +84,7 @@ def reference(pieces: tuple[Piece, ...], nbytes: int, src: dict[str, torch.Tenso
     """A destination's bytes from the trainer's global tensors, built the plain way."""
     out = torch.zeros(nbytes, dtype=torch.uint8)
     for p in pieces:
-        part = box_of(src[p.source], p.box)
+        part = box_of(src[p.source], p.box).cpu()
         if isinstance(p.transform, Fp8BlockQuant):
             data = raw(quantize_blocks(part.reshape(part.shape[-2:]), p.transform.block)[0])
         elif isinstance(p.transform, Fp8BlockScale):
@@ -115,7 +120,7 @@ def run(c: LocalCluster, job: Job, versions: int = 4, density: float = 0.02) -> 
     try:
         for rank, dests in job.engines.items():
             eng = Engine(
-                rank, len(job.engines), socket=c.daemons[1].socket, job=name, timeout_s=30,
+                rank, len(job.engines), socket=c.daemons[-1].socket, job=name, timeout_s=30,
                 delta_area=0.5,
             )  # fmt: skip
             engines[rank] = eng
@@ -146,11 +151,11 @@ def run(c: LocalCluster, job: Job, versions: int = 4, density: float = 0.02) -> 
             eng.close()
 
 
-def test_stacked_fused_experts_to_per_expert_ranks(cluster: LocalCluster) -> None:
+def stacked_fused_experts_to_per_expert_ranks(dev: torch.device) -> tuple[Job, float]:
     """Trainer: experts stacked, gate|up fused (w13 [E, 2I, H]), w2 [E, H, I]. Engine
     ranks: per-expert gate, up, down, experts split over two ranks (EP)."""
     g = torch.Generator().manual_seed(1)
-    w = {"experts.w13": bf16(g, E, 2 * I, H), "experts.w2": bf16(g, E, H, I)}
+    w = {"experts.w13": bf16(g, E, 2 * I, H, dev=dev), "experts.w2": bf16(g, E, H, I, dev=dev)}
     engines: dict[int, dict[str, Dest]] = {}
     for rank in (0, 1):
         dests = {}
@@ -162,22 +167,28 @@ def test_stacked_fused_experts_to_per_expert_ranks(cluster: LocalCluster) -> Non
             }
             for part, (source, box, shape) in parts.items():
                 dests[f"experts.{e}.{part}"] = Dest(
-                    torch.zeros(shape, dtype=torch.bfloat16),
+                    torch.zeros(shape, dtype=torch.bfloat16, device=dev),
                     (Piece(source=source, box=box, dst_offset=0),),
                 )
         engines[rank] = dests
-    run(cluster, Job(w, lambda: w, engines))
+    return Job(w, lambda: w, engines), 0.02
 
 
-def test_per_expert_to_tp_sliced_fused_w13(cluster: LocalCluster) -> None:
+def test_stacked_fused_experts_to_per_expert_ranks(cluster: LocalCluster) -> None:
+    """stacked_fused_experts_to_per_expert_ranks, on the CPU."""
+    job, density = stacked_fused_experts_to_per_expert_ranks(CPU)
+    run(cluster, job, density=density)
+
+
+def per_expert_to_tp_sliced_fused_w13(dev: torch.device) -> tuple[Job, float]:
     """Trainer: per-expert gate, up, down. Engine ranks (TP 2): w13 [E, 2 * I/2, H], each
     expert's slice of gate rows then its slice of up rows; w2 [E, H, I/2] (columns)."""
     g = torch.Generator().manual_seed(2)
     w = {}
     for e in range(E):
-        w[f"experts.{e}.gate"] = bf16(g, I, H)
-        w[f"experts.{e}.up"] = bf16(g, I, H)
-        w[f"experts.{e}.down"] = bf16(g, H, I)
+        w[f"experts.{e}.gate"] = bf16(g, I, H, dev=dev)
+        w[f"experts.{e}.up"] = bf16(g, I, H, dev=dev)
+        w[f"experts.{e}.down"] = bf16(g, H, I, dev=dev)
     half = I // 2
     engines: dict[int, dict[str, Dest]] = {}
     for rank in (0, 1):
@@ -190,18 +201,28 @@ def test_per_expert_to_tp_sliced_fused_w13(cluster: LocalCluster) -> None:
             cols = Box.rows((H, I), rank * half, (rank + 1) * half, dim=1)
             w2.append(Piece(source=f"experts.{e}.down", box=cols, dst_offset=e * H * half * 2))
         engines[rank] = {
-            "experts.w13": Dest(torch.zeros(E, 2 * half, H, dtype=torch.bfloat16), tuple(w13)),
-            "experts.w2": Dest(torch.zeros(E, H, half, dtype=torch.bfloat16), tuple(w2)),
+            "experts.w13": Dest(
+                torch.zeros(E, 2 * half, H, dtype=torch.bfloat16, device=dev), tuple(w13)
+            ),
+            "experts.w2": Dest(
+                torch.zeros(E, H, half, dtype=torch.bfloat16, device=dev), tuple(w2)
+            ),
         }
-    run(cluster, Job(w, lambda: w, engines))
+    return Job(w, lambda: w, engines), 0.02
+
+
+def test_per_expert_to_tp_sliced_fused_w13(cluster: LocalCluster) -> None:
+    """per_expert_to_tp_sliced_fused_w13, on the CPU."""
+    job, density = per_expert_to_tp_sliced_fused_w13(CPU)
+    run(cluster, job, density=density)
 
 
 def whole(name: str, t: torch.Tensor) -> Dest:
     piece = Piece(source=name, box=Box.full(tuple(t.shape)), dst_offset=0)
-    return Dest(torch.zeros(tuple(t.shape), dtype=t.dtype), (piece,))
+    return Dest(torch.zeros(tuple(t.shape), dtype=t.dtype, device=t.device), (piece,))
 
 
-def test_tied_embeddings_and_replicated_norms(cluster: LocalCluster) -> None:
+def tied_embeddings_and_replicated_norms(dev: torch.device) -> tuple[Job, float]:
     """One source tensor to two destinations of each engine rank (embed_tokens and
     lm_head tied); a norm whole to both TP ranks; 1-element and odd-sized tensors; a
     1-byte dtype with an odd count."""
@@ -215,27 +236,34 @@ def test_tied_embeddings_and_replicated_norms(cluster: LocalCluster) -> None:
         "bytes": torch.randint(0, 200, (3, 11), generator=g, dtype=torch.uint8),
         "f32": torch.randn(33, generator=g),
     }
+    w = {n: t.to(dev) for n, t in w.items()}
     engines: dict[int, dict[str, Dest]] = {}
     for rank in (0, 1):
         rows = Box.rows((V, H), rank * V // 2, (rank + 1) * V // 2)
         shape = (V // 2, H)
         engines[rank] = {
-            "embed_tokens": Dest(torch.zeros(shape, dtype=torch.bfloat16),
+            "embed_tokens": Dest(torch.zeros(shape, dtype=torch.bfloat16, device=dev),
                                  (Piece(source="embed", box=rows, dst_offset=0),)),
-            "lm_head": Dest(torch.zeros(shape, dtype=torch.bfloat16),
+            "lm_head": Dest(torch.zeros(shape, dtype=torch.bfloat16, device=dev),
                             (Piece(source="embed", box=rows, dst_offset=0),)),
             **{n: whole(n, w[n]) for n in ("norm", "one", "odd", "bytes", "f32")},
         }  # fmt: skip
-    run(cluster, Job(w, lambda: w, engines), density=0.05)
+    return Job(w, lambda: w, engines), 0.05
 
 
-def test_fp8_engine_codes_and_scales(cluster: LocalCluster) -> None:
+def test_tied_embeddings_and_replicated_norms(cluster: LocalCluster) -> None:
+    """tied_embeddings_and_replicated_norms, on the CPU."""
+    job, density = tied_embeddings_and_replicated_norms(CPU)
+    run(cluster, job, density=density)
+
+
+def fp8_engine_codes_and_scales(dev: torch.device) -> tuple[Job, float]:
     """An FP8 engine: per-expert bf16 sources quantized into stacked codes and float32
     scales (tiles of 128, the last ones partial); deltas of both."""
     g = torch.Generator().manual_seed(4)
     rows, cols = 200, 300
     tr_, tc_ = -(-rows // 128), -(-cols // 128)
-    w = {f"experts.{e}.down": bf16(g, rows, cols) for e in range(E)}
+    w = {f"experts.{e}.down": bf16(g, rows, cols, dev=dev) for e in range(E)}
     box = Box.full((rows, cols))
     codes = tuple(
         Piece(source=f"experts.{e}.down", box=box, dst_offset=e * rows * cols,
@@ -249,22 +277,28 @@ def test_fp8_engine_codes_and_scales(cluster: LocalCluster) -> None:
     )  # fmt: skip
     engines = {
         0: {
-            "w2": Dest(torch.zeros(E, rows, cols, dtype=torch.float8_e4m3fn), codes),
-            "w2_scale_inv": Dest(torch.zeros(E, tr_, tc_, dtype=torch.float32), scales),
+            "w2": Dest(torch.zeros(E, rows, cols, dtype=torch.float8_e4m3fn, device=dev), codes),
+            "w2_scale_inv": Dest(torch.zeros(E, tr_, tc_, dtype=torch.float32, device=dev), scales),
         }
     }
-    run(cluster, Job(w, lambda: w, engines))
+    return Job(w, lambda: w, engines), 0.02
 
 
-def test_trainer_views_of_one_buffer_and_strided(cluster: LocalCluster) -> None:
+def test_fp8_engine_codes_and_scales(cluster: LocalCluster) -> None:
+    """fp8_engine_codes_and_scales, on the CPU."""
+    job, density = fp8_engine_codes_and_scales(CPU)
+    run(cluster, job, density=density)
+
+
+def trainer_views_of_one_buffer_and_strided(dev: torch.device) -> tuple[Job, float]:
     """Trainer tensors that share storage (gate and up: halves of one w13 buffer, as a
     fused parameter's views), a transpose and every other column (non-contiguous): the
     in-place compare reads them where they are, packing copies them; a step changes the
     buffers through other views."""
     g = torch.Generator().manual_seed(5)
-    w13 = bf16(g, 2 * I, H)
-    base_t = bf16(g, H, I)
-    wide = bf16(g, I, 2 * H)
+    w13 = bf16(g, 2 * I, H, dev=dev)
+    base_t = bf16(g, H, I, dev=dev)
+    wide = bf16(g, I, 2 * H, dev=dev)
     trainer = {
         "gate": w13[:I],
         "up": w13[I:],
@@ -272,7 +306,24 @@ def test_trainer_views_of_one_buffer_and_strided(cluster: LocalCluster) -> None:
         "cols": wide[:, ::2],  # (I, H), every other column
     }
     engines = {0: {n: whole(n, t) for n, t in trainer.items()}}
-    run(cluster, Job(trainer, lambda: trainer, engines, mutable=[w13, base_t, wide]))
+    return Job(trainer, lambda: trainer, engines, mutable=[w13, base_t, wide]), 0.02
+
+
+def test_trainer_views_of_one_buffer_and_strided(cluster: LocalCluster) -> None:
+    """trainer_views_of_one_buffer_and_strided, on the CPU."""
+    job, density = trainer_views_of_one_buffer_and_strided(CPU)
+    run(cluster, job, density=density)
+
+
+LAYOUTS = [
+    stacked_fused_experts_to_per_expert_ranks,
+    per_expert_to_tp_sliced_fused_w13,
+    tied_embeddings_and_replicated_norms,
+    fp8_engine_codes_and_scales,
+    trainer_views_of_one_buffer_and_strided,
+]
+"""Each builds a job on a device (its tensors there): `tests/test_delta_layouts_gpu.py`
+runs them on a GPU."""
 
 
 def test_parameter_replaced_between_versions(cluster: LocalCluster) -> None:
