@@ -16,16 +16,13 @@ import pytest
 import torch
 
 from weightwire.harness.localcluster import LocalCluster
-from weightwire.memory.cudadrv import available
 
 from .conftest import FAST
 from .test_delta_e2e import SMALL
+from .test_delta_gpu import pytestmark
 from .test_delta_layouts import LAYOUTS, Job, run
 
-OK, WHY = available()
-if OK and not torch.cuda.is_available():
-    OK, WHY = False, "torch sees no CUDA device (a CPU build of torch?)"
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not OK, reason=f"no GPU here: {WHY}")]
+__all__ = ["pytestmark"]  # gpu, and skipped where there is none (as test_delta_gpu)
 
 
 @pytest.fixture(scope="module")
