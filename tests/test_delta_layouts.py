@@ -114,7 +114,11 @@ class Job:
     mutable: list[torch.Tensor] = field(default_factory=list)  # what a step changes
 
 
-def run(c: LocalCluster, job: Job, versions: int = 4, density: float = 0.02) -> None:
+def run(
+    c: LocalCluster, job: Job, versions: int = 4, density: float = 0.02, mode: str = "on"
+) -> None:
+    """Dense, then `versions - 1` steps of `density`, each version bitwise at every
+    engine rank; in mode "on" at low density deltas must have been sent."""
     name = f"layouts{next(_jobs)}"
     engines = {}
     try:
@@ -128,7 +132,7 @@ def run(c: LocalCluster, job: Job, versions: int = 4, density: float = 0.02) -> 
                 {n: d.tensor for n, d in dests.items()},
                 {n: Recipe(d.pieces) for n, d in dests.items()},
             )
-        tr = Trainer(0, 1, socket=c.daemons[0].socket, job=name, timeout_s=30, delta="on")
+        tr = Trainer(0, 1, socket=c.daemons[0].socket, job=name, timeout_s=30, delta=mode)
         try:
             tr.register(job.trainer)
             for v in range(versions):
@@ -142,7 +146,7 @@ def run(c: LocalCluster, job: Job, versions: int = 4, density: float = 0.02) -> 
                         want = reference(d.pieces, d.tensor.nbytes, src)
                         assert torch.equal(raw(d.tensor), want), f"v{v} rank {rank}: {n} differs"
                     assert engines[rank].delta is not None and engines[rank].delta.held == v
-                if v:
+                if v and mode == "on" and density < 0.1:
                     assert stats.delta_bytes > 4096, f"v{v}: no deltas sent ({stats})"
         finally:
             tr.close()
@@ -313,6 +317,32 @@ def test_trainer_views_of_one_buffer_and_strided(cluster: LocalCluster) -> None:
     """trainer_views_of_one_buffer_and_strided, on the CPU."""
     job, density = trainer_views_of_one_buffer_and_strided(CPU)
     run(cluster, job, density=density)
+
+
+@pytest.mark.parametrize("density", [0.3, 0.7, 1.0])
+@pytest.mark.parametrize("mode", ["on", "auto"])
+def test_layouts_at_high_density(cluster: LocalCluster, density: float, mode: str) -> None:
+    """Every layout at densities where payloads stop fitting part way through a compare
+    (the payload goes dense, the shadow and checksums must still be right, the bucket
+    packed after its in-place compare) or where auto prefers dense: bitwise throughout."""
+    for layout in LAYOUTS:
+        job, _ = layout(CPU)
+        run(cluster, job, versions=3, density=density, mode=mode)
+
+
+def test_layouts_with_segments_split_between_two_threads(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As on a host with cores to spare: a segment's compare split between the caller
+    and a helper thread (here every segment from 1 KiB), at low and high density."""
+    from weightwire.client.delta import hostpass
+
+    monkeypatch.setattr(hostpass, "THREADS", 2)
+    monkeypatch.setattr(hostpass, "SPLIT_BYTES", 1024)
+    for density in (0.02, 0.4):
+        for layout in LAYOUTS:
+            job, _ = layout(CPU)
+            run(cluster, job, versions=3, density=density)
 
 
 LAYOUTS = [
