@@ -214,14 +214,12 @@ class SourceRegistry:
         changed on the same storage, as `param.data = param.data.t()`, goes unseen)."""
         objs = list(current.values())
         ptrs = list(map(_DATA_PTR, objs))
-        if (
-            list(map(_DTYPE, objs)) == self._dtypes
-            and list(map(_NUMEL, objs)) == self._numels
-            and 0 not in ptrs
-            and (ptrs == self._ptrs or list(map(_SHAPE, objs)) == self._shapes)
-        ):
-            self._ptrs = ptrs
-            return
+        if list(map(_DTYPE, objs)) == self._dtypes and list(map(_NUMEL, objs)) == self._numels:
+            if ptrs == self._ptrs:  # where the last check found them
+                return
+            if 0 not in ptrs and list(map(_SHAPE, objs)) == self._shapes:
+                self._ptrs = ptrs
+                return
         expected = zip(current.items(), self._dtypes, self._shapes, strict=True)
         for (name, t), dtype, shape in expected:
             if t.dtype != dtype:
@@ -243,7 +241,7 @@ class SourceRegistry:
                     "back before publishing",
                     code=ErrorCode.INVALID,
                 )
-        self._ptrs = ptrs  # only empty tensors at address 0
+        self._ptrs = ptrs  # only empty tensors at address 0: checked once, not every publish
 
     def declare_again(self) -> None:
         """The daemon restarted: zero-copy source regions again (the new daemon numbers
