@@ -208,18 +208,24 @@ class SourceRegistry:
         bytes than registered: a registered parameter given storage of another dtype or
         shape since (`param.data = ...`), or whose storage was freed (resized to nothing,
         as FSDP frees a parameter): packing would send its bytes as they are (fp16 bits as
-        bf16), slice other elements, or read freed memory. C loops over the tensors
-        (`map`): dtypes, element counts and addresses every publish (5000 tensors: 0.6
-        ms), whole shapes only when some address moved since the last publish (a shape
-        changed on the same storage, as `param.data = param.data.t()`, goes unseen)."""
+        bf16), slice other elements, or read freed memory. New storage has a new address
+        and freed storage has address 0, so every publish takes the addresses only, in a
+        C loop (`map`: 18,000 tensors 0.3-0.9 ms), and dtypes, element counts and shapes
+        only when some address moved since the last check. Unseen: a view of the same
+        storage at the same address (`param.data = param.data.t()`, or `.view(dtype)`,
+        which keeps the bytes)."""
         objs = list(current.values())
         ptrs = list(map(_DATA_PTR, objs))
-        if list(map(_DTYPE, objs)) == self._dtypes and list(map(_NUMEL, objs)) == self._numels:
-            if ptrs == self._ptrs:  # where the last check found them
-                return
-            if 0 not in ptrs and list(map(_SHAPE, objs)) == self._shapes:
-                self._ptrs = ptrs
-                return
+        if ptrs == self._ptrs:  # where the last check found them
+            return
+        if (
+            0 not in ptrs
+            and list(map(_DTYPE, objs)) == self._dtypes
+            and list(map(_NUMEL, objs)) == self._numels
+            and list(map(_SHAPE, objs)) == self._shapes
+        ):
+            self._ptrs = ptrs
+            return
         expected = zip(current.items(), self._dtypes, self._shapes, strict=True)
         for (name, t), dtype, shape in expected:
             if t.dtype != dtype:

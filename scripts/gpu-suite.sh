@@ -147,7 +147,7 @@ if wanted tests; then
     if [[ -n ${SUITE_TEST_FILES:-} ]]; then  # e.g. SUITE_TEST_FILES=tests/test_memory_saver_gpu.py
         read -ra GPU_TESTS <<<"$SUITE_TEST_FILES"
     else
-        mapfile -t GPU_TESTS < <(grep -l 'mark.gpu' tests/test_*.py)
+        mapfile -t GPU_TESTS < <(grep -lE 'mark[.]gpu|import pytestmark' tests/test_*.py)
     fi
     T=${SUITE_TESTS_S:-$(cap 170 240)}
     echo "== pytest -m gpu ${GPU_TESTS[*]} (at most ${T} s)"
