@@ -187,8 +187,8 @@ class Cluster:
                     coordinator.on_advertise(sender, msg)
             case AssignPlan(plan=plan):
                 self._plans.install(plan)
-            case PlanProblem(job=job, code=code, message=message):
-                self._plans.problem(job, PlanError(message, code=ErrorCode(code)))
+            case PlanProblem(job=job, code=code, message=message, ranks=ranks):
+                self._plans.problem(job, PlanError(message, code=ErrorCode(code)), ranks)
             case Heartbeat(node=node, incarnation=inc):
                 self._heartbeat(node, inc)
             case VersionStart(job=job, version=version, source_node=src):

@@ -112,5 +112,14 @@ class Completions:
     def of_job(self, job: str) -> list[RankCompletion]:
         return [rc for (j, _), rc in self.ranks.items() if j == job]
 
+    def end_rank(self, job: str, rank: int, reason: str, code: ErrorCode) -> None:
+        """One engine rank of the job is refused: its version in flight fails and its waits
+        end now with why; the job's other ranks go on."""
+        rc = self.ranks.pop((job, rank), None) or self.left.pop((job, rank), None)
+        if rc is not None:
+            rc.fail_in_progress(code, reason)
+            rc.end_waits(code, reason)
+            self.by_slot = {r.expect.slot: r for r in self.ranks.values()}
+
     def get(self, job: str, rank: int) -> RankCompletion | None:
         return self.ranks.get((job, rank))

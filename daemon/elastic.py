@@ -60,33 +60,6 @@ class Replica:
         return h.hexdigest()
 
 
-def replicas_of(adverts: Mapping[str, Advertise]) -> tuple[dict[int, Replica], list[str]]:
-    """The engine replicas of a job's adverts, and what is wrong with them."""
-    ranks: dict[int, list[tuple[str, RankAdvert]]] = {}
-    problems: list[str] = []
-    for node, adv in sorted(adverts.items()):
-        for r in adv.ranks:
-            if r.role != "engine":
-                continue
-            if r.replica < 0:
-                problems.append(
-                    f"engine rank {r.rank} on {node} names no replica, in a job whose other "
-                    f"engine ranks do (give every Engine replica= and replica_size=)"
-                )
-                continue
-            ranks.setdefault(r.replica, []).append((node, r))
-    out: dict[int, Replica] = {}
-    for replica, members in sorted(ranks.items()):
-        sizes = {r.replica_size for _, r in members}
-        if len(sizes) > 1:
-            problems.append(f"engine replica {replica}: its ranks disagree on its size {sizes}")
-            continue
-        out[replica] = Replica(
-            replica, sizes.pop(), tuple(sorted(members, key=lambda m: m[1].rank))
-        )
-    return out, problems
-
-
 def trainers_digest(adverts: Mapping[str, Advertise]) -> str:
     h = hashlib.sha256()
     for node, adv in sorted(adverts.items()):
@@ -150,6 +123,8 @@ class Elastic:
     trainers: str = ""  # trainers_digest the parts were made with
     packs: str = ""  # the packs every part shares
     parts: dict[int, ReplicaPlan] = field(default_factory=dict)  # replica -> its plan
+    held: dict[int, Replica] = field(default_factory=dict)  # replicas planned last (claims.py)
+    told: dict[tuple[str, int], str] = field(default_factory=dict)  # refused (node, rank): why
 
 
 def node_hashes(packs: str, parts: Iterable[ReplicaPlan]) -> tuple[dict[str, str], str]:

@@ -21,13 +21,13 @@ from weightwire.plan.planner import (
 from weightwire.protocol.errors import ErrorCode, PlanError, WeightwireError
 from weightwire.protocol.peer import AssignPlan, Member, PeerMsg, PlanProblem
 
+from .claims import Refusal, claims
 from .elastic import (
     Replica,
     ReplicaPlan,
     node_hashes,
     node_plan,
     packs_digest,
-    replicas_of,
     trainers_digest,
 )
 from .jobs import Job, collect
@@ -51,11 +51,12 @@ class ElasticPlanning:
         """Plan each complete engine replica on its own (only those not planned yet with
         these inputs), and send every node whose part changed its new plan."""
         trainers, _, missing, problems = collect(job, elastic=True)
-        replicas, more = replicas_of(job.adverts)
-        if problems or more:
-            self.problem(job, PlanError("; ".join(problems + more), code=ErrorCode.DUPLICATE))
+        if problems:
+            self.problem(job, PlanError("; ".join(problems), code=ErrorCode.DUPLICATE))
             return
         el = job.elastic
+        replicas, refused = claims(job.adverts, el.held)
+        self._tell(job, refused)
         live = {r: rep for r, rep in replicas.items() if rep.complete}
         if not live:
             missing.append("any complete engine replica")
@@ -85,6 +86,7 @@ class ElasticPlanning:
                 el.parts[r] = part
                 el.packs = el.packs or part.packs
                 planned.append(r)
+        el.held = {r: p.replica for r, p in el.parts.items()}
         if not el.parts:
             job.plan_hash, job.assigned, job.sent = "", {}, {}
             return
@@ -119,6 +121,36 @@ class ElasticPlanning:
             else:
                 job.sent.pop(node, None)
 
+    def _tell(self, job: Job, refused: list[Refusal]) -> None:
+        """Each refused engine rank is told why, once per advert of its node (a rank that
+        left and came back is told again)."""
+        el = job.elastic
+        told: dict[tuple[str, int], str] = {}
+        for refusal in refused:
+            for node, ranks in refusal.ranks.items():
+                adv = job.adverts.get(node)
+                seq = adv.seq if adv is not None else 0
+                fresh = tuple(
+                    r for r in ranks if el.told.get((node, r)) != f"{seq}:{refusal.message}"
+                )
+                told.update({(node, r): f"{seq}:{refusal.message}" for r in ranks})
+                if not fresh:
+                    continue
+                log.warning(
+                    "engine ranks refused", job=job.name, node=node, ranks=fresh,
+                    error=refusal.message,
+                )  # fmt: skip
+                self.send(
+                    node,
+                    PlanProblem(
+                        job=job.name,
+                        code=ErrorCode.DUPLICATE.value,
+                        message=refusal.message,
+                        ranks=fresh,
+                    ),
+                )
+        el.told = told
+
     async def _replica(
         self, job: Job, trainers: list[TrainerRank], rep: Replica, inputs: str
     ) -> ReplicaPlan | None:
@@ -145,8 +177,12 @@ class ElasticPlanning:
             log.warning(
                 "engine replica refused", job=job.name, replica=rep.replica, error=exc.message
             )
-            for node in rep.nodes:
-                self.send(node, PlanProblem(job=job.name, code=exc.code.value, message=exc.message))
+            for node in rep.nodes:  # that replica's ranks; the nodes' other ranks go on
+                ranks = tuple(a.rank for n, a in rep.ranks if n == node)
+                problem = PlanProblem(
+                    job=job.name, code=exc.code.value, message=exc.message, ranks=ranks
+                )
+                self.send(node, problem)
             return None
         log.info(
             "engine replica planned",

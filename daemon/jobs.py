@@ -33,8 +33,8 @@ def collect(
     job: Job, *, elastic: bool = False
 ) -> tuple[list[TrainerRank], list[EngineRank], list[str], list[str]]:
     """Trainer and engine ranks of a job, what is still missing, and what conflicts.
-    `elastic`: engine ranks come in replicas (elastic.replicas_of), and only trainer
-    ranks must all be there."""
+    `elastic`: engine ranks come in replicas (claims.py judges their conflicts, replica by
+    replica), and only trainer ranks must all be there."""
     trainers: dict[int, TrainerRank] = {}
     engines: dict[int, EngineRank] = {}
     worlds: dict[str, set[int]] = defaultdict(set)
@@ -47,7 +47,7 @@ def collect(
                     dupes.append(f"trainer rank {r.rank} on {trainers[r.rank].node} and {node}")
                 trainers[r.rank] = TrainerRank(node, r.rank, r.sources, r.lanes)
             else:
-                if r.rank in engines:
+                if r.rank in engines and not elastic:
                     dupes.append(f"engine rank {r.rank} on {engines[r.rank].node} and {node}")
                 engines[r.rank] = EngineRank(
                     node, r.rank, r.destinations, r.regions, r.slot, r.layout, r.lanes

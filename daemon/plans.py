@@ -58,6 +58,7 @@ class PlanBook:
         self._authorize = authorize
         self.plans = plans  # installed, by job (Publishing reads them)
         self.problems: dict[str, PlanError] = {}
+        self.rank_problems: dict[tuple[str, int], PlanError] = {}  # (job, engine rank) refused
         self.related_since: dict[str, float] = {}  # nodes of this node's plans: since when
         self._waiters: dict[str, list[asyncio.Future[None]]] = {}
         self._slots: dict[tuple[str, int], int] = {}  # engine ranks' immediate counters
@@ -120,15 +121,19 @@ class PlanBook:
 
     def release_slot(self, job: str, rank: int) -> None:
         self._slots.pop((job, rank), None)
+        self.rank_problems.pop((job, rank), None)  # a rank that comes back is judged again
 
     def rank_plan(self, job: str, rank: int) -> RankPlan | None:
         plan = self.plans.get(job)
         return next((s for s in plan.sends if s.rank == rank), None) if plan else None
 
-    def check(self, job: str) -> None:
-        """Raise the job's plan problem, if the coordinator reported one."""
+    def check(self, job: str, rank: int = -1) -> None:
+        """Raise the job's plan problem, or engine rank `rank`'s, if the coordinator
+        reported one."""
         if job in self.problems:
             raise self.problems[job]
+        if (job, rank) in self.rank_problems:
+            raise self.rank_problems[(job, rank)]
 
     async def changed(self, job: str, timeout_s: float) -> None:
         """Wait (at most `timeout_s`) for the job's plan to be installed or withdrawn."""
@@ -142,6 +147,8 @@ class PlanBook:
         old = self.plans.get(plan.job)
         self.plans[plan.job] = plan
         self.problems.pop(plan.job, None)
+        for e in plan.expects:  # a refused rank the plan now has (the replica's holder left)
+            self.rank_problems.pop((plan.job, e.rank), None)
         self._users.use_plan(plan.job, plan)
         self._completions.install(plan.job, plan.plan_hash, plan.expects)
         self.grant_writers()
@@ -164,11 +171,21 @@ class PlanBook:
             if not fut.done():
                 fut.set_result(None)
 
-    def problem(self, job: str, err: PlanError) -> None:
+    def problem(self, job: str, err: PlanError, ranks: tuple[int, ...] = ()) -> None:
         """The coordinator cannot plan the job (two ranks claim one rank, ...): its plan is
         gone here, for the engine ranks and for the trainer ranks too, whose next version
         asks for a plan and hears this problem (they used to publish on the old plan, and
-        the engine nodes refused the writes as `unauthorized`)."""
+        the engine nodes refused the writes as `unauthorized`). `ranks`: only these engine
+        ranks are refused (their waits end with it now); the plan and the others stay."""
+        if ranks:
+            for rank in ranks:
+                self.rank_problems[(job, rank)] = err
+                self._completions.end_rank(job, rank, err.message, err.code)
+            log.warning("engine ranks refused", job=job, ranks=list(ranks), error=err.message)
+            for fut in self._waiters.pop(job, []):  # waits for a plan look again
+                if not fut.done():
+                    fut.set_result(None)
+            return
         self.plans.pop(job, None)
         self.problems[job] = err
         self._completions.drop_job(job, err.message, err.code)
@@ -200,6 +217,7 @@ class PlanBook:
         showed them long after). A rank that comes back advertises and gets a plan again."""
         plan = self.plans.pop(job, None)
         problem = self.problems.pop(job, None)
+        self.rank_problems = {k: v for k, v in self.rank_problems.items() if k[0] != job}
         self._completions.drop_job(job, "every rank of the job here left")
         if plan is not None or problem is not None:
             log.info("job left this node", job=job, plan=plan.plan_hash if plan else None)

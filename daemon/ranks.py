@@ -185,10 +185,10 @@ class Ranks:
             raise WeightwireError(
                 f"a {session.role} session does not receive versions", code=ErrorCode.INVALID
             )
-        self._plans.check(session.job)
+        self._plans.check(session.job, session.rank)
         deadline = time.monotonic() + timeout_s
         while (rc := self._completions.get(session.job, session.rank)) is None:
-            self._plans.check(session.job)
+            self._plans.check(session.job, session.rank)
             left = deadline - time.monotonic()
             if left <= 0:
                 raise PlanError(self._joining.waiting_for(session.job), code=ErrorCode.TIMEOUT)

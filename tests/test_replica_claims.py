@@ -1,0 +1,105 @@
+"""An elastic engine replica claimed by an extra engine rank, while the replica serves.
+
+A rank on another host registers with `replica=` of a replica that is complete and planned
+(another rank number with the same size, or another size, or the same rank again). The
+coordinator used to count the claimant into the replica: with one rank too many it was no
+longer complete and was dropped from the plan without a word (the trainer's next version
+went nowhere, the serving rank's wait ran to its timeout), or, with sizes that disagree,
+the whole job was withdrawn. The replica that is planned keeps serving and gets the next
+version bitwise; the claimant's wait ends at once with a `duplicate` error naming the
+replica and both hosts. Once the claimant is gone, nothing of it is left behind. Real
+daemons, each host in its own network namespace."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from weightwire.client import Engine, Trainer
+from weightwire.client.status import fetch
+from weightwire.harness.localcluster import LocalCluster
+from weightwire.protocol.errors import ErrorCode, WeightwireError, retryable
+
+from .conftest import FAST, NETNS, NETNS_WHY, serve
+
+pytestmark = pytest.mark.skipif(not NETNS, reason=f"needs namespaces: {NETNS_WHY}")
+
+
+@pytest.fixture(scope="module")
+def three() -> Iterator[LocalCluster]:
+    """host0 coordinates and trains, host1 serves replica 0, host2 runs the claimant."""
+    yield from serve(LocalCluster(hosts=3, use_netns=True, extra=FAST))
+
+
+CLAIMS = {
+    "another-rank": {"rank": 1, "replica_size": 1},
+    "another-size": {"rank": 1, "replica_size": 2},
+    "same-rank": {"rank": 0, "replica_size": 1},
+}
+
+
+@pytest.mark.parametrize("claim", sorted(CLAIMS))
+def test_a_claimed_replica_keeps_serving_and_the_claimant_is_told(
+    three: LocalCluster, claim: str
+) -> None:
+    c = three
+    job = f"replica-claimed-{claim}"
+    w = torch.arange(4096, dtype=torch.float32)
+    dst = torch.zeros_like(w)
+    eng = Engine(0, 2, socket=c.daemons[1].socket, job=job, timeout_s=10, replica=0, replica_size=1)
+    tr = Trainer(0, 1, socket=c.daemons[0].socket, job=job, timeout_s=10)
+    twin = None
+    try:
+        eng.register({"w": dst})
+        tr.register({"w": w})
+        deadline = time.monotonic() + 20
+        version = 1
+        while True:  # the replica may be planned after the trainer's first version
+            stats = tr.publish(version)
+            if [o.replica for o in stats.replicas if o.ok] == [0]:
+                break
+            assert time.monotonic() < deadline, stats.replicas
+            version += 1
+        eng.wait(version)
+        assert torch.equal(dst, w)
+        spec = CLAIMS[claim]
+        twin = Engine(
+            spec["rank"],
+            2,
+            socket=c.daemons[2].socket,
+            job=job,
+            timeout_s=10,
+            replica=0,
+            replica_size=spec["replica_size"],
+        )
+        twin.register({"w": torch.zeros_like(w)})
+        t0 = time.monotonic()
+        with pytest.raises(WeightwireError) as told:
+            twin.wait(version + 1, timeout_s=20)
+        assert time.monotonic() - t0 < 10, "the claimant was left to its timeout"
+        err = told.value
+        assert err.code is ErrorCode.DUPLICATE, err
+        assert "replica 0" in err.message and "host1" in err.message, err
+        assert "host2" in err.message, err
+        assert not retryable(err)
+        for v in (version + 1, version + 2):  # the replica keeps serving, bitwise
+            w.add_(1)
+            stats = tr.publish(v)
+            assert [(o.replica, o.ok) for o in stats.replicas] == [(0, True)], stats.replicas
+            eng.wait(v)
+            assert torch.equal(dst, w)
+        problems = fetch(c.daemons[1].socket)["plan_problems"]
+        assert job not in problems, problems  # the serving host heard nothing of it
+        twin.close()
+        twin = None
+        w.add_(1)
+        tr.publish(version + 3)
+        eng.wait(version + 3)
+        assert torch.equal(dst, w)
+    finally:
+        for x in (twin, tr, eng):
+            if x is not None:
+                x.close()
