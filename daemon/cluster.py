@@ -41,6 +41,7 @@ from .plans import PlanBook, elastic_engine_node, nodes_of
 from .publishing import Publishing
 from .seams import Spawn
 from .sessions import Session
+from .statusrate import StatusAnswers
 
 log = structlog.get_logger("weightwire.daemon")
 
@@ -77,7 +78,7 @@ class Cluster:
         self._spawn = spawn
         self.join = join
         self._joined = joined  # told the coordinator's name on the first welcome (READY)
-        self._status = status
+        self._status = StatusAnswers(status)
         self._ready_sent = False
         self._peer_errors = Throttled()  # any allowed key may send them, in a loop
         self._last_hello = 0.0
@@ -212,7 +213,9 @@ class Cluster:
             case TransportSignal(transport=name, payload=payload):
                 self._dataplane.answer_signal_soon(sender, msg.req, name, payload)
             case StatusQuery():
-                self._mesh.send_soon(sender, StatusAnswer(req=msg.req, body=self._status()))
+                body = self._status.answer(sender)  # None: past its rate, dropped
+                if body is not None:
+                    self._mesh.send_soon(sender, StatusAnswer(req=msg.req, body=body))
             case StatusAnswer():
                 self._mesh.resolve(sender, msg.req, msg)
             case PeerError(code=code, message=message) if self.view.coordinator_name is None:

@@ -1,0 +1,116 @@
+"""A member floods a daemon with StatusQuery (what `weightwire status --cluster` sends).
+
+Each query used to be answered with a status document made afresh (every session, region,
+peer, and on the coordinator every job's ranks collected twice), at whatever rate a member
+with a valid key sent them: 20000 queries, 20000 documents built and sent back. Now a
+daemon answers each asking node at most a few times a second (a token bucket; a cluster
+status asks each node once), and a document is made at most once per short interval and
+shared. Past that, queries are dropped with one log line a while; the asker times out as
+it would with a daemon that is down. The daemon keeps serving: a version lands bitwise
+during the flood and `status --cluster` from a node of the cluster still gets every
+daemon's answer. Real daemons in network namespaces; the flooder is a real member
+(tests/attack/statusflood.py).
+
+The coordinator's CPU time over the flood is printed (not asserted)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from weightwire.client import Engine, Trainer
+from weightwire.client.status import fetch
+from weightwire.harness.localcluster import LocalCluster
+
+from .conftest import FAST, NETNS, NETNS_WHY
+
+pytestmark = pytest.mark.skipif(not NETNS, reason=f"needs namespaces: {NETNS_WHY}")
+HERE = Path(__file__).parent
+QUERIES = 20000
+TENSORS = 200
+
+
+@pytest.fixture(scope="module")
+def hosts() -> Iterator[LocalCluster]:
+    c = LocalCluster(hosts=3, use_netns=True, extra=FAST)
+    c.keys("flooder")  # a key every daemon allows, held by no daemon
+    c.start()
+    c.wait_joined()
+    yield c
+    assert c.stop() == [0, 0, 0], f"logs in {c.workdir}"
+
+
+def cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def flood(c: LocalCluster, target: str, count: int) -> dict[str, object]:
+    spec = {
+        "node": "flooder",
+        "secret_key": str(c.workdir / "keys" / "flooder" / "flooder.key_secret"),
+        "allowed_dir": str(c.workdir / "keys" / "public"),
+        "coordinator": c.daemons[0].endpoint,
+        "coordinator_key": c.coordinator_key(),
+        "address": c.address(2),
+        "target": target,
+        "count": count,
+        "hold_s": 3.0,
+    }
+    argv = [*c.prefix(2), sys.executable, str(HERE / "attack" / "statusflood.py"), json.dumps(spec)]
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out: dict[str, object] = json.loads(done.stdout.splitlines()[-1])
+    assert "failed" not in out, (out, done.stderr[-3000:])
+    return out
+
+
+def test_a_status_query_flood_is_answered_at_a_bounded_rate_and_the_daemon_serves_on(
+    hosts: LocalCluster,
+) -> None:
+    c = hosts
+    job = "status-flood"
+    ws = {f"w{i}": torch.arange(1024, dtype=torch.float32) + i for i in range(TENSORS)}
+    dst = {k: torch.zeros_like(v) for k, v in ws.items()}
+    tr = Trainer(0, 1, socket=c.daemons[0].socket, job=job, timeout_s=30)
+    eng = Engine(0, 1, socket=c.daemons[1].socket, job=job, timeout_s=30)
+    try:
+        eng.register(dst)
+        tr.register(ws)
+        tr.publish(1)
+        eng.wait(1)
+        assert all(torch.equal(dst[k], ws[k]) for k in ws)
+        pid = int(fetch(c.daemons[0].socket)["pid"])
+        cpu0, t0 = cpu_s(pid), time.monotonic()
+        out = flood(c, "host0", QUERIES)
+        cpu1, t1 = cpu_s(pid), time.monotonic()
+        print(
+            f"\n{QUERIES} StatusQuery at the coordinator: {out['answers']} answered, "
+            f"coordinator CPU {cpu1 - cpu0:.2f} s over {t1 - t0:.1f} s "
+            f"(sent in {out['send_s']} s)"
+        )
+        assert out["sent"] == QUERIES, out
+        answers = int(out["answers"])  # type: ignore[call-overload]
+        assert 1 <= answers <= 20 + 10 * (t1 - t0), out  # the bucket: burst + rate x time
+        for w in ws.values():
+            w.add_(1)
+        tr.publish(2)  # the daemon serves on
+        eng.wait(2)
+        assert all(torch.equal(dst[k], ws[k]) for k in ws)
+        whole = fetch(c.daemons[1].socket, cluster=True)["nodes"]
+        assert all("error" not in whole[n] for n in ("host0", "host1", "host2")), whole
+        dropped = [e for e in c.daemons[0].logs() if e.get("event") == "status queries dropped"]
+        assert 1 <= len(dropped) <= 5, len(dropped)  # one line a while, not one per query
+        assert dropped[0]["peer"] == "flooder", dropped[0]
+    finally:
+        tr.close()
+        eng.close()
