@@ -42,6 +42,8 @@ from .lograte import Throttled
 
 log = structlog.get_logger("weightwire.daemon.coordinator")
 
+MAX_JOBS_PER_NODE = 256  # jobs one node may hold ranks in at once (a host runs a few)
+
 
 @dataclass
 class Coordinator:
@@ -139,9 +141,13 @@ class Coordinator:
         if not keep_member:
             self.members.pop(node, None)
             self.last_seen.pop(node, None)
-        for job in self.jobs.values():
-            if job.adverts.pop(node, None) is not None:
+        for job in list(self.jobs.values()):
+            if job.adverts.pop(node, None) is None:
+                continue
+            if any(a.ranks for a in job.adverts.values()):
                 self._replan(job)
+            else:  # its last node is gone: the job used to stay, listed, for ever
+                self._end_job(job)
 
     # --- adverts and plans ---------------------------------------------------
 
@@ -149,6 +155,15 @@ class Coordinator:
         member = self.members.get(sender)
         if member is None or member.incarnation != adv.incarnation:
             self._refused.emit(log.warning, "advert from a non-member ignored", peer=sender)
+            return
+        known = self.jobs.get(adv.job)
+        if (known is None or sender not in known.adverts) and adv.ranks and self._too_many(sender):
+            why = (
+                f"{sender} holds ranks in {MAX_JOBS_PER_NODE} jobs already (the most a node "
+                f"may); job {adv.job!r} is not planned"
+            )
+            self._refused.emit(log.warning, "advert refused", peer=sender, job=adv.job, reason=why)
+            self.send(sender, PlanProblem(job=adv.job, code=ErrorCode.TOO_LARGE.value, message=why))
             return
         job = self.jobs.setdefault(adv.job, Job(adv.job))
         prev = job.adverts.get(sender)
@@ -161,6 +176,10 @@ class Coordinator:
         if adv.plan_hash != job.sent.get(sender, job.plan_hash):
             job.assigned.pop(sender, None)  # it lost or never had the current plan
         self._replan(job)
+
+    def _too_many(self, node: str) -> bool:
+        held = sum(1 for j in self.jobs.values() if (a := j.adverts.get(node)) and a.ranks)
+        return held >= MAX_JOBS_PER_NODE
 
     def _end_job(self, job: Job) -> None:
         running = self._planning.pop(job.name, None)

@@ -28,6 +28,7 @@ import torch
 
 from weightwire.client import Engine, Trainer
 from weightwire.client.status import fetch
+from weightwire.daemon.coordinator import MAX_JOBS_PER_NODE
 from weightwire.harness.localcluster import LocalCluster
 
 from .conftest import FAST, NETNS, NETNS_WHY
@@ -53,7 +54,7 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def flood(c: LocalCluster, target: str, count: int) -> dict[str, object]:
+def flood(c: LocalCluster, target: str, count: int, kind: str = "status") -> dict[str, object]:
     spec = {
         "node": "flooder",
         "secret_key": str(c.workdir / "keys" / "flooder" / "flooder.key_secret"),
@@ -64,6 +65,7 @@ def flood(c: LocalCluster, target: str, count: int) -> dict[str, object]:
         "target": target,
         "count": count,
         "hold_s": 3.0,
+        "kind": kind,
     }
     argv = [*c.prefix(2), sys.executable, str(HERE / "attack" / "statusflood.py"), json.dumps(spec)]
     env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
@@ -111,6 +113,55 @@ def test_a_status_query_flood_is_answered_at_a_bounded_rate_and_the_daemon_serve
         dropped = [e for e in c.daemons[0].logs() if e.get("event") == "status queries dropped"]
         assert 1 <= len(dropped) <= 5, len(dropped)  # one line a while, not one per query
         assert dropped[0]["peer"] == "flooder", dropped[0]
+    finally:
+        tr.close()
+        eng.close()
+
+
+def rss(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_an_advert_flood_of_made_up_jobs_is_bounded_and_the_coordinator_serves_on(
+    hosts: LocalCluster,
+) -> None:
+    c = hosts
+    status = fetch(c.daemons[0].socket)
+    pid = int(status["pid"])
+    cpu0, rss0, t0 = cpu_s(pid), rss(pid), time.monotonic()
+    out = flood(c, "host0", QUERIES, kind="advertise")
+    cpu1, rss1, t1 = cpu_s(pid), rss(pid), time.monotonic()
+    jobs = fetch(c.daemons[0].socket)["coordination"]["jobs"]
+    flooded = [j for j in jobs if j.startswith("flood-")]
+    print(
+        f"\n{QUERIES} Advertise of made-up jobs at the coordinator: {len(flooded)} jobs kept, "
+        f"coordinator CPU {cpu1 - cpu0:.2f} s over {t1 - t0:.1f} s, "
+        f"RSS +{(rss1 - rss0) / 2**20:.1f} MiB, told {out['problems']}"
+    )
+    assert out["sent"] == QUERIES, out
+    assert len(flooded) == MAX_JOBS_PER_NODE, len(flooded)
+    told = out["problems"]
+    assert told == {"too_large": QUERIES - MAX_JOBS_PER_NODE}, told  # each refusal typed
+    refused = [e for e in c.daemons[0].logs() if e.get("event") == "advert refused"]
+    assert 1 <= len(refused) <= 5, len(refused)  # one line a while
+    assert "holds ranks in 256 jobs already" in str(refused[0]["reason"]), refused[0]
+    deadline = time.monotonic() + 20
+    while True:  # the flooder has left: its jobs go with it (they used to stay for ever)
+        jobs = fetch(c.daemons[0].socket)["coordination"]["jobs"]
+        if not [j for j in jobs if j.startswith("flood-")]:
+            break
+        assert time.monotonic() < deadline, len(jobs)
+        time.sleep(0.2)
+    w = torch.arange(4096, dtype=torch.float32)
+    dst = torch.zeros_like(w)
+    tr = Trainer(0, 1, socket=c.daemons[0].socket, job="after-advert-flood", timeout_s=30)
+    eng = Engine(0, 1, socket=c.daemons[1].socket, job="after-advert-flood", timeout_s=30)
+    try:
+        eng.register({"w": dst})
+        tr.register({"w": w})
+        tr.publish(1)
+        eng.wait(1)
+        assert torch.equal(dst, w)
     finally:
         tr.close()
         eng.close()

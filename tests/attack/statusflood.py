@@ -1,11 +1,13 @@
 """A member that floods: a process with a key every daemon allows joins the cluster like a
 daemon does (real PeerMesh: hello, heartbeats, its own peer socket for the answers), then
-sends `count` StatusQuery to one daemon as fast as it can, and counts the StatusAnswers
-that come back within `hold_s`. Prints one JSON line.
+sends `count` messages to one daemon as fast as it can and counts what comes back within
+`hold_s`. Prints one JSON line. `kind`: "status" (StatusQuery; StatusAnswers counted) or
+"advertise" (to the coordinator: an Advertise of one trainer rank for a job of its own,
+`count` jobs; the PlanProblems it is told counted).
 
     python statusflood.py '{"node":"flooder","secret_key":..,"allowed_dir":..,
                             "coordinator":..,"coordinator_key":..,"address":..,
-                            "target":"host0","count":20000,"hold_s":5}'
+                            "target":"host0","count":20000,"hold_s":5,"kind":"status"}'
 """
 
 from __future__ import annotations
@@ -28,14 +30,18 @@ from weightwire.daemon.security import start_authenticator
 from weightwire.protocol import PROTOCOL_VERSION
 from weightwire.protocol.frames import Codec
 from weightwire.protocol.peer import (
+    Advertise,
     Heartbeat,
     Member,
     Membership,
     PeerHello,
     PeerMessage,
+    PlanProblem,
+    RankAdvert,
     StatusAnswer,
     StatusQuery,
 )
+from weightwire.protocol.tensors import SourceTensor
 
 
 async def run(spec: dict[str, object]) -> dict[str, object]:
@@ -61,6 +67,7 @@ async def run(spec: dict[str, object]) -> dict[str, object]:
     joined = asyncio.Event()
     answers = 0
     first = last = 0.0
+    problems: dict[str, int] = {}
 
     async def handle(sender: str, msg: PeerMessage, key: bytes | None = None) -> None:
         nonlocal answers, first, last
@@ -76,6 +83,8 @@ async def run(spec: dict[str, object]) -> dict[str, object]:
                 answers += 1
                 last = time.monotonic()
                 first = first or last
+            case PlanProblem(code=code):
+                problems[code] = problems.get(code, 0) + 1
 
     incarnation = secrets.token_hex(8)
     me = Member(node=node, endpoint=endpoint, incarnation=incarnation, public_key=public.decode())
@@ -94,14 +103,29 @@ async def run(spec: dict[str, object]) -> dict[str, object]:
         count = int(spec["count"])  # type: ignore[call-overload]
         t0 = time.monotonic()
         sent = 0
+        kind = str(spec.get("kind", "status"))
+        rank = RankAdvert(
+            role="trainer",
+            rank=0,
+            world_size=1,
+            sources=(SourceTensor(name="w", dtype="float32", shape=(1024,)),),
+        )
         for i in range(count):
-            await mesh.send(target, StatusQuery(req=i + 1))
+            if kind == "advertise":
+                msg: StatusQuery | Advertise = Advertise(
+                    node=node, incarnation=incarnation, job=f"flood-{i}", ranks=(rank,), seq=i + 1
+                )
+            else:
+                msg = StatusQuery(req=i + 1)
+            await mesh.send(target, msg)
             sent += 1
             if i % 256 == 0:
                 await asyncio.sleep(0)  # answers are read meanwhile
         out["send_s"] = round(time.monotonic() - t0, 3)
         await asyncio.sleep(float(spec.get("hold_s", 5.0)))  # type: ignore[arg-type]
-        out.update(sent=sent, answers=answers, answer_span_s=round(last - first, 3))
+        out.update(
+            sent=sent, answers=answers, answer_span_s=round(last - first, 3), problems=problems
+        )
     except Exception as exc:
         out["failed"] = repr(exc)
     finally:
