@@ -103,3 +103,49 @@ def test_a_claimed_replica_keeps_serving_and_the_claimant_is_told(
         for x in (twin, tr, eng):
             if x is not None:
                 x.close()
+
+
+def test_a_replica_that_cannot_be_planned_beside_the_trainer_leaves_the_trainer_publishing(
+    three: LocalCluster,
+) -> None:
+    """Replica 1 registers behind the trainer's own daemon, with a tensor the trainer's does
+    not fit (another shape): that replica cannot be planned. Its rank is told why; the
+    coordinator used to tell the whole node, which took the job's plan from the trainer
+    beside it (its next publish failed with replica 1's problem, and kept failing)."""
+    c = three
+    job = "replica-unplannable"
+    w = torch.arange(4096, dtype=torch.float32)
+    dst = torch.zeros_like(w)
+    eng = Engine(0, 2, socket=c.daemons[1].socket, job=job, timeout_s=10, replica=0, replica_size=1)
+    tr = Trainer(0, 1, socket=c.daemons[0].socket, job=job, timeout_s=10)
+    bad = None
+    try:
+        eng.register({"w": dst})
+        tr.register({"w": w})
+        deadline = time.monotonic() + 20
+        version = 1
+        while True:
+            stats = tr.publish(version)
+            if [o.replica for o in stats.replicas if o.ok] == [0]:
+                break
+            assert time.monotonic() < deadline, stats.replicas
+            version += 1
+        eng.wait(version)
+        bad = Engine(
+            1, 2, socket=c.daemons[0].socket, job=job, timeout_s=10, replica=1, replica_size=1
+        )
+        bad.register({"w": torch.zeros(2048, dtype=torch.float32)})  # not the trainer's shape
+        with pytest.raises(WeightwireError) as told:
+            bad.wait(version + 1, timeout_s=20)
+        assert "replica 1" in told.value.message or "2048" in told.value.message, told.value
+        for v in (version + 1, version + 2):
+            w.add_(1)
+            stats = tr.publish(v)
+            assert [(o.replica, o.ok) for o in stats.replicas] == [(0, True)], stats.replicas
+            eng.wait(v)
+            assert torch.equal(dst, w)
+        assert job not in fetch(c.daemons[0].socket)["plan_problems"]
+    finally:
+        for x in (bad, tr, eng):
+            if x is not None:
+                x.close()
