@@ -5,7 +5,7 @@ A rank on another host registers with `replica=` of a replica that is complete a
 coordinator used to count the claimant into the replica: with one rank too many it was no
 longer complete and was dropped from the plan without a word (the trainer's next version
 went nowhere, the serving rank's wait ran to its timeout), or, with sizes that disagree,
-the whole job was withdrawn. The replica that is planned keeps serving and gets the next
+the whole job was withdrawn (as it was for a rank naming no replica at all). The replica that is planned keeps serving and gets the next
 version bitwise; the claimant's wait ends at once with a `duplicate` error naming the
 replica and both hosts. Once the claimant is gone, nothing of it is left behind. Real
 daemons, each host in its own network namespace."""
@@ -38,6 +38,7 @@ CLAIMS = {
     "another-rank": {"rank": 1, "replica_size": 1},
     "another-size": {"rank": 1, "replica_size": 2},
     "same-rank": {"rank": 0, "replica_size": 1},
+    "no-replica": {"rank": 1, "replica_size": 0},  # names none, in a job whose others do
 }
 
 
@@ -72,7 +73,7 @@ def test_a_claimed_replica_keeps_serving_and_the_claimant_is_told(
             socket=c.daemons[2].socket,
             job=job,
             timeout_s=10,
-            replica=0,
+            replica=0 if spec["replica_size"] else -1,
             replica_size=spec["replica_size"],
         )
         twin.register({"w": torch.zeros_like(w)})
@@ -82,7 +83,10 @@ def test_a_claimed_replica_keeps_serving_and_the_claimant_is_told(
         assert time.monotonic() - t0 < 10, "the claimant was left to its timeout"
         err = told.value
         assert err.code is ErrorCode.DUPLICATE, err
-        assert "replica 0" in err.message and "host1" in err.message, err
+        if spec["replica_size"]:
+            assert "replica 0" in err.message and "host1" in err.message, err
+        else:
+            assert "names no replica" in err.message, err
         assert "host2" in err.message, err
         assert not retryable(err)
         for v in (version + 1, version + 2):  # the replica keeps serving, bitwise
