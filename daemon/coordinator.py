@@ -39,10 +39,13 @@ from .elastic import is_elastic
 from .elasticplanning import ElasticPlanning, Send
 from .jobs import Job, collect, delta_areas, digest
 from .lograte import Throttled
+from .ratelimit import Buckets
 
 log = structlog.get_logger("weightwire.daemon.coordinator")
 
 MAX_JOBS_PER_NODE = 256  # jobs one node may hold ranks in at once (a host runs a few)
+HELLO_RATE = 1.0  # hellos a second acted on per node name (a daemon says one a second
+HELLO_BURST = 5.0  # until it is welcome; each is answered, a new incarnation broadcast)
 
 
 @dataclass
@@ -57,6 +60,8 @@ class Coordinator:
     _planning: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     _plans: dict[str, Mapping[str, NodePlan]] = field(default_factory=dict)  # made when sent
     _refused: Throttled = field(default_factory=lambda: Throttled(10.0))
+    _hellos: Buckets = field(default_factory=lambda: Buckets(HELLO_RATE, HELLO_BURST))
+    _hellos_dropped: Throttled = field(default_factory=lambda: Throttled(10.0))
     _elastic: ElasticPlanning = field(init=False)
 
     def __post_init__(self) -> None:
@@ -83,6 +88,14 @@ class Coordinator:
         return None
 
     def on_hello(self, sender: str, hello: PeerHello) -> None:
+        if not self._hellos.take(sender):
+            # each is answered (a welcome and the membership), and one with a new
+            # incarnation is broadcast to every member: a member that sent them in a loop
+            # made every daemon of the cluster work for each
+            self._hellos_dropped.emit(
+                log.warning, "hellos dropped", peer=sender, rate_per_s=HELLO_RATE
+            )
+            return
         m = hello.member
         if hello.protocol != PROTOCOL_VERSION or m.node != sender:
             if hello.protocol != PROTOCOL_VERSION:

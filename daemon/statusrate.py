@@ -17,21 +17,19 @@ from typing import Any
 import structlog
 
 from .lograte import Throttled
+from .ratelimit import Buckets
 
 log = structlog.get_logger("weightwire.daemon")
 
 RATE = 5.0  # answers a second to one node
 BURST = 10.0
 FRESH_S = 0.25  # a document this young is answered again as it is
-MAX_NODES = 4096  # buckets kept (members only get this far; bounded all the same)
 
 
 @dataclass
 class StatusAnswers:
     make: Callable[[], dict[str, Any]]
-    rate: float = RATE
-    burst: float = BURST
-    _buckets: dict[str, tuple[float, float]] = field(default_factory=dict)  # tokens, when
+    _buckets: Buckets = field(default_factory=lambda: Buckets(RATE, BURST))
     _doc: dict[str, Any] | None = None
     _made: float = -float("inf")
     _dropped: Throttled = field(default_factory=lambda: Throttled(10.0))
@@ -40,23 +38,17 @@ class StatusAnswers:
 
     def answer(self, node: str) -> dict[str, Any] | None:
         """The document to answer `node` with, or None: drop its query."""
-        now = time.monotonic()
-        tokens, then = self._buckets.get(node, (self.burst, now))
-        tokens = min(self.burst, tokens + (now - then) * self.rate)
-        if tokens < 1.0:
-            self._buckets[node] = (tokens, now)
+        if not self._buckets.take(node):
             self.dropped += 1
             self._dropped.emit(
                 log.warning,
                 "status queries dropped",
                 peer=node,
-                rate_per_s=self.rate,
+                rate_per_s=RATE,
                 dropped_total=self.dropped,
             )
             return None
-        if node not in self._buckets and len(self._buckets) >= MAX_NODES:
-            self._buckets.clear()
-        self._buckets[node] = (tokens - 1.0, now)
+        now = time.monotonic()
         if self._doc is None or now - self._made > FRESH_S:
             self._doc, self._made = self.make(), now
             self.made += 1

@@ -165,3 +165,41 @@ def test_an_advert_flood_of_made_up_jobs_is_bounded_and_the_coordinator_serves_o
     finally:
         tr.close()
         eng.close()
+
+
+def test_a_flood_of_hellos_with_new_incarnations_is_acted_on_at_a_bounded_rate(
+    hosts: LocalCluster,
+) -> None:
+    """A member says hello 20000 times, each with a new incarnation (as a daemon restarted
+    20000 times). The coordinator answered each (a welcome and the membership) and, for a
+    new incarnation, dropped the node's adverts and broadcast the membership to every
+    member, which each took as a restart of that node: every daemon of the cluster worked
+    for every hello. Now hellos are acted on at most once a second per node (burst 5);
+    the rest are dropped with one log line a while. Every daemon's CPU time is printed."""
+    c = hosts
+    pids = [int(fetch(d.socket)["pid"]) for d in c.daemons]
+    cpu0, t0 = [cpu_s(p) for p in pids], time.monotonic()
+    out = flood(c, "host0", QUERIES, kind="rejoin")
+    cpu1, t1 = [cpu_s(p) for p in pids], time.monotonic()
+    spent = ", ".join(
+        f"host{i} {b - a:.2f} s" for i, (a, b) in enumerate(zip(cpu0, cpu1, strict=True))
+    )
+    print(f"\n{QUERIES} hellos with new incarnations: {out['answers']} answers; CPU {spent}")
+    assert out["sent"] == QUERIES, out
+    answers = int(out["answers"])  # type: ignore[call-overload]
+    assert answers <= 2 * (5 + (t1 - t0)) + 10, out  # a welcome and a membership per hello
+    dropped = [e for e in c.daemons[0].logs() if e.get("event") == "hellos dropped"]
+    assert 1 <= len(dropped) <= 5 and dropped[0]["peer"] == "flooder", dropped
+    w = torch.arange(4096, dtype=torch.float32)
+    dst = torch.zeros_like(w)
+    tr = Trainer(0, 1, socket=c.daemons[0].socket, job="after-hello-flood", timeout_s=30)
+    eng = Engine(0, 1, socket=c.daemons[2].socket, job="after-hello-flood", timeout_s=30)
+    try:
+        eng.register({"w": dst})
+        tr.register({"w": w})
+        tr.publish(1)
+        eng.wait(1)
+        assert torch.equal(dst, w)
+    finally:
+        tr.close()
+        eng.close()

@@ -36,6 +36,7 @@ from weightwire.protocol.peer import (
     Membership,
     PeerHello,
     PeerMessage,
+    PeerWelcome,
     PlanProblem,
     RankAdvert,
     StatusAnswer,
@@ -73,12 +74,15 @@ async def run(spec: dict[str, object]) -> dict[str, object]:
         nonlocal answers, first, last
         match msg:
             case Membership(members=ms):
+                answers += joined.is_set()  # kind hello / rejoin: what the hellos cost
                 for m in ms:
                     members[m.node] = m
                     if m.node != node:
                         mesh.know(m.node, m.endpoint, m.public_key.encode() or None)
                 if target in members and node in members:
                     joined.set()
+            case PeerWelcome() if joined.is_set():
+                answers += 1
             case StatusAnswer() if sender == target:
                 answers += 1
                 last = time.monotonic()
@@ -111,8 +115,16 @@ async def run(spec: dict[str, object]) -> dict[str, object]:
             sources=(SourceTensor(name="w", dtype="float32", shape=(1024,)),),
         )
         for i in range(count):
-            if kind == "advertise":
-                msg: StatusQuery | Advertise = Advertise(
+            if kind in ("hello", "rejoin"):
+                inc = secrets.token_hex(8) if kind == "rejoin" else incarnation
+                who = Member(
+                    node=node, endpoint=endpoint, incarnation=inc, public_key=me.public_key
+                )
+                msg: StatusQuery | Advertise | PeerHello = PeerHello(
+                    protocol=PROTOCOL_VERSION, member=who
+                )
+            elif kind == "advertise":
+                msg = Advertise(
                     node=node, incarnation=incarnation, job=f"flood-{i}", ranks=(rank,), seq=i + 1
                 )
             else:
