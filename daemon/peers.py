@@ -39,6 +39,7 @@ Handler = Callable[[str, PeerMessage, bytes | None], Awaitable[None]]  # name, m
 RECONNECT_IVL_MS = 100  # first retry after a connection is lost
 RECONNECT_IVL_MAX_MS = 500  # retries back off up to this, never further
 CONNECT_TIMEOUT_MS = 1000  # a connect attempt into a dead link is given up after this
+HANDSHAKE_S = 5.0  # a connection that has not finished its ZMTP/CURVE handshake is closed
 
 COORDINATOR = "@coordinator"  # the mesh's name for the coordinator until it says its own
 
@@ -99,6 +100,9 @@ class PeerMesh:
         self.names = Names(curve=self.security.curve, coordinator_key=self.security.coordinator_key)
 
     def _keepalive(self, sock: zmq.asyncio.Socket) -> None:
+        # libzmq's default handshake time is 30 s: a TCP connect and silence held one of
+        # the daemon's descriptors that long, no key needed
+        sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
         ivl = max(100, int(self.heartbeat_interval_s * 1000))
         timeout = max(ivl, int(self.heartbeat_timeout_s * 1000))
         sock.setsockopt(zmq.HEARTBEAT_IVL, ivl)
