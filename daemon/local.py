@@ -107,6 +107,7 @@ class LocalServer:
         self._start_post = False  # a BucketReady found its rank idle: yield after it
         self._bad = Throttled()  # a rank can send garbage in a loop: one line per interval
         self.inbox: Inbox | None = None  # file descriptors from ranks (VMM GPU memory)
+        self._inbox_loop: asyncio.AbstractEventLoop | None = None  # drains it (serve)
 
     def bind(self, ctx: zmq.asyncio.Context) -> None:
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
@@ -159,6 +160,9 @@ class LocalServer:
         # queued already is read with it, one call a message, until nothing is left; only
         # then does the loop wait on the socket again.
         now: zmq.Socket[bytes] = zmq.Socket.shadow(self._sock.underlying)
+        if self.inbox is not None:  # batches taken as they come (fdpass.py says why)
+            self._inbox_loop = asyncio.get_running_loop()
+            self._inbox_loop.add_reader(self.inbox.fileno(), self.inbox.drain)
         while True:
             frames = await self._sock.recv_multipart(copy=False)
             while True:
@@ -390,6 +394,9 @@ class LocalServer:
         if self._sock is not None:
             self._sock.close(linger=0)
         if self.inbox is not None:
+            loop = self._inbox_loop
+            if loop is not None and not loop.is_closed():
+                loop.remove_reader(self.inbox.fileno())
             self.inbox.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)

@@ -6,7 +6,10 @@ daemon some (GPU memory exported as POSIX fds: `memory.vmm`) first sends them he
 `send`, then names the token in its request; the daemon `claim`s them. A datagram that
 `send` returned from is already in the daemon's queue, so a claim made after the request
 arrives finds it. Descriptors nobody claims are closed after `ttl_s`, and the oldest
-beyond MAX_PENDING_FDS at once (a rank cannot run the daemon out of descriptors).
+beyond MAX_PENDING_FDS at once (a rank cannot run the daemon out of descriptors). The
+daemon drains the socket as datagrams arrive (`drain`, from its event loop): the kernel
+queues only a few datagrams (net.unix.max_dgram_qlen), and batches left there unclaimed
+blocked every other rank's `send`.
 """
 
 from __future__ import annotations
@@ -91,11 +94,22 @@ class Inbox:
             )
         return found[1]
 
+    def fileno(self) -> int:
+        """The socket's descriptor, to watch for datagrams (-1: closed)."""
+        return self._sock.fileno() if self._sock is not None else -1
+
+    def drain(self) -> None:
+        """Take what has arrived (closing what is too old or too much): thread-safe."""
+        with self._lock:
+            if self._sock is not None:
+                self._drain()
+
     def _drain(self) -> None:
         sock = self._sock
         if sock is None:
             raise FdPassError("the descriptor inbox is closed")
         now = self._clock()
+        held = sum(len(fds) for _, fds in self._pending.values())
         while True:
             try:
                 msg, fds, _flags, _addr = socket.recv_fds(sock, TOKEN_BYTES + 1, MAX_FDS)
@@ -105,12 +119,17 @@ class Inbox:
                 _close(fds)  # not ours, or a replayed token: never mix batches
                 continue
             self._pending[msg] = (now, fds)
-        held = sum(len(fds) for _, fds in self._pending.values())
+            held += len(fds)
+            held = self._trim(now, held)  # as they come: never more than one batch over
+        self._trim(now, held)
+
+    def _trim(self, now: float, held: int) -> int:
         for token, (at, fds) in list(self._pending.items()):  # oldest first
             if now - at > self.ttl_s or held > MAX_PENDING_FDS:
                 del self._pending[token]
                 held -= len(fds)
                 _close(fds)
+        return held
 
     def pending(self) -> int:
         with self._lock:

@@ -10,11 +10,13 @@ import socket
 import stat
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import msgspec
 import pytest
 
 from weightwire.client.connection import DaemonConnection
+from weightwire.client.status import fetch
 from weightwire.harness.localcluster import LocalCluster
 from weightwire.memory import fdpass, vmm
 from weightwire.protocol import PROTOCOL_VERSION
@@ -257,3 +259,27 @@ def test_a_flood_of_unclaimed_fds_is_bounded(inbox: fdpass.Inbox) -> None:
     for g in got:
         os.close(g)
     os.close(fd)
+
+
+def test_unclaimed_batches_never_block_the_fd_socket_for_other_ranks(daemon: LocalCluster) -> None:
+    """A rank passes batches of descriptors and never claims them (it died between the
+    send and its registration, or means harm). The daemon read its fd socket only when a
+    VMM registration claimed a batch, so they stayed in the kernel's queue (a few
+    datagrams deep: net.unix.max_dgram_qlen), the queue filled, and every other rank's
+    send timed out; no rank could then get as far as the claim that would have drained it,
+    and unclaimed batches never expired: VMM registration was gone until a restart. The
+    daemon now drains the socket as datagrams arrive (closing the oldest past
+    MAX_PENDING_FDS, and any past their time): another rank's batch goes through."""
+    d = daemon.daemons[0]
+    path = d.socket + ".fds"
+    qlen = int(Path("/proc/sys/net/unix/max_dgram_qlen").read_text())
+    fd = os.open("/dev/null", os.O_RDONLY)
+    try:
+        flood = min(qlen + 8, 4 * fdpass.MAX_PENDING_FDS // fdpass.MAX_FDS)
+        for _ in range(flood):
+            fdpass.send(path, fdpass.new_token(), [fd] * fdpass.MAX_FDS, timeout_s=5)
+        fdpass.send(path, fdpass.new_token(), [fd], timeout_s=5)  # another rank's: not stuck
+    finally:
+        os.close(fd)
+    held = int(fetch(d.socket)["open_fds"])
+    assert held <= fdpass.MAX_PENDING_FDS + fdpass.MAX_FDS + 200, held
