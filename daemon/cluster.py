@@ -82,6 +82,9 @@ class Cluster:
         self._ready_sent = False
         self._peer_errors = Throttled()  # any allowed key may send them, in a loop
         self._last_hello = 0.0
+        # node -> an incarnation its heartbeats said it restarted as, until the membership
+        # says which one it is: its old one is not "back" meanwhile
+        self._restarted: dict[str, str] = {}
 
     # --- periodic: joining, heartbeats, liveness -----------------------------
 
@@ -234,6 +237,8 @@ class Cluster:
         for m in members:
             old = known.get(m.node)
             known[m.node] = m
+            if old is None or old.incarnation != m.incarnation:
+                self._restarted.pop(m.node, None)
             if m.node != self.node:
                 self._mesh.know(m.node, m.endpoint, _key(m.public_key))
             if old is not None and old.incarnation != m.incarnation:
@@ -241,6 +246,7 @@ class Cluster:
                 self.node_back(m.node)
         for node in lost:
             known.pop(node, None)
+            self._restarted.pop(node, None)
             self.node_lost(node, f"the coordinator lost {node}")
 
     def _heartbeat(self, node: str, incarnation: str) -> None:
@@ -252,8 +258,12 @@ class Cluster:
             view.coordinator_incarnation = incarnation
         member = view.members.get(node)
         if member is not None and member.incarnation != incarnation:
+            self._restarted[node] = incarnation
             self.node_lost(node, f"{node} restarted")
-        if member is None or member.incarnation == incarnation:
+        elif member is None or node not in self._restarted:
+            # a heartbeat of the incarnation it restarted from is not its return: a member
+            # that sent the two in turn was lost and back at every one (two log lines, a
+            # fence, and every job of this node advertised to the coordinator again)
             self.node_back(node)
 
 

@@ -3,7 +3,9 @@ daemon does (real PeerMesh: hello, heartbeats, its own peer socket for the answe
 sends `count` messages to one daemon as fast as it can and counts what comes back within
 `hold_s`. Prints one JSON line. `kind`: "status" (StatusQuery; StatusAnswers counted) or
 "advertise" (to the coordinator: an Advertise of one trainer rank for a job of its own,
-`count` jobs; the PlanProblems it is told counted).
+`count` jobs; the PlanProblems it is told counted), "hello" / "rejoin" (PeerHello, the
+same incarnation or a new one each; welcomes and memberships counted), "flap" (Heartbeat,
+a new incarnation and its own in turn).
 
     python statusflood.py '{"node":"flooder","secret_key":..,"allowed_dir":..,
                             "coordinator":..,"coordinator_key":..,"address":..,
@@ -115,14 +117,17 @@ async def run(spec: dict[str, object]) -> dict[str, object]:
             sources=(SourceTensor(name="w", dtype="float32", shape=(1024,)),),
         )
         for i in range(count):
-            if kind in ("hello", "rejoin"):
+            if kind == "flap":  # a heartbeat as if restarted, then one as it was
+                inc = secrets.token_hex(8) if i % 2 == 0 else incarnation
+                msg: StatusQuery | Advertise | PeerHello | Heartbeat = Heartbeat(
+                    node=node, incarnation=inc
+                )
+            elif kind in ("hello", "rejoin"):
                 inc = secrets.token_hex(8) if kind == "rejoin" else incarnation
                 who = Member(
                     node=node, endpoint=endpoint, incarnation=inc, public_key=me.public_key
                 )
-                msg: StatusQuery | Advertise | PeerHello = PeerHello(
-                    protocol=PROTOCOL_VERSION, member=who
-                )
+                msg = PeerHello(protocol=PROTOCOL_VERSION, member=who)
             elif kind == "advertise":
                 msg = Advertise(
                     node=node, incarnation=incarnation, job=f"flood-{i}", ranks=(rank,), seq=i + 1
