@@ -5,10 +5,11 @@ A rank on another host registers with `replica=` of a replica that is complete a
 coordinator used to count the claimant into the replica: with one rank too many it was no
 longer complete and was dropped from the plan without a word (the trainer's next version
 went nowhere, the serving rank's wait ran to its timeout), or, with sizes that disagree,
-the whole job was withdrawn (as it was for a rank naming no replica at all). The replica that is planned keeps serving and gets the next
-version bitwise; the claimant's wait ends at once with a `duplicate` error naming the
-replica and both hosts. Once the claimant is gone, nothing of it is left behind. Real
-daemons, each host in its own network namespace."""
+the whole job was withdrawn (as it was for a rank naming no replica at all). The replica
+that is planned keeps serving and gets the next version bitwise; the claimant's wait ends
+at once with a `duplicate` error naming the replica and both hosts (its daemon's status
+lists it under rank_problems). Once the claimant is gone, nothing of it is left behind.
+Real daemons, each host in its own network namespace."""
 
 from __future__ import annotations
 
@@ -97,6 +98,8 @@ def test_a_claimed_replica_keeps_serving_and_the_claimant_is_told(
             assert torch.equal(dst, w)
         problems = fetch(c.daemons[1].socket)["plan_problems"]
         assert job not in problems, problems  # the serving host heard nothing of it
+        refused = fetch(c.daemons[2].socket)["rank_problems"]
+        assert refused == {f"{job} engine rank {spec['rank']}": err.message}, refused
         twin.close()
         twin = None
         w.add_(1)
