@@ -71,16 +71,18 @@ class AssignPlan(PeerMsg, frozen=True, tag="assign_plan"):
     plan: NodePlan
 
 
+Ranks = tuple[NonNeg, ...]
+"""Engine ranks of a PlanProblem (an elastic replica's claimant, a replica that cannot be
+planned): the node's plan and its other ranks stay."""
+
+
 class PlanProblem(PeerMsg, frozen=True, tag="plan_problem"):
-    """The coordinator could not make a plan for `job`; every rank of it is told why.
-    `ranks`: only these engine ranks of the job at this node are refused (an elastic job's
-    claimant of a replica that another rank serves, a replica that cannot be planned); the
-    node's plan and its other ranks stay. Empty: the whole job."""
+    """The coordinator could not make a plan for `job`; every rank of it is told why."""
 
     job: str
     code: str
     message: str
-    ranks: tuple[NonNeg, ...] = ()
+    ranks: Ranks = ()  # only these engine ranks here are refused; empty: the whole job
 
 
 class Heartbeat(PeerMsg, frozen=True, tag="heartbeat"):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack
 
 import pytest
 import torch
@@ -43,30 +44,48 @@ CLAIMS = {
 }
 
 
+class Serving:
+    """Replica 0 (engine rank 0 on host1, size 1) and the trainer on host0, with a version
+    landed; `next` lands another and checks that replica 0 alone took it, bitwise."""
+
+    def __init__(self, c: LocalCluster, job: str, stack: ExitStack) -> None:
+        self.w = torch.arange(4096, dtype=torch.float32)
+        self.dst = torch.zeros_like(self.w)
+        sock = c.daemons[1].socket
+        self.eng = stack.enter_context(
+            Engine(0, 2, socket=sock, job=job, timeout_s=10, replica=0, replica_size=1)
+        )
+        self.tr = stack.enter_context(Trainer(0, 1, socket=c.daemons[0].socket, job=job))
+        self.eng.register({"w": self.dst})
+        self.tr.register({"w": self.w})
+        deadline = time.monotonic() + 20
+        self.version = 1
+        while True:  # the replica may be planned after the trainer's first version
+            stats = self.tr.publish(self.version)
+            if [o.replica for o in stats.replicas if o.ok] == [0]:
+                break
+            assert time.monotonic() < deadline, stats.replicas
+            self.version += 1
+        self.eng.wait(self.version)
+        assert torch.equal(self.dst, self.w)
+
+    def next(self) -> None:
+        self.version += 1
+        self.w.add_(1)
+        stats = self.tr.publish(self.version)
+        assert [(o.replica, o.ok) for o in stats.replicas] == [(0, True)], stats.replicas
+        self.eng.wait(self.version)
+        assert torch.equal(self.dst, self.w)
+
+
 @pytest.mark.parametrize("claim", sorted(CLAIMS))
 def test_a_claimed_replica_keeps_serving_and_the_claimant_is_told(
     three: LocalCluster, claim: str
 ) -> None:
     c = three
     job = f"replica-claimed-{claim}"
-    w = torch.arange(4096, dtype=torch.float32)
-    dst = torch.zeros_like(w)
-    eng = Engine(0, 2, socket=c.daemons[1].socket, job=job, timeout_s=10, replica=0, replica_size=1)
-    tr = Trainer(0, 1, socket=c.daemons[0].socket, job=job, timeout_s=10)
-    twin = None
-    try:
-        eng.register({"w": dst})
-        tr.register({"w": w})
-        deadline = time.monotonic() + 20
-        version = 1
-        while True:  # the replica may be planned after the trainer's first version
-            stats = tr.publish(version)
-            if [o.replica for o in stats.replicas if o.ok] == [0]:
-                break
-            assert time.monotonic() < deadline, stats.replicas
-            version += 1
-        eng.wait(version)
-        assert torch.equal(dst, w)
+    with ExitStack() as stack:
+        s = Serving(c, job, stack)
         spec = CLAIMS[claim]
         twin = Engine(
             spec["rank"],
@@ -77,39 +96,27 @@ def test_a_claimed_replica_keeps_serving_and_the_claimant_is_told(
             replica=0 if spec["replica_size"] else -1,
             replica_size=spec["replica_size"],
         )
-        twin.register({"w": torch.zeros_like(w)})
-        t0 = time.monotonic()
-        with pytest.raises(WeightwireError) as told:
-            twin.wait(version + 1, timeout_s=20)
-        assert time.monotonic() - t0 < 10, "the claimant was left to its timeout"
-        err = told.value
-        assert err.code is ErrorCode.DUPLICATE, err
-        if spec["replica_size"]:
-            assert "replica 0" in err.message and "host1" in err.message, err
-        else:
-            assert "names no replica" in err.message, err
-        assert "host2" in err.message, err
-        assert not retryable(err)
-        for v in (version + 1, version + 2):  # the replica keeps serving, bitwise
-            w.add_(1)
-            stats = tr.publish(v)
-            assert [(o.replica, o.ok) for o in stats.replicas] == [(0, True)], stats.replicas
-            eng.wait(v)
-            assert torch.equal(dst, w)
-        problems = fetch(c.daemons[1].socket)["plan_problems"]
-        assert job not in problems, problems  # the serving host heard nothing of it
-        refused = fetch(c.daemons[2].socket)["rank_problems"]
-        assert refused == {f"{job} engine rank {spec['rank']}": err.message}, refused
-        twin.close()
-        twin = None
-        w.add_(1)
-        tr.publish(version + 3)
-        eng.wait(version + 3)
-        assert torch.equal(dst, w)
-    finally:
-        for x in (twin, tr, eng):
-            if x is not None:
-                x.close()
+        with twin:
+            twin.register({"w": torch.zeros_like(s.w)})
+            t0 = time.monotonic()
+            with pytest.raises(WeightwireError) as told:
+                twin.wait(s.version + 1, timeout_s=20)
+            assert time.monotonic() - t0 < 10, "the claimant was left to its timeout"
+            err = told.value
+            assert err.code is ErrorCode.DUPLICATE, err
+            if spec["replica_size"]:
+                assert "replica 0" in err.message and "host1" in err.message, err
+            else:
+                assert "names no replica" in err.message, err
+            assert "host2" in err.message, err
+            assert not retryable(err)
+            s.next()  # the replica keeps serving, bitwise
+            s.next()
+            problems = fetch(c.daemons[1].socket)["plan_problems"]
+            assert job not in problems, problems  # the serving host heard nothing of it
+            refused = fetch(c.daemons[2].socket)["rank_problems"]
+            assert refused == {f"{job} engine rank {spec['rank']}": err.message}, refused
+        s.next()
 
 
 def test_a_replica_that_cannot_be_planned_beside_the_trainer_leaves_the_trainer_publishing(
@@ -121,38 +128,15 @@ def test_a_replica_that_cannot_be_planned_beside_the_trainer_leaves_the_trainer_
     beside it (its next publish failed with replica 1's problem, and kept failing)."""
     c = three
     job = "replica-unplannable"
-    w = torch.arange(4096, dtype=torch.float32)
-    dst = torch.zeros_like(w)
-    eng = Engine(0, 2, socket=c.daemons[1].socket, job=job, timeout_s=10, replica=0, replica_size=1)
-    tr = Trainer(0, 1, socket=c.daemons[0].socket, job=job, timeout_s=10)
-    bad = None
-    try:
-        eng.register({"w": dst})
-        tr.register({"w": w})
-        deadline = time.monotonic() + 20
-        version = 1
-        while True:
-            stats = tr.publish(version)
-            if [o.replica for o in stats.replicas if o.ok] == [0]:
-                break
-            assert time.monotonic() < deadline, stats.replicas
-            version += 1
-        eng.wait(version)
-        bad = Engine(
-            1, 2, socket=c.daemons[0].socket, job=job, timeout_s=10, replica=1, replica_size=1
+    with ExitStack() as stack:
+        s = Serving(c, job, stack)
+        bad = stack.enter_context(
+            Engine(1, 2, socket=c.daemons[0].socket, job=job, replica=1, replica_size=1)
         )
         bad.register({"w": torch.zeros(2048, dtype=torch.float32)})  # not the trainer's shape
         with pytest.raises(WeightwireError) as told:
-            bad.wait(version + 1, timeout_s=20)
-        assert "replica 1" in told.value.message or "2048" in told.value.message, told.value
-        for v in (version + 1, version + 2):
-            w.add_(1)
-            stats = tr.publish(v)
-            assert [(o.replica, o.ok) for o in stats.replicas] == [(0, True)], stats.replicas
-            eng.wait(v)
-            assert torch.equal(dst, w)
+            bad.wait(s.version + 1, timeout_s=20)
+        assert "replica 1" in told.value.message, told.value
+        s.next()
+        s.next()
         assert job not in fetch(c.daemons[0].socket)["plan_problems"]
-    finally:
-        for x in (bad, tr, eng):
-            if x is not None:
-                x.close()

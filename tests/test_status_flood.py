@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -55,18 +56,13 @@ def cpu_s(pid: int) -> float:
 
 
 def flood(c: LocalCluster, target: str, count: int, kind: str = "status") -> dict[str, object]:
-    spec = {
-        "node": "flooder",
-        "secret_key": str(c.workdir / "keys" / "flooder" / "flooder.key_secret"),
-        "allowed_dir": str(c.workdir / "keys" / "public"),
-        "coordinator": c.daemons[0].endpoint,
-        "coordinator_key": c.coordinator_key(),
-        "address": c.address(2),
-        "target": target,
-        "count": count,
-        "hold_s": 3.0,
-        "kind": kind,
-    }
+    keys = c.workdir / "keys"
+    spec = dict(
+        node="flooder", secret_key=str(keys / "flooder" / "flooder.key_secret"),
+        allowed_dir=str(keys / "public"), coordinator=c.daemons[0].endpoint,
+        coordinator_key=c.coordinator_key(), address=c.address(2),
+        target=target, count=count, hold_s=3.0, kind=kind,
+    )  # fmt: skip
     argv = [*c.prefix(2), sys.executable, str(HERE / "attack" / "statusflood.py"), json.dumps(spec)]
     env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
     done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
@@ -76,46 +72,73 @@ def flood(c: LocalCluster, target: str, count: int, kind: str = "status") -> dic
     return out
 
 
+class Pair:
+    """A trainer rank on host `t` and an engine rank on host `e` of `job`, `tensors`
+    tensors; `publish` lands the next version and checks it bitwise."""
+
+    def __init__(self, c: LocalCluster, job: str, t: int, e: int, tensors: int = 1) -> None:
+        self.ws = {f"w{i}": torch.arange(1024, dtype=torch.float32) + i for i in range(tensors)}
+        self.dst = {k: torch.zeros_like(v) for k, v in self.ws.items()}
+        self.tr = Trainer(0, 1, socket=c.daemons[t].socket, job=job, timeout_s=30)
+        self.eng = Engine(0, 1, socket=c.daemons[e].socket, job=job, timeout_s=30)
+        self.version = 0
+        self.eng.register(self.dst)
+        self.tr.register(self.ws)
+
+    def publish(self) -> None:
+        self.version += 1
+        for w in self.ws.values():
+            w.add_(1)
+        self.tr.publish(self.version)
+        self.eng.wait(self.version)
+        assert all(torch.equal(self.dst[k], self.ws[k]) for k in self.ws)
+
+
+@contextmanager
+def pair(c: LocalCluster, job: str, t: int, e: int, tensors: int = 1) -> Iterator[Pair]:
+    p = Pair(c, job, t, e, tensors)
+    try:
+        p.publish()
+        yield p
+    finally:
+        p.tr.close()
+        p.eng.close()
+
+
+def cpus(c: LocalCluster) -> list[float]:
+    return [cpu_s(int(fetch(d.socket)["pid"])) for d in c.daemons]
+
+
+def spent(before: list[float], after: list[float]) -> str:
+    pairs = enumerate(zip(before, after, strict=True))
+    return "CPU " + ", ".join(f"host{i} {b - a:.2f} s" for i, (a, b) in pairs)
+
+
+def logged(c: LocalCluster, host: int, event: str) -> list[dict[str, object]]:
+    return [e for e in c.daemons[host].logs() if e.get("event") == event]
+
+
 def test_a_status_query_flood_is_answered_at_a_bounded_rate_and_the_daemon_serves_on(
     hosts: LocalCluster,
 ) -> None:
     c = hosts
-    job = "status-flood"
-    ws = {f"w{i}": torch.arange(1024, dtype=torch.float32) + i for i in range(TENSORS)}
-    dst = {k: torch.zeros_like(v) for k, v in ws.items()}
-    tr = Trainer(0, 1, socket=c.daemons[0].socket, job=job, timeout_s=30)
-    eng = Engine(0, 1, socket=c.daemons[1].socket, job=job, timeout_s=30)
-    try:
-        eng.register(dst)
-        tr.register(ws)
-        tr.publish(1)
-        eng.wait(1)
-        assert all(torch.equal(dst[k], ws[k]) for k in ws)
-        pid = int(fetch(c.daemons[0].socket)["pid"])
-        cpu0, t0 = cpu_s(pid), time.monotonic()
+    with pair(c, "status-flood", 0, 1, TENSORS) as p:
+        cpu0, t0 = cpus(c), time.monotonic()
         out = flood(c, "host0", QUERIES)
-        cpu1, t1 = cpu_s(pid), time.monotonic()
+        cpu1, t1 = cpus(c), time.monotonic()
         print(
-            f"\n{QUERIES} StatusQuery at the coordinator: {out['answers']} answered, "
-            f"coordinator CPU {cpu1 - cpu0:.2f} s over {t1 - t0:.1f} s "
-            f"(sent in {out['send_s']} s)"
+            f"\n{QUERIES} StatusQuery at the coordinator: {out['answers']} answered over "
+            f"{t1 - t0:.1f} s (sent in {out['send_s']} s); {spent(cpu0, cpu1)}"
         )
         assert out["sent"] == QUERIES, out
         answers = int(out["answers"])  # type: ignore[call-overload]
         assert 1 <= answers <= 20 + 10 * (t1 - t0), out  # the bucket: burst + rate x time
-        for w in ws.values():
-            w.add_(1)
-        tr.publish(2)  # the daemon serves on
-        eng.wait(2)
-        assert all(torch.equal(dst[k], ws[k]) for k in ws)
+        p.publish()  # the daemon serves on
         whole = fetch(c.daemons[1].socket, cluster=True)["nodes"]
         assert all("error" not in whole[n] for n in ("host0", "host1", "host2")), whole
-        dropped = [e for e in c.daemons[0].logs() if e.get("event") == "status queries dropped"]
+        dropped = logged(c, 0, "status queries dropped")
         assert 1 <= len(dropped) <= 5, len(dropped)  # one line a while, not one per query
         assert dropped[0]["peer"] == "flooder", dropped[0]
-    finally:
-        tr.close()
-        eng.close()
 
 
 def rss(pid: int) -> int:
@@ -126,8 +149,7 @@ def test_an_advert_flood_of_made_up_jobs_is_bounded_and_the_coordinator_serves_o
     hosts: LocalCluster,
 ) -> None:
     c = hosts
-    status = fetch(c.daemons[0].socket)
-    pid = int(status["pid"])
+    pid = int(fetch(c.daemons[0].socket)["pid"])
     cpu0, rss0, t0 = cpu_s(pid), rss(pid), time.monotonic()
     out = flood(c, "host0", QUERIES, kind="advertise")
     cpu1, rss1, t1 = cpu_s(pid), rss(pid), time.monotonic()
@@ -142,7 +164,7 @@ def test_an_advert_flood_of_made_up_jobs_is_bounded_and_the_coordinator_serves_o
     assert len(flooded) == MAX_JOBS_PER_NODE, len(flooded)
     told = out["problems"]
     assert told == {"too_large": QUERIES - MAX_JOBS_PER_NODE}, told  # each refusal typed
-    refused = [e for e in c.daemons[0].logs() if e.get("event") == "advert refused"]
+    refused = logged(c, 0, "advert refused")
     assert 1 <= len(refused) <= 5, len(refused)  # one line a while
     assert "holds ranks in 256 jobs already" in str(refused[0]["reason"]), refused[0]
     deadline = time.monotonic() + 20
@@ -152,19 +174,8 @@ def test_an_advert_flood_of_made_up_jobs_is_bounded_and_the_coordinator_serves_o
             break
         assert time.monotonic() < deadline, len(jobs)
         time.sleep(0.2)
-    w = torch.arange(4096, dtype=torch.float32)
-    dst = torch.zeros_like(w)
-    tr = Trainer(0, 1, socket=c.daemons[0].socket, job="after-advert-flood", timeout_s=30)
-    eng = Engine(0, 1, socket=c.daemons[1].socket, job="after-advert-flood", timeout_s=30)
-    try:
-        eng.register({"w": dst})
-        tr.register({"w": w})
-        tr.publish(1)
-        eng.wait(1)
-        assert torch.equal(dst, w)
-    finally:
-        tr.close()
-        eng.close()
+    with pair(c, "after-advert-flood", 0, 1):
+        pass  # a version of a new job lands bitwise
 
 
 def test_a_flood_of_hellos_with_new_incarnations_is_acted_on_at_a_bounded_rate(
@@ -177,32 +188,17 @@ def test_a_flood_of_hellos_with_new_incarnations_is_acted_on_at_a_bounded_rate(
     for every hello. Now hellos are acted on at most once a second per node (burst 5);
     the rest are dropped with one log line a while. Every daemon's CPU time is printed."""
     c = hosts
-    pids = [int(fetch(d.socket)["pid"]) for d in c.daemons]
-    cpu0, t0 = [cpu_s(p) for p in pids], time.monotonic()
+    cpu0, t0 = cpus(c), time.monotonic()
     out = flood(c, "host0", QUERIES, kind="rejoin")
-    cpu1, t1 = [cpu_s(p) for p in pids], time.monotonic()
-    spent = ", ".join(
-        f"host{i} {b - a:.2f} s" for i, (a, b) in enumerate(zip(cpu0, cpu1, strict=True))
-    )
-    print(f"\n{QUERIES} hellos with new incarnations: {out['answers']} answers; CPU {spent}")
+    cpu1, t1 = cpus(c), time.monotonic()
+    print(f"\n{QUERIES} hellos, new incarnations: {out['answers']} answers; {spent(cpu0, cpu1)}")
     assert out["sent"] == QUERIES, out
     answers = int(out["answers"])  # type: ignore[call-overload]
     assert answers <= 2 * (5 + (t1 - t0)) + 10, out  # a welcome and a membership per hello
-    dropped = [e for e in c.daemons[0].logs() if e.get("event") == "hellos dropped"]
+    dropped = logged(c, 0, "hellos dropped")
     assert 1 <= len(dropped) <= 5 and dropped[0]["peer"] == "flooder", dropped
-    w = torch.arange(4096, dtype=torch.float32)
-    dst = torch.zeros_like(w)
-    tr = Trainer(0, 1, socket=c.daemons[0].socket, job="after-hello-flood", timeout_s=30)
-    eng = Engine(0, 1, socket=c.daemons[2].socket, job="after-hello-flood", timeout_s=30)
-    try:
-        eng.register({"w": dst})
-        tr.register({"w": w})
-        tr.publish(1)
-        eng.wait(1)
-        assert torch.equal(dst, w)
-    finally:
-        tr.close()
-        eng.close()
+    with pair(c, "after-hello-flood", 0, 2):
+        pass  # a version of a new job lands bitwise
 
 
 def test_heartbeats_flapping_between_two_incarnations_are_one_restart(
@@ -216,33 +212,14 @@ def test_heartbeats_flapping_between_two_incarnations_are_one_restart(
     not come back as the incarnation it restarted from: now it is lost once, and back when
     the membership says which incarnation it is. A version lands bitwise after."""
     c = hosts
-    job = "heartbeat-flap"
-    w = torch.arange(4096, dtype=torch.float32)
-    dst = torch.zeros_like(w)
-    tr = Trainer(0, 1, socket=c.daemons[1].socket, job=job, timeout_s=30)
-    eng = Engine(0, 1, socket=c.daemons[2].socket, job=job, timeout_s=30)
-    try:
-        eng.register({"w": dst})
-        tr.register({"w": w})
-        tr.publish(1)
-        eng.wait(1)
-        pids = [int(fetch(d.socket)["pid"]) for d in c.daemons]
+    with pair(c, "heartbeat-flap", 1, 2) as p:
         lines = len(c.daemons[1].log_path.read_text().splitlines())
-        cpu0 = [cpu_s(p) for p in pids]
+        cpu0 = cpus(c)
         out = flood(c, "host1", QUERIES, kind="flap")
-        cpu1 = [cpu_s(p) for p in pids]
-        spent = ", ".join(
-            f"host{i} {b - a:.2f} s" for i, (a, b) in enumerate(zip(cpu0, cpu1, strict=True))
-        )
+        cpu1 = cpus(c)
         new = c.daemons[1].logs()[lines:]
-        print(f"\n{QUERIES} flapping heartbeats at host1: {len(new)} log lines; CPU {spent}")
+        print(f"\n{QUERIES} flapping heartbeats: {len(new)} lines at host1; {spent(cpu0, cpu1)}")
         assert out["sent"] == QUERIES, out
         flaps = [e for e in new if e.get("peer") == "flooder" and "peer" in str(e.get("event"))]
         assert len(flaps) <= 4, [e.get("event") for e in flaps][:10]
-        w.add_(1)
-        tr.publish(2)
-        eng.wait(2)
-        assert torch.equal(dst, w)
-    finally:
-        tr.close()
-        eng.close()
+        p.publish()

@@ -12,26 +12,10 @@ and immediate captured on the wire, and prints the outcome as one JSON line.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
-import secrets
-import sys
-from pathlib import Path
 
-import structlog
-import zmq
-import zmq.asyncio
-import zmq.auth
-
-from weightwire.daemon.peers import COORDINATOR, PeerMesh, Security
-from weightwire.daemon.security import start_authenticator
-from weightwire.protocol import PROTOCOL_VERSION
-from weightwire.protocol.frames import Codec
+from tests.attack.member import joining, main
 from weightwire.protocol.peer import (
-    Heartbeat,
-    Member,
     Membership,
-    PeerHello,
     PeerMessage,
     TransportSignal,
 )
@@ -41,37 +25,19 @@ from weightwire.transport.tcp import TcpTransport
 
 
 async def run(spec: dict[str, object]) -> dict[str, object]:
-    node = str(spec["node"])
-    public, secret = zmq.auth.load_certificate(str(spec["secret_key"]))
-    allowed = {public}
-    for path in sorted(Path(str(spec["allowed_dir"])).glob("*.key")):
-        allowed.add(zmq.auth.load_certificate(str(path))[0])
-    security = Security(
-        public_key=public,
-        secret_key=secret,
-        allowed=frozenset(allowed),
-        coordinator_key=str(spec["coordinator_key"]).encode(),
-    )
-    ctx = zmq.asyncio.Context()
-    authenticator = start_authenticator(ctx, security)  # as a daemon: peers' keys on messages
-    mesh = PeerMesh(node, ctx, Codec(PeerMessage), security)
-    endpoint = mesh.bind(f"tcp://{spec['address']}:0", str(spec["address"]))
-    mesh.know(COORDINATOR, str(spec["coordinator"]), security.coordinator_key)
+    j = joining(spec)
+    node, mesh = j.node, j.mesh
     try:
         tcp = TcpTransport(node, bind_host=str(spec["address"]), security=str(spec["security"]))
     except TypeError:  # a transport without security settings (the code before them)
         tcp = TcpTransport(node, bind_host=str(spec["address"]))
-    members: dict[str, Member] = {}
-    mesh.names.members = lambda: members  # bindings from the membership, as a daemon does
+    members = j.members
     joined = asyncio.Event()
 
     async def handle(sender: str, msg: PeerMessage, key: bytes | None = None) -> None:
         match msg:
             case Membership(members=ms):
-                for m in ms:
-                    members[m.node] = m
-                    if m.node != node:
-                        mesh.know(m.node, m.endpoint, m.public_key.encode() or None)
+                j.learn(ms)
                 if str(spec["target"]) in members and node in members:
                     joined.set()
             case TransportSignal(reply=True):
@@ -85,24 +51,8 @@ async def run(spec: dict[str, object]) -> dict[str, object]:
 
     await tcp.start(lambda imm, src: None)
     tcp.set_signal(signal)
-    incarnation = secrets.token_hex(8)
-    me = Member(
-        node=node,
-        endpoint=endpoint,
-        incarnation=incarnation,
-        transports=tcp.endpoints(),
-        public_key=public.decode(),
-    )
-
-    async def beat() -> None:
-        while True:
-            mesh.send_soon(COORDINATOR, PeerHello(protocol=PROTOCOL_VERSION, member=me))
-            mesh.send_soon(COORDINATOR, Heartbeat(node=node, incarnation=incarnation))
-            await asyncio.sleep(0.2)
-
     out: dict[str, object] = {"event": "insider"}
-    serving = asyncio.create_task(mesh.serve(handle))
-    beating = asyncio.create_task(beat())
+    j.start(handle, j.me(tcp.endpoints()))
     try:
         await asyncio.wait_for(joined.wait(), 20)
         out["joined"] = True
@@ -136,23 +86,10 @@ async def run(spec: dict[str, object]) -> dict[str, object]:
     except Exception as exc:
         out["failed"] = repr(exc)
     finally:
-        beating.cancel()
-        serving.cancel()
-        for task in (beating, serving):
-            with contextlib.suppress(BaseException):
-                await task
         await tcp.close()
-        mesh.close()
-        if authenticator is not None:
-            authenticator.stop()
-        ctx.term()
+        await j.stop()
     return out
 
 
-def main() -> None:
-    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
-    print(json.dumps(asyncio.run(run(json.loads(sys.argv[1]))), default=str), flush=True)
-
-
 if __name__ == "__main__":
-    main()
+    main(run)

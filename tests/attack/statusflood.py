@@ -15,22 +15,11 @@ a new incarnation and its own in turn).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import secrets
-import sys
 import time
-from pathlib import Path
 
-import structlog
-import zmq
-import zmq.asyncio
-import zmq.auth
-
-from weightwire.daemon.peers import COORDINATOR, PeerMesh, Security
-from weightwire.daemon.security import start_authenticator
+from tests.attack.member import joining, main
 from weightwire.protocol import PROTOCOL_VERSION
-from weightwire.protocol.frames import Codec
 from weightwire.protocol.peer import (
     Advertise,
     Heartbeat,
@@ -48,24 +37,8 @@ from weightwire.protocol.tensors import SourceTensor
 
 
 async def run(spec: dict[str, object]) -> dict[str, object]:
-    node = str(spec["node"])
-    public, secret = zmq.auth.load_certificate(str(spec["secret_key"]))
-    allowed = {public}
-    for path in sorted(Path(str(spec["allowed_dir"])).glob("*.key")):
-        allowed.add(zmq.auth.load_certificate(str(path))[0])
-    security = Security(
-        public_key=public,
-        secret_key=secret,
-        allowed=frozenset(allowed),
-        coordinator_key=str(spec["coordinator_key"]).encode(),
-    )
-    ctx = zmq.asyncio.Context()
-    authenticator = start_authenticator(ctx, security)
-    mesh = PeerMesh(node, ctx, Codec(PeerMessage, max_bytes=64 << 20), security)
-    endpoint = mesh.bind(f"tcp://{spec['address']}:0", str(spec["address"]))
-    mesh.know(COORDINATOR, str(spec["coordinator"]), security.coordinator_key)
-    members: dict[str, Member] = {}
-    mesh.names.members = lambda: members
+    j = joining(spec)
+    node, mesh, incarnation = j.node, j.mesh, j.incarnation
     target = str(spec["target"])
     joined = asyncio.Event()
     answers = 0
@@ -77,11 +50,8 @@ async def run(spec: dict[str, object]) -> dict[str, object]:
         match msg:
             case Membership(members=ms):
                 answers += joined.is_set()  # kind hello / rejoin: what the hellos cost
-                for m in ms:
-                    members[m.node] = m
-                    if m.node != node:
-                        mesh.know(m.node, m.endpoint, m.public_key.encode() or None)
-                if target in members and node in members:
+                j.learn(ms)
+                if target in j.members and node in j.members:
                     joined.set()
             case PeerWelcome() if joined.is_set():
                 answers += 1
@@ -92,18 +62,9 @@ async def run(spec: dict[str, object]) -> dict[str, object]:
             case PlanProblem(code=code):
                 problems[code] = problems.get(code, 0) + 1
 
-    incarnation = secrets.token_hex(8)
-    me = Member(node=node, endpoint=endpoint, incarnation=incarnation, public_key=public.decode())
-
-    async def beat() -> None:
-        while True:
-            mesh.send_soon(COORDINATOR, PeerHello(protocol=PROTOCOL_VERSION, member=me))
-            mesh.send_soon(COORDINATOR, Heartbeat(node=node, incarnation=incarnation))
-            await asyncio.sleep(0.2)
-
+    me = j.me()
     out: dict[str, object] = {"event": "statusflood"}
-    serving = asyncio.create_task(mesh.serve(handle))
-    beating = asyncio.create_task(beat())
+    j.start(handle, me)
     try:
         await asyncio.wait_for(joined.wait(), 20)
         count = int(spec["count"])  # type: ignore[call-overload]
@@ -125,7 +86,7 @@ async def run(spec: dict[str, object]) -> dict[str, object]:
             elif kind in ("hello", "rejoin"):
                 inc = secrets.token_hex(8) if kind == "rejoin" else incarnation
                 who = Member(
-                    node=node, endpoint=endpoint, incarnation=inc, public_key=me.public_key
+                    node=node, endpoint=me.endpoint, incarnation=inc, public_key=me.public_key
                 )
                 msg = PeerHello(protocol=PROTOCOL_VERSION, member=who)
             elif kind == "advertise":
@@ -146,22 +107,9 @@ async def run(spec: dict[str, object]) -> dict[str, object]:
     except Exception as exc:
         out["failed"] = repr(exc)
     finally:
-        beating.cancel()
-        serving.cancel()
-        for task in (beating, serving):
-            with contextlib.suppress(BaseException):
-                await task
-        mesh.close()
-        if authenticator is not None:
-            authenticator.stop()
-        ctx.term()
+        await j.stop()
     return out
 
 
-def main() -> None:
-    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
-    print(json.dumps(asyncio.run(run(json.loads(sys.argv[1]))), default=str), flush=True)
-
-
 if __name__ == "__main__":
-    main()
+    main(run)
