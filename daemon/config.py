@@ -95,8 +95,8 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # a data connection not authenticated (hello and ticket proof) this long after it was
     # accepted is closed
     tcp_handshake_timeout_s: float = 10.0
-    # data connections accepted but not yet authenticated; more are closed at once (a flood
-    # costs at most this many threads)
+    # data connections accepted but not yet authenticated; past it each new one closes the
+    # oldest such (a flood costs at most this many threads, and cannot shut writers out)
     tcp_max_unauthenticated: int = 64
     # data connections one node (by its authenticated name) may hold open here; more are
     # refused once it is authenticated

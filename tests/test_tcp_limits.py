@@ -76,7 +76,7 @@ def test_silent_connections_are_closed_after_the_handshake_timeout() -> None:
     uvloop.run(body())
 
 
-def test_connections_without_hello_are_capped() -> None:
+def test_connections_without_hello_are_capped_the_oldest_closed_first() -> None:
     async def body() -> None:
         t = TcpTransport("a", bind_host="127.0.0.1", max_unauthenticated=4)
         await t.start(lambda imm, node: None)
@@ -87,7 +87,9 @@ def test_connections_without_hello_are_capped() -> None:
             closed = await asyncio.gather(
                 *(asyncio.to_thread(closed_by_peer, s, 0.5) for s in socks)
             )
-            assert sum(closed) == 8, closed  # the four waiting ones are still open
+            # each new one took the place of the oldest waiting: the four newest are open
+            # (refusing the new ones let a host holding four silent ones shut writers out)
+            assert closed == [True] * 8 + [False] * 4, closed
             for s in socks:
                 s.close()
             assert await until(lambda: t.incoming() == 0, 5), t.incoming()

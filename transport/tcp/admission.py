@@ -1,7 +1,10 @@
 """Who may hold a data connection on this node, and how the listener weathers abuse.
 
 `Admission` keeps the receive streams: at most `max_unauthenticated` of them not yet
-authenticated (hello, and where tcp security is on the ticket proof), at most
+authenticated (hello, and where tcp security is on the ticket proof; past it a new
+connection takes the place of the oldest such, so that a host holding that many silent
+connections open cannot shut real writers out, who authenticate within a round trip or
+two), at most
 `max_streams_per_peer` per node by its authenticated name (checked once the handshake has
 proven it), and none opened before a fence of its node (see `Transport.fence`). `Backoff`
 paces the listener when `accept` fails for want of descriptors or memory, with one log line
@@ -40,19 +43,33 @@ class Admission(Gate):
         self._log = Limited()
 
     def number(self, address: str) -> int | None:
-        """A number for a connection just accepted, or None: too many are not authenticated."""
+        """A number for a connection just accepted (None: it may not wait at all). Past
+        `max_unauthenticated` waiting, the oldest waiting is closed to make room: refusing
+        the new one let a host that kept that many silent connections open shut every
+        writer out."""
         with self._lock:
-            waiting = sum(1 for s in self._streams if not s.greeted)
-            if waiting < self.max_unauthenticated:
-                self._accepted += 1
-                return self._accepted
-            self.refused += 1
-        self._log.warning(
-            "tcp data connection refused: too many not authenticated",
-            address=address,
-            limit=self.max_unauthenticated,
-        )
-        return None
+            waiting = [s for s in self._streams if not s.greeted]
+            if self.max_unauthenticated <= 0:
+                self.refused += 1
+                return None
+            oldest = (
+                min(waiting, key=lambda s: s.number)
+                if len(waiting) >= self.max_unauthenticated
+                else None
+            )
+            if oldest is not None:
+                self._streams.discard(oldest)  # no longer counted; its thread ends it
+                self.refused += 1
+            self._accepted += 1
+            number = self._accepted
+        if oldest is not None:
+            oldest.close()
+            self._log.warning(
+                "tcp data connection not authenticated in time for a new one; closed",
+                address=oldest.address,
+                limit=self.max_unauthenticated,
+            )
+        return number
 
     def add(self, stream: IncomingStream) -> None:
         with self._lock:
