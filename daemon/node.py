@@ -179,6 +179,7 @@ class Daemon:
             self.dataplane.connect_soon,
             self.dataplane.authorize,
             installed,
+            cfg.max_message_bytes,
         )
         self.ranks = Ranks(
             self.registry,

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 import msgspec
 import structlog
 
-from weightwire.protocol.errors import PlanError
+from weightwire.protocol.errors import ErrorCode, PlanError
 from weightwire.protocol.peer import Advertise, RankAdvert
 from weightwire.protocol.plan import MAX_SLOTS, NodePlan, RankPlan
 from weightwire.protocol.regions import RegionDescriptor
@@ -25,6 +25,7 @@ from .seams import Authorize, Joining, PeerSend, PlanUser
 from .sessions import Session
 
 log = structlog.get_logger("weightwire.daemon")
+_encoder = msgspec.msgpack.Encoder()
 
 
 class PlanBook:
@@ -44,6 +45,7 @@ class PlanBook:
         connect: Callable[[str], None],
         authorize: Authorize,
         plans: dict[str, NodePlan],
+        max_bytes: int = 0,
     ) -> None:
         self.node = node
         self.incarnation = incarnation
@@ -57,6 +59,8 @@ class PlanBook:
         self._connect = connect
         self._authorize = authorize
         self.plans = plans  # installed, by job (Publishing reads them)
+        self.max_bytes = max_bytes  # the largest advert a daemon takes (0: unchecked)
+        self._too_large: set[str] = set()  # jobs whose advert did not fit: their problem
         self.problems: dict[str, PlanError] = {}
         self.rank_problems: dict[tuple[str, int], PlanError] = {}  # (job, engine rank) refused
         self.related_since: dict[str, float] = {}  # nodes of this node's plans: since when
@@ -99,17 +103,34 @@ class PlanBook:
                     )
                 )
         self._advert_seq += 1
-        self._mesh.send_soon(
-            self._joining.coordinator_name or COORDINATOR,
-            Advertise(
-                node=self.node,
-                incarnation=self.incarnation,
-                job=job,
-                ranks=tuple(ranks),
-                seq=self._advert_seq,
-                plan_hash=self.plans[job].plan_hash if job in self.plans else "",
-            ),
+        advert = Advertise(
+            node=self.node,
+            incarnation=self.incarnation,
+            job=job,
+            ranks=tuple(ranks),
+            seq=self._advert_seq,
+            plan_hash=self.plans[job].plan_hash if job in self.plans else "",
         )
+        size = len(_encoder.encode(advert)) + 64 if self.max_bytes else 0  # + its tag frame
+        if size > self.max_bytes > 0:
+            # The coordinator would drop it ("bad peer message") and the job's ranks wait
+            # for a plan to their timeout, told that more ranks are awaited. Withdraw this
+            # node's ranks there instead (a stale advert must not be planned), and tell them.
+            advert = msgspec.structs.replace(advert, ranks=())
+            self._too_large.add(job)
+            self.problem(
+                job,
+                PlanError(
+                    f"the ranks of job {job!r} on {self.node} ({len(ranks)} ranks) advertise "
+                    f"{size} bytes to the coordinator, more than max_message_bytes "
+                    f"({self.max_bytes}); raise it on every daemon",
+                    code=ErrorCode.TOO_LARGE,
+                ),
+            )
+        elif job in self._too_large:
+            self._too_large.discard(job)
+            self.problems.pop(job, None)
+        self._mesh.send_soon(self._joining.coordinator_name or COORDINATOR, advert)
 
     def _slot(self, job: str, rank: int) -> int:
         """The immediate counter of an engine rank here: stable while its session lives."""
@@ -217,6 +238,7 @@ class PlanBook:
         showed them long after). A rank that comes back advertises and gets a plan again."""
         plan = self.plans.pop(job, None)
         problem = self.problems.pop(job, None)
+        self._too_large.discard(job)
         self.rank_problems = {k: v for k, v in self.rank_problems.items() if k[0] != job}
         self._completions.drop_job(job, "every rank of the job here left")
         if plan is not None or problem is not None:

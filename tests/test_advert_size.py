@@ -1,0 +1,66 @@
+"""A node's advert of a job (every rank of the job on that node, with its tensors and
+regions) larger than max_message_bytes, although each rank's own messages fit: two engine
+ranks behind one daemon, each declaring a list that fits. The coordinator dropped the
+advert ("bad peer message") and the ranks waited for a plan to their timeout, told that
+the coordinator waited for more ranks (it did: it never heard of them). Now the daemon
+tells its ranks at once, with a `too_large` error naming the size and the setting, and
+withdraws its ranks at the coordinator rather than leave an older advert to be planned;
+it keeps serving other jobs. Real daemons in network namespaces."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from weightwire.client import Engine, Trainer
+from weightwire.client.status import fetch
+from weightwire.harness.localcluster import LocalCluster
+from weightwire.protocol.errors import ErrorCode, WeightwireError
+
+from .conftest import FAST, NETNS, NETNS_WHY, serve
+
+pytestmark = pytest.mark.skipif(not NETNS, reason=f"needs namespaces: {NETNS_WHY}")
+LIMIT = 256 << 10
+TENSORS = 1000  # each rank's declaration ~210 KiB: fits; the two ranks' advert does not
+
+
+@pytest.fixture(scope="module")
+def two() -> Iterator[LocalCluster]:
+    extra = {**FAST, "max-message-bytes": str(LIMIT)}
+    yield from serve(LocalCluster(hosts=2, use_netns=True, extra=extra))
+
+
+def test_an_advert_too_large_for_the_coordinator_is_a_typed_error_at_once(
+    two: LocalCluster,
+) -> None:
+    c = two
+    names = [f"layer.{i}.a_rather_long_parameter_name.weight" for i in range(TENSORS)]
+    with (
+        Engine(0, 2, socket=c.daemons[1].socket, job="big", timeout_s=15) as e0,
+        Engine(1, 2, socket=c.daemons[1].socket, job="big", timeout_s=15) as e1,
+    ):
+        e0.register({n: torch.zeros(4) for n in names})
+        e1.register({n: torch.zeros(4) for n in names})
+        t0 = time.monotonic()
+        with pytest.raises(WeightwireError) as told:
+            e0.wait(1, timeout_s=15)
+        assert time.monotonic() - t0 < 5, "left to its timeout"
+        err = told.value
+        assert err.code is ErrorCode.TOO_LARGE, err
+        assert "max_message_bytes" in err.message and "host1" in err.message, err
+        assert "big" in fetch(c.daemons[1].socket)["plan_problems"]
+    w = torch.arange(4096, dtype=torch.float32)  # the daemons serve on
+    dst = torch.zeros_like(w)
+    with (
+        Trainer(0, 1, socket=c.daemons[0].socket, job="small", timeout_s=15) as tr,
+        Engine(0, 1, socket=c.daemons[1].socket, job="small", timeout_s=15) as eng,
+    ):
+        eng.register({"w": dst})
+        tr.register({"w": w})
+        tr.publish(1)
+        eng.wait(1)
+        assert torch.equal(dst, w)
+    assert "big" not in fetch(c.daemons[1].socket)["plan_problems"]  # gone with its ranks
