@@ -37,7 +37,7 @@ from weightwire.protocol.plan import NodePlan
 
 from .elastic import is_elastic
 from .elasticplanning import ElasticPlanning, Send
-from .jobs import Job, collect, delta_areas, digest
+from .jobs import Job, collect, delta_areas, digest, too_large
 from .lograte import Throttled
 from .ratelimit import Buckets
 
@@ -54,6 +54,7 @@ class Coordinator:
     send: Send
     options: PlanOptions
     heartbeat_timeout_s: float
+    max_bytes: int = 0  # the largest message a daemon takes: a plan larger is a problem
     members: dict[str, Member] = field(default_factory=dict)
     last_seen: dict[str, float] = field(default_factory=dict)
     jobs: dict[str, Job] = field(default_factory=dict)
@@ -65,7 +66,9 @@ class Coordinator:
     _elastic: ElasticPlanning = field(init=False)
 
     def __post_init__(self) -> None:
-        self._elastic = ElasticPlanning(self.send, self.members, self.options, self._problem)
+        self._elastic = ElasticPlanning(
+            self.send, self.members, self.options, self._problem, self.max_bytes
+        )
 
     # --- membership ----------------------------------------------------------
 
@@ -275,7 +278,11 @@ class Coordinator:
             member = self.members.get(node)
             if member is None or job.assigned.get(node) == member.incarnation:
                 continue
-            self.send(node, AssignPlan(plan=plans[node]))  # made now, from the plan's arrays
+            msg = AssignPlan(plan=plans[node])  # made now, from the plan's arrays
+            if (err := too_large(node, msg, self.max_bytes)) is not None:
+                self._problem(job, err)  # every node of the job hears it, none plans on
+                return
+            self.send(node, msg)
             job.assigned[node] = member.incarnation
 
     def _problem(self, job: Job, exc: WeightwireError) -> None:

@@ -30,7 +30,7 @@ from .elastic import (
     packs_digest,
     trainers_digest,
 )
-from .jobs import Job, collect
+from .jobs import Job, collect, too_large
 
 log = structlog.get_logger("weightwire.daemon.coordinator")
 
@@ -46,6 +46,7 @@ class ElasticPlanning:
     members: Mapping[str, Member]
     options: PlanOptions
     problem: Callable[[Job, WeightwireError], None]
+    max_bytes: int = 0  # the largest message a daemon takes (jobs.too_large)
 
     async def plan(self, job: Job) -> None:
         """Plan each complete engine replica on its own (only those not planned yet with
@@ -113,8 +114,11 @@ class ElasticPlanning:
                 continue
             if job.assigned.get(node) == member.incarnation and job.sent.get(node) == node_hash:
                 continue
-            plan_ = node_plan(job.name, el.packs, el.parts.values(), node)
-            self.send(node, AssignPlan(plan=plan_))
+            msg = AssignPlan(plan=node_plan(job.name, el.packs, el.parts.values(), node))
+            if (err := too_large(node, msg, self.max_bytes)) is not None:
+                self.problem(job, err)  # every node of the job hears it
+                return
+            self.send(node, msg)
             job.assigned[node] = member.incarnation
             if node_hash:
                 job.sent[node] = node_hash

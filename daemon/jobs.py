@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 import msgspec
 
 from weightwire.plan.planner import EngineRank, TrainerRank
-from weightwire.protocol.peer import Advertise
+from weightwire.protocol.errors import ErrorCode, PlanError
+from weightwire.protocol.peer import Advertise, AssignPlan
 from weightwire.protocol.regions import RegionDescriptor
 
 from .elastic import Elastic
@@ -98,3 +99,21 @@ def digest(job: Job) -> str:
     for node, adv in sorted(job.adverts.items()):
         h.update(enc.encode([node, adv.ranks]))
     return h.hexdigest()
+
+
+_plain = msgspec.msgpack.Encoder()
+
+
+def too_large(node: str, msg: AssignPlan, limit: int) -> PlanError | None:
+    """Why `msg` cannot go to `node` in one message (None: it fits, or `limit` is 0). The
+    node would drop it as too large, and its ranks wait for a plan, told of nothing."""
+    if not limit:
+        return None
+    size = len(_plain.encode(msg)) + 64  # and its tag frame
+    if size <= limit:
+        return None
+    return PlanError(
+        f"the plan of job {msg.plan.job!r} for {node} is {size} bytes, more than "
+        f"max_message_bytes ({limit}) allows in one message; raise it on every daemon",
+        code=ErrorCode.TOO_LARGE,
+    )

@@ -106,6 +106,7 @@ class Daemon:
                 send=self.mesh.send_soon,
                 options=options,
                 heartbeat_timeout_s=cfg.heartbeat_timeout_s,
+                max_bytes=cfg.max_message_bytes,
             )
             if cfg.is_coordinator
             else None

@@ -5,10 +5,14 @@ advert ("bad peer message") and the ranks waited for a plan to their timeout, to
 the coordinator waited for more ranks (it did: it never heard of them). Now the daemon
 tells its ranks at once, with a `too_large` error naming the size and the setting, and
 withdraws its ranks at the coordinator rather than leave an older advert to be planned;
-it keeps serving other jobs. Real daemons in network namespaces."""
+it keeps serving other jobs. The same for a plan: the coordinator's plan for one node
+larger than max_message_bytes was dropped by that node, and its trainer rank's publish
+ended with "not_ready: waiting for []"; now every node of the job is told (too_large).
+Real daemons in network namespaces."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 
@@ -64,3 +68,39 @@ def test_an_advert_too_large_for_the_coordinator_is_a_typed_error_at_once(
         eng.wait(1)
         assert torch.equal(dst, w)
     assert "big" not in fetch(c.daemons[1].socket)["plan_problems"]  # gone with its ranks
+
+
+@pytest.fixture(scope="module")
+def four() -> Iterator[LocalCluster]:
+    extra = {**FAST, "max-message-bytes": str(LIMIT)}
+    yield from serve(LocalCluster(hosts=4, use_netns=True, extra=extra))
+
+
+def test_a_plan_too_large_for_one_message_is_a_typed_error_for_the_job(
+    four: LocalCluster,
+) -> None:
+    """3000 tensors, a third to each of three engine ranks on three hosts (each advert
+    fits); the trainer's plan, writes to all three, does not."""
+    c = four
+    names = [f"layer.{i}.p.weight" for i in range(3000)]
+    with contextlib.ExitStack() as stack:
+        tr = stack.enter_context(
+            Trainer(0, 1, socket=c.daemons[0].socket, job="wide", timeout_s=15)
+        )
+        engines = []
+        for r in range(3):
+            eng = Engine(r, 3, socket=c.daemons[r + 1].socket, job="wide", timeout_s=15)
+            stack.enter_context(eng)
+            eng.register({n: torch.zeros(4) for n in names[r * 1000 : (r + 1) * 1000]})
+            engines.append(eng)
+        tr.register({n: torch.full((4,), float(i)) for i, n in enumerate(names)})
+        t0 = time.monotonic()
+        with pytest.raises(WeightwireError) as told:
+            tr.publish(1)
+        assert time.monotonic() - t0 < 10, "left to its timeout"
+        assert told.value.code is ErrorCode.TOO_LARGE, told.value
+        assert "plan of job 'wide' for host0" in told.value.message, told.value
+        assert "max_message_bytes" in told.value.message, told.value
+        with pytest.raises(WeightwireError) as waited:
+            engines[0].wait(1, timeout_s=15)
+        assert waited.value.code is ErrorCode.TOO_LARGE, waited.value
