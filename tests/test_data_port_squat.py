@@ -18,12 +18,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
-from weightwire.client import Engine, Trainer
 from weightwire.harness.localcluster import LocalCluster
 
 from .conftest import FAST, NETNS, NETNS_WHY, serve
+from .test_status_flood import pair
 
 pytestmark = pytest.mark.skipif(not NETNS, reason=f"needs namespaces: {NETNS_WHY}")
 HERE = Path(__file__).parent
@@ -44,19 +43,8 @@ def test_a_host_squatting_the_data_port_does_not_shut_trainers_out(three: LocalC
     assert squat.stdout is not None
     try:
         assert json.loads(squat.stdout.readline())["event"] == "holding"
-        w = torch.arange(1 << 16, dtype=torch.float32)
-        dst = torch.zeros_like(w)
-        with (
-            Trainer(0, 1, socket=c.daemons[0].socket, job="squat", timeout_s=20) as tr,
-            Engine(0, 1, socket=c.daemons[1].socket, job="squat", timeout_s=20) as eng,
-        ):
-            eng.register({"w": dst})
-            tr.register({"w": w})
-            for v in (1, 2):
-                w.add_(1)
-                tr.publish(v)  # its data connections to host1 made while the squat goes on
-                eng.wait(v)
-                assert torch.equal(dst, w)
+        with pair(c, "squat", 0, 1) as p:  # its data connections made during the squat
+            p.publish()
         assert squat.poll() is None, "the squat ended before the versions did"
     finally:
         squat.kill()
