@@ -226,7 +226,13 @@ def test_slime_update_weights_lands_bitwise(
                 for r in range(spec["etp_e"]):  # at pause: the previous version, untouched
                     same(e.at_pause[-1][r], before[i][r], f"{job} engine {i} rank {r} paused")
                 latest, at_end = e.at_end[-1]
-                assert latest == [version] * spec["etp_e"], latest
+                # every rank's bytes were in place when the session closed (below); its own
+                # notice of the version may still have been on the way (`latest` lags the
+                # daemon's status, which the trainer side waits on), but it arrives
+                for r, got in enumerate(latest):
+                    if got != version:
+                        assert got == version - 1, latest
+                        assert e.ranks[r].wait(version, timeout_s=10).version == version
                 for r in range(spec["etp_e"]):  # the session closes on the new version
                     same(at_end[r], want[r], f"{job} v{version} engine {i} rank {r}")
                 before[i] = at_end
