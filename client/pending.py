@@ -15,9 +15,12 @@ class PendingVersions:
     def __init__(self) -> None:
         self._results: dict[int, Future[PublishResult]] = {}
         self._landed: dict[int, Landed] = {}
+        self._begun: set[int] = set()  # versions the daemon accepted (BeginVersion replied)
         self._lock = threading.Lock()
 
     def open(self, version: int) -> tuple[Future[PublishResult], Landed]:
+        """Before BeginVersion: its result may come back before the reply is read (a
+        version an engine's daemon refuses at once)."""
         fut: Future[PublishResult] = Future()
         landed = Landed()
         with self._lock:
@@ -25,10 +28,16 @@ class PendingVersions:
             self._landed[version] = landed
         return fut, landed
 
+    def begun(self, version: int) -> None:
+        """The daemon accepted it: from now on `fail` fails it too."""
+        with self._lock:
+            self._begun.add(version)
+
     def close(self, version: int) -> None:
         with self._lock:
             self._results.pop(version, None)
             self._landed.pop(version, None)
+            self._begun.discard(version)
 
     def notify(self, msg: LocalMessage) -> None:
         if isinstance(msg, BucketsLanded):
@@ -51,10 +60,12 @@ class PendingVersions:
                 landed.end()
 
     def fail(self, exc: Exception) -> None:
-        """Every version in flight fails with `exc` (the daemon restarted or was lost)."""
+        """Every version in flight fails with `exc` (the daemon restarted or was lost). One
+        still beginning is left be: its BeginVersion goes to the daemon there is now, or
+        fails itself."""
         with self._lock:
-            pending = list(self._results.values())
-            ends = list(self._landed.values())
+            pending = [f for v, f in self._results.items() if v in self._begun]
+            ends = [landed for v, landed in self._landed.items() if v in self._begun]
         for fut in pending:
             if not fut.done():
                 fut.set_exception(exc)

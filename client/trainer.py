@@ -268,10 +268,17 @@ class Trainer(RankClient):
     def _publish(self, version: int, tensors: Mapping[str, torch.Tensor] | None) -> PublishStats:
         t0 = time.perf_counter()
         current = self._sources.current(tensors)
-        begun = self._start.begin(version, t0, self.timeout_s, self._events_on)
+        # open before BeginVersion: the version may fail at an engine's daemon, and its
+        # result come back, before the reply to BeginVersion is read here
+        fut, landed = self._pending.open(version)
+        try:
+            begun = self._start.begin(version, t0, self.timeout_s, self._events_on)
+        except BaseException:
+            self._pending.close(version)
+            raise
+        self._pending.begun(version)
         plan, staging, device, out = begun.plan, begun.staging, begun.device, begun.out
         ring, counters, gate = begun.ring, begun.counters, begun.gate
-        fut, landed = self._pending.open(version)
         poster = Poster(self._conn, version)
         pack_s = 0.0
         what = f"version {version} of trainer rank {self.rank}"

@@ -73,3 +73,35 @@ def test_new_trainer_resumed_from_a_checkpoint(
             step(p.w, 0.02, 10 + v)
     finally:
         p.close()
+
+
+def test_a_version_failed_before_the_begin_reply_is_read(cluster: LocalCluster) -> None:
+    """A version can fail at once (an engine's daemon refusing it, or an abort): its result
+    may reach the trainer before the BeginVersion reply is read. The publish fails with it
+    at once; it waited out its whole timeout when the result came before the version was
+    open here (in CI: a trainer resumed after its daemon restarted)."""
+    p = Pair(cluster, mode="on")
+    try:
+        p.tr.publish(0)
+        p.eng.wait(0)
+        start = p.tr._start
+        begin = start.begin
+
+        def begin_then_fail(version, *args, **kwargs):  # type: ignore[no-untyped-def]
+            begun = begin(version, *args, **kwargs)
+            p.tr._abort(version, "failed while the reply was on its way")
+            time.sleep(1.0)  # the result is taken on the connection's thread meanwhile
+            return begun
+
+        start.begin = begin_then_fail
+        t0 = time.monotonic()
+        with pytest.raises(WeightwireError) as err:
+            p.tr.publish(1)
+        assert time.monotonic() - t0 < 10, "waited out its timeout"
+        assert "failed while the reply was on its way" in str(err.value), err.value
+        start.begin = begin
+        p.tr.publish(2)
+        p.eng.wait(2)
+        assert bitwise(p.dst, p.w)
+    finally:
+        p.close()

@@ -84,6 +84,7 @@ def test_tensors_registered_between_versions(cluster: LocalCluster) -> None:
     tr = Trainer(0, 1, socket=cluster.daemons[0].socket, job=name, timeout_s=30, delta="on")
     try:
         tr.register({n: w[n] for n in held})
+        version = 0
         for v in range(7):
             if v in (2, 4):  # one more tensor at both ends
                 more = "b" if v == 2 else "c"
@@ -94,18 +95,20 @@ def test_tensors_registered_between_versions(cluster: LocalCluster) -> None:
                 step([w[n] for n in w], 0.02, v)
             for _ in range(50):  # until the replan (with both new ends) reaches the trainer
                 try:
-                    stats = tr.publish(v)
+                    stats = tr.publish(version)
                     break
                 except WeightwireError as exc:  # a plan of one end alone is a PlanError
                     assert exc.code in (ErrorCode.PLAN_CHANGED, ErrorCode.PLAN), exc
+                    version += 1  # versions only go forwards, failed ones included
                     time.sleep(0.1)
             else:
-                raise AssertionError(f"version {v} never published")
-            eng.wait(v)
+                raise AssertionError(f"step {v} never published")
+            eng.wait(version)
             for n in held:
-                assert torch.equal(raw(dst[n]), raw(w[n])), f"v{v}: {n} differs"
+                assert torch.equal(raw(dst[n]), raw(w[n])), f"step {v}: {n} differs"
             if v in (1, 3, 6):
                 assert stats.delta_bytes > 4096, (v, stats)
+            version += 1
     finally:
         tr.close()
         eng.close()
