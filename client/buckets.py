@@ -14,11 +14,13 @@ instead of one per copy.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 import operator
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import structlog
@@ -134,6 +136,20 @@ class Fp8Group:
                 torch._foreach_copy_([o for o, _ in pairs], [g for _, g in pairs])
 
 
+@contextlib.contextmanager
+def _no_collection() -> Iterator[None]:
+    """No garbage collection inside a graph capture: a CUDA graph collected then (of a
+    bucket pack dropped earlier) is destroyed inside the capture, which CUDA forbids
+    ("operation not permitted when stream is capturing"), and the capture fails."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
 class BucketPack:
     """One bucket's ops over given tensors and staging, batched. `rest` are the ops it
     leaves to the caller (transforms it does not batch)."""
@@ -242,7 +258,7 @@ class BucketPack:
         side = make(self._device)
         side.wait_stream(current)
         try:
-            with _capture_lock, torch.cuda.stream(side):
+            with _capture_lock, _no_collection(), torch.cuda.stream(side):
                 graph.capture_begin(capture_error_mode="thread_local")
                 try:
                     if self.plain is not None:

@@ -27,7 +27,8 @@ __all__ = ["pytestmark"]  # gpu, and skipped where there is none (as test_delta_
 
 @pytest.fixture(scope="module")
 def gpu_cluster() -> Iterator[LocalCluster]:
-    c = LocalCluster(hosts=1, extra={**FAST, **SMALL})
+    # a version's first packs compile the GPU kernels (Triton, FP8), seconds on a cold cache
+    c = LocalCluster(hosts=1, extra={**FAST, **SMALL, "version-timeout-s": "60"})
     c.keys("host0")
     c.start_daemon(0, coordinator=True, flags={"cuda": "on"})
     c.wait_joined()
