@@ -450,7 +450,6 @@ def test_an_engine_back_in_new_memory_under_the_same_plan_hash_is_packed_there(
     packs', the same whichever replicas are live; a hash never covers keys): here the
     engine's region behind a new IPC handle. Packing in place goes to the new memory (it
     went on into the old mapping: the engine got its immediates and none of the bytes)."""
-    import ctypes
 
     shape = (128, 136)
     g = {"w": randn(*shape, seed=15)}
@@ -463,14 +462,7 @@ def test_an_engine_back_in_new_memory_under_the_same_plan_hash_is_packed_there(
     old, new = torch.zeros_like(want), torch.zeros_like(want)
     monkeypatch.setitem(directmod.EXPORTED, b"\1" * 64, old.data_ptr())
     monkeypatch.setitem(directmod.EXPORTED, b"\2" * 64, new.data_ptr())
-    monkeypatch.setattr(directmod, "device_uuid", lambda device: UUID)
-    monkeypatch.setattr(
-        directmod,
-        "_span",
-        lambda ptr, n, device: torch.frombuffer(
-            (ctypes.c_uint8 * n).from_address(ptr), dtype=torch.uint8
-        ),
-    )
+    _host_memory_as_gpu(monkeypatch)
     d, packer, local = Direct(), Packer(), {"w": g["w"].clone()}
     plans = []
     for handle in (b"\1" * 64, b"\2" * 64):
@@ -486,6 +478,20 @@ def test_an_engine_back_in_new_memory_under_the_same_plan_hash_is_packed_there(
     assert plans[0].plan_hash == plans[1].plan_hash
     assert torch.equal(old, want)
     assert torch.equal(new, want), "the restarted engine's memory"
+
+
+def _host_memory_as_gpu(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Direct's regions on this host: any device is this one, an address is host bytes."""
+    import ctypes
+
+    monkeypatch.setattr(directmod, "device_uuid", lambda device: UUID)
+    monkeypatch.setattr(
+        directmod,
+        "_span",
+        lambda ptr, n, device: torch.frombuffer(
+            (ctypes.c_uint8 * n).from_address(ptr), dtype=torch.uint8
+        ),
+    )
 
 
 def _behind(rp, handle: bytes):  # type: ignore[no-untyped-def]
@@ -505,7 +511,6 @@ def test_mappings_of_engine_memory_no_longer_planned_are_closed(monkeypatch) -> 
     """An engine back in new memory (or gone): the old handle's mapping is closed once the
     device has finished what was queued (it kept the old memory allocated on the GPU, one
     more mapping per engine restart); the mapping still planned stays open."""
-    import ctypes
 
     shape = (64, 64)
     g = {"w": randn(*shape, seed=16)}
@@ -532,14 +537,7 @@ def test_mappings_of_engine_memory_no_longer_planned_are_closed(monkeypatch) -> 
     monkeypatch.setattr(
         torch.cuda, "synchronize", lambda device=None: events.append(("sync", device))
     )
-    monkeypatch.setattr(directmod, "device_uuid", lambda device: UUID)
-    monkeypatch.setattr(
-        directmod,
-        "_span",
-        lambda ptr, n, device: torch.frombuffer(
-            (ctypes.c_uint8 * n).from_address(ptr), dtype=torch.uint8
-        ),
-    )
+    _host_memory_as_gpu(monkeypatch)
     d, packer, local, dev = Direct(), Packer(), {"w": g["w"].clone()}, torch.device("cuda", 0)
     base = _on_gpu(plan("job", ts, es, PlanOptions(bucket_bytes=4096))["T"].sends[0])
     for handle in (b"\1" * 64, b"\1" * 64, b"\2" * 64):
