@@ -88,7 +88,10 @@ class IncomingStream:
                     )
                     return
                 try:
-                    n = self.sock.recv_into(m.buffer())
+                    # the whole stage at once (up to a record) in one call: the kernel
+                    # waits for it, not a Python loop per segment (SO_RCVTIMEO still ends
+                    # the wait with what came, or with EAGAIN when nothing did)
+                    n = self.sock.recv_into(m.buffer(), 0, socket.MSG_WAITALL)
                 except (BlockingIOError, TimeoutError):
                     if not m.mid_frame:
                         stalled_since = time.monotonic()
