@@ -18,13 +18,15 @@ estimated from samples where a bucket went dense without a full compare), and
 
 Two links by default, each learning rate on each, in the same process: first unshaped
 veth, then (where network namespaces are available) the trainer host's veth shaped to 10
-Gbit/s by `tc` (a token bucket), as a NIC of that rate would send. Both, because neither
-alone is the issue's "tcp": unshaped veth moves bytes at memory speed on one machine, so
-a dense publish there is a memory copy (~0.5 s per 1.07 GB on the 2-core development VM)
-and a delta's own memory traffic caps its speedup (~3-4x here) whatever the bytes saved;
-a shaped run is what a NIC gives, where the bytes saved are time saved. `--link-gbps R
-...` picks the shaped rates (`--link-gbps` alone, or `--unshaped-only`: veth only); each
-run says its link (`link_gbps`: null for unshaped veth).
+Gbit/s by `tc` (a token bucket), as a NIC of that rate would send. The report's `runs`
+(one per learning rate) are the shaped link's: the issue's "tcp" is a network, where the
+bytes saved are time saved. The unshaped veth runs are kept beside them
+(`unshaped_runs`): veth moves bytes at memory speed on one machine, so a dense publish
+there is a memory copy (~0.5 s per 1.07 GB on the 2-core development VM) and a delta's
+own memory traffic caps its speedup (~3x here) whatever the bytes saved. Without
+namespaces (loopback), or with `--unshaped-only`, `runs` are the unshaped ones and
+`unshaped_runs` is empty. `--link-gbps R ...` picks the shaped rates (`runs` then hold
+each rate's, in order); each run says its link (`link_gbps`: null unshaped).
 """
 
 from __future__ import annotations
@@ -243,6 +245,7 @@ def run(args: Any) -> int:
                 )
     finally:
         cluster.stop()
+    nic = [r for r in runs if r["link_gbps"] is not None]
     report = {
         "params": params,
         "dtype": "bfloat16 (fp32 master weights, AdamW)",
@@ -250,7 +253,8 @@ def run(args: Any) -> int:
         "link_gbps": shaped,  # shaped runs (tc tbf on the trainer host's veth)
         "transport": "tcp",
         "streams": args.streams,
-        "runs": runs,
+        "runs": nic or runs,
+        "unshaped_runs": [r for r in runs if r["link_gbps"] is None] if nic else [],
         "verified": all(r["verified"] for r in runs),
     }
     if args.json:

@@ -1,6 +1,7 @@
-"""`weightwire bench delta --json` on a small model: every field of issue 17's item 6, the
-unshaped run first and a run on veth shaped by tc (10 Gbit/s by default); every version
-verified. Speed is never asserted (only that each ratio is the ratio of its own figures)."""
+"""`weightwire bench delta --json` on a small model: every field of issue 17's item 6, a run
+per learning rate on veth shaped by tc (10 Gbit/s by default) and the unshaped veth run
+beside it; every version verified. Speed is never asserted (only that each ratio is the
+ratio of its own figures)."""
 
 from __future__ import annotations
 
@@ -32,9 +33,10 @@ def test_bench_delta_reports_unshaped_and_shaped_runs(
 ) -> None:
     report = bench(*flags)
     assert report["verified"] is True and report["link_gbps"] == links
-    runs = report["runs"]
-    assert [r["link_gbps"] for r in runs] == [None, *links]
-    for r in runs:
+    runs, unshaped = report["runs"], report["unshaped_runs"]
+    assert [r["link_gbps"] for r in runs] == (links or [None])  # one per learning rate
+    assert [r["link_gbps"] for r in unshaped] == ([None] if links else [])
+    for r in runs + unshaped:
         assert r["verified"] is True
         assert 0 < r["density"] < 1
         assert r["delta_bytes"] < r["dense_bytes"]
