@@ -2,7 +2,7 @@
 the payloads and trailers a sparse version at a given density sends instead.
 
 Per (source, destination, bucket): one payload (header, block table, the smallest
-encoding of `density` x elements changed, as `weightwire.client.delta.codec` sizes it),
+encoding of `density` x elements changed, as `weightwire.protocol.delta` sizes it),
 in as many writes as the dense ones; dense again where the payload would not be
 smaller. Per (source, destination): one trailer, after the last bucket.
 """
@@ -14,18 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from weightwire.protocol import delta
 from weightwire.protocol.plan import DELTA_HEAD, DELTA_RANGE, DELTA_REF
-
-BLOCK = 1 << 16
-
-
-def body_bytes(n: int, k: int, width: int) -> int:
-    """The smallest delta body for k of n elements (POS32, BLOCK16, BITMAP)."""
-    return min(
-        4 * k + k * width,
-        4 * -(-n // BLOCK) + 2 * k + k * width,
-        -(-n // 8) + k * width,
-    )
 
 
 @dataclass(frozen=True)
@@ -66,10 +56,8 @@ def delta_flows(
     n = dense.astype(np.int64) // width
     k = np.ceil(density * n).astype(np.int64)
     head = -(-(DELTA_HEAD + DELTA_RANGE * counts.astype(np.int64)) // 8) * 8
-    body = np.minimum(
-        np.minimum(4 * k + k * width, 4 * -(-n // BLOCK) + 2 * k + k * width),
-        -(-n // 8) + k * width,
-    )
+    # the sizes' arithmetic works on arrays as on ints: each group's smallest encoding
+    body = np.minimum.reduce([delta.body_size(kind, n, k, width) for kind in delta.SPARSE])  # type: ignore[arg-type]
     payload = (head + body).astype(np.float64)
     smaller = payload < dense
     out_bytes = np.where(smaller, payload, dense)

@@ -2,14 +2,9 @@
 
 A stream is `n` elements of `width` bytes (1, 2, 4 or 8), compared as integers of that
 width: bitwise, never as floats, so NaNs, signed zeros and FP8 codes are all just bits.
-The changed elements are found by position and encoded one of four ways, whichever is
-smallest (`auto`), dense when no delta is smaller:
-
-- ``POS32``: the positions as uint32, then the new values;
-- ``BLOCK16``: one uint32 count per 65536 elements, each position's low 16 bits, values
-  (2 bytes of position per change: bf16 at density d costs ~2 d of the dense bytes);
-- ``BITMAP``: one bit per element, then the values (better above ~1/(8 width) density);
-- ``DENSE``: the new stream itself.
+The changed elements are found by position and encoded one of the ways
+`weightwire.protocol.delta` lays out (POS32, BLOCK16, BITMAP), whichever is smallest
+(`auto`), dense when no delta is smaller.
 
 Positions always come out sorted. Works on CPU and CUDA tensors alike (torch ops only;
 numpy on the CPU where it is much faster at finding changes).
@@ -17,23 +12,17 @@ numpy on the CPU where it is much faster at finding changes).
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from weightwire.protocol.delta import BLOCK, Kind, best_kind, body_size, elements, max_changes
+
 from . import apply_kernel, decodeloop
 
-BLOCK = 1 << 16
+__all__ = ["BLOCK", "Kind", "best_kind", "body_size", "elements", "max_changes"]
 _CHUNK = 1 << 18  # elements compared at a time on the CPU
-
-
-class Kind(enum.IntEnum):
-    DENSE = 0
-    POS32 = 1
-    BLOCK16 = 2
-    BITMAP = 3
 
 
 INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -46,52 +35,6 @@ class Encoded:
     kind: Kind
     count: int  # changed elements (n for DENSE)
     body: torch.Tensor  # uint8, on the stream's device
-
-
-def elements(nbytes: int, width: int) -> int:
-    if width not in INT:
-        raise ValueError(f"element width {width} is not 1, 2, 4 or 8")
-    if nbytes % width:
-        raise ValueError(f"{nbytes} bytes are not whole elements of {width} bytes")
-    return nbytes // width
-
-
-def body_size(kind: Kind, n: int, k: int, width: int) -> int:
-    """Bytes of a body that encodes `k` of `n` elements of `width` bytes."""
-    match kind:
-        case Kind.DENSE:
-            return n * width
-        case Kind.POS32:
-            return 4 * k + k * width
-        case Kind.BLOCK16:
-            return 4 * (-(-n // BLOCK)) + 2 * k + k * width
-        case Kind.BITMAP:
-            return -(-n // 8) + k * width
-    raise ValueError(f"unknown delta encoding {kind}")
-
-
-def max_changes(n: int, width: int, capacity: int) -> int:
-    """The most changes of n elements whose smallest delta body fits `capacity` bytes
-    (-1: none fits); exact, so a compare may stop once it has found more."""
-    best = -1
-    for kind in (Kind.POS32, Kind.BLOCK16, Kind.BITMAP):
-        if kind is Kind.POS32 and n > 0xFFFFFFFF:
-            continue
-        fixed = body_size(kind, n, 0, width)
-        per = body_size(kind, n, 1, width) - fixed
-        if capacity >= fixed:
-            best = max(best, (capacity - fixed) // per)
-    return min(best, n)
-
-
-def best_kind(n: int, k: int, width: int, *, allow_dense: bool = True) -> Kind:
-    """The smallest encoding of k changes of n elements (ties go to the simplest)."""
-    kinds = [Kind.POS32, Kind.BLOCK16, Kind.BITMAP]
-    if n > 0xFFFFFFFF:
-        kinds.remove(Kind.POS32)
-    if allow_dense:
-        kinds.insert(0, Kind.DENSE)
-    return min(kinds, key=lambda kd: body_size(kd, n, k, width))
 
 
 def changes(new: torch.Tensor, old: torch.Tensor, width: int) -> torch.Tensor:
