@@ -39,6 +39,7 @@ from .names import Refusal
 from .peers import COORDINATOR, PeerMesh
 from .plans import PlanBook, elastic_engine_node, nodes_of
 from .publishing import Publishing
+from .ratelimit import HELLO_BURST, HELLO_RATE, Buckets
 from .seams import Spawn
 from .sessions import Session
 from .statusrate import StatusAnswers
@@ -81,6 +82,10 @@ class Cluster:
         self._status = StatusAnswers(status)
         self._ready_sent = False
         self._peer_errors = Throttled()  # any allowed key may send them, in a loop
+        # hellos to a daemon that does not coordinate: each was answered, in a loop as fast
+        # as a member sent them; now at the coordinator's rate per node name
+        self._hellos = Buckets(HELLO_RATE, HELLO_BURST)
+        self._hellos_dropped = Throttled(10.0)
         self._last_hello = 0.0
         # node -> an incarnation its heartbeats said it restarted as, until the membership
         # says which one it is: its old one is not "back" meanwhile
@@ -162,7 +167,11 @@ class Cluster:
             coordinator.seen(sender)
         match msg:
             case PeerHello():
-                if coordinator is None:
+                if coordinator is None and not self._hellos.take(sender):
+                    self._hellos_dropped.emit(
+                        log.warning, "hellos dropped", peer=sender, rate_per_s=HELLO_RATE
+                    )
+                elif coordinator is None:
                     self._mesh.send_soon(
                         sender, PeerError(code="not_coordinator", message=f"{self.node} is not")
                     )

@@ -39,13 +39,11 @@ from .elastic import is_elastic
 from .elasticplanning import ElasticPlanning, Send
 from .jobs import Job, collect, delta_areas, digest, too_large
 from .lograte import Throttled
-from .ratelimit import Buckets
+from .ratelimit import HELLO_BURST, HELLO_RATE, Buckets
 
 log = structlog.get_logger("weightwire.daemon.coordinator")
 
 MAX_JOBS_PER_NODE = 256  # jobs one node may hold ranks in at once (a host runs a few)
-HELLO_RATE = 1.0  # hellos a second acted on per node name (a daemon says one a second
-HELLO_BURST = 5.0  # until it is welcome; each is answered, a new incarnation broadcast)
 
 
 @dataclass

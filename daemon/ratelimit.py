@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 
 MAX_KEYS = 4096  # buckets kept (bounded however many names are made up)
+HELLO_RATE = 1.0  # hellos a second acted on per node name (a daemon says one a second
+HELLO_BURST = 5.0  # until it is welcome), by the coordinator and by every other daemon
 
 
 @dataclass

@@ -223,3 +223,29 @@ def test_heartbeats_flapping_between_two_incarnations_are_one_restart(
         flaps = [e for e in new if e.get("peer") == "flooder" and "peer" in str(e.get("event"))]
         assert len(flaps) <= 4, [e.get("event") for e in flaps][:10]
         p.publish()
+
+
+def test_a_flood_of_hellos_at_a_daemon_that_does_not_coordinate_is_answered_at_a_bounded_rate(
+    hosts: LocalCluster,
+) -> None:
+    """A member says hello 20000 times to host1, which does not coordinate. Each was
+    answered (a `not_coordinator` error), as fast as they came, where the coordinator acts
+    on one hello a second per node name; now host1 answers at the coordinator's rate too,
+    the rest dropped with one log line a while. host1 keeps serving: a version from its
+    trainer rank lands bitwise at host2, and its status answers."""
+    c = hosts
+    with pair(c, "hello-flood-member", 1, 2) as p:
+        cpu0, t0 = cpus(c), time.monotonic()
+        out = flood(c, "host1", QUERIES, kind="hello")
+        cpu1, t1 = cpus(c), time.monotonic()
+        print(
+            f"\n{QUERIES} hellos at a daemon that does not coordinate: {out['not_coordinator']} "
+            f"answered over {t1 - t0:.1f} s; {spent(cpu0, cpu1)}"
+        )
+        assert out["sent"] == QUERIES, out
+        answers = int(out["not_coordinator"])  # type: ignore[call-overload]
+        assert 1 <= answers <= 5 + (t1 - t0) + 5, out  # the bucket: burst + rate x time
+        dropped = logged(c, 1, "hellos dropped")
+        assert 1 <= len(dropped) <= 5 and dropped[0]["peer"] == "flooder", dropped
+        p.publish()  # host1 serves on
+        assert fetch(c.daemons[1].socket)["node"] == "host1"

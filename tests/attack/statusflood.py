@@ -4,8 +4,9 @@ sends `count` messages to one daemon as fast as it can and counts what comes bac
 `hold_s`. Prints one JSON line. `kind`: "status" (StatusQuery; StatusAnswers counted) or
 "advertise" (to the coordinator: an Advertise of one trainer rank for a job of its own,
 `count` jobs; the PlanProblems it is told counted), "hello" / "rejoin" (PeerHello, the
-same incarnation or a new one each; welcomes and memberships counted), "flap" (Heartbeat,
-a new incarnation and its own in turn).
+same incarnation or a new one each; welcomes and memberships counted; from a daemon that
+does not coordinate, its `not_coordinator` errors apart), "flap" (Heartbeat, a new
+incarnation and its own in turn).
 
     python statusflood.py '{"node":"flooder","secret_key":..,"allowed_dir":..,
                             "coordinator":..,"coordinator_key":..,"address":..,
@@ -25,6 +26,7 @@ from weightwire.protocol.peer import (
     Heartbeat,
     Member,
     Membership,
+    PeerError,
     PeerHello,
     PeerMessage,
     PeerWelcome,
@@ -41,12 +43,13 @@ async def run(spec: dict[str, object]) -> dict[str, object]:
     node, mesh, incarnation = j.node, j.mesh, j.incarnation
     target = str(spec["target"])
     joined = asyncio.Event()
-    answers = 0
+    answers = not_coordinator = 0
     first = last = 0.0
     problems: dict[str, int] = {}
+    told: list[str] = []  # the first PlanProblems' messages
 
     async def handle(sender: str, msg: PeerMessage, key: bytes | None = None) -> None:
-        nonlocal answers, first, last
+        nonlocal answers, not_coordinator, first, last
         match msg:
             case Membership(members=ms):
                 answers += joined.is_set()  # kind hello / rejoin: what the hellos cost
@@ -59,8 +62,12 @@ async def run(spec: dict[str, object]) -> dict[str, object]:
                 answers += 1
                 last = time.monotonic()
                 first = first or last
-            case PlanProblem(code=code):
+            case PeerError(code="not_coordinator") if sender == target:
+                not_coordinator += 1  # kind hello to a daemon that does not coordinate
+            case PlanProblem(code=code, message=message):
                 problems[code] = problems.get(code, 0) + 1
+                if len(told) < 4:
+                    told.append(message)
 
     me = j.me()
     out: dict[str, object] = {"event": "statusflood"}
@@ -102,7 +109,12 @@ async def run(spec: dict[str, object]) -> dict[str, object]:
         out["send_s"] = round(time.monotonic() - t0, 3)
         await asyncio.sleep(float(spec.get("hold_s", 5.0)))  # type: ignore[arg-type]
         out.update(
-            sent=sent, answers=answers, answer_span_s=round(last - first, 3), problems=problems
+            sent=sent,
+            answers=answers,
+            not_coordinator=not_coordinator,
+            answer_span_s=round(last - first, 3),
+            problems=problems,
+            told=told,
         )
     except Exception as exc:
         out["failed"] = repr(exc)
