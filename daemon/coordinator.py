@@ -37,7 +37,7 @@ from weightwire.protocol.plan import NodePlan
 
 from .elastic import is_elastic
 from .elasticplanning import ElasticPlanning, Send
-from .jobs import Job, collect, delta_areas, digest, too_large
+from .jobs import Job, collect, delta_areas, digest, misnamed, too_large
 from .lograte import Throttled
 from .ratelimit import HELLO_BURST, HELLO_RATE, Buckets
 
@@ -169,6 +169,10 @@ class Coordinator:
         member = self.members.get(sender)
         if member is None or member.incarnation != adv.incarnation:
             self._refused.emit(log.warning, "advert from a non-member ignored", peer=sender)
+            return
+        if why := misnamed(sender, adv):  # refused whole: its previous advert stands
+            self._refused.emit(log.warning, "advert refused", peer=sender, job=adv.job, reason=why)
+            self.send(sender, PlanProblem(job=adv.job, code=ErrorCode.INVALID.value, message=why))
             return
         known = self.jobs.get(adv.job)
         if (known is None or sender not in known.adverts) and adv.ranks and self._too_many(sender):

@@ -73,6 +73,22 @@ def collect(
     return list(trainers.values()), list(engines.values()), missing, problems
 
 
+def misnamed(sender: str, adv: Advertise) -> str:
+    """Why `sender`'s advert names another node where only its own may stand ("" if it does
+    not): a node advertises its own ranks and regions only. (A region naming another node
+    was planned as this node's all the same: writes went to the advertising node.)"""
+    if adv.node != sender:
+        return f"an advert from {sender} says its node is {adv.node!r}"
+    for i, r in enumerate(adv.ranks):
+        for j, g in enumerate(r.regions):
+            if g.node != sender:
+                return (
+                    f"the advert of job {adv.job!r} from {sender}: ranks[{i}].regions[{j}].node "
+                    f"is {g.node!r}; a node advertises only its own regions"
+                )
+    return ""
+
+
 def _some(ranks: list[int], shown: int = 16) -> str:
     """A list of ranks as text, the first `shown` of a long one and how many there are."""
     if len(ranks) <= shown:

@@ -249,3 +249,22 @@ def test_a_flood_of_hellos_at_a_daemon_that_does_not_coordinate_is_answered_at_a
         assert 1 <= len(dropped) <= 5 and dropped[0]["peer"] == "flooder", dropped
         p.publish()  # host1 serves on
         assert fetch(c.daemons[1].socket)["node"] == "host1"
+
+
+def test_an_advert_naming_another_nodes_region_is_refused_naming_the_field(
+    hosts: LocalCluster,
+) -> None:
+    """A member advertises an engine rank whose region descriptor names host1. The
+    coordinator took it (the planner routed the writes to the advertising node all the
+    same, but the advert stood, naming a region of another node). Now the advert is refused
+    whole with a typed `invalid` PlanProblem naming the field, it is not planned or listed,
+    and the coordinator serves on."""
+    c = hosts
+    out = flood(c, "host0", 1, kind="foreign-region")
+    assert out["sent"] == 1, out
+    assert out["problems"] == {"invalid": 1}, out
+    told = str(out["told"])
+    assert "ranks[1].regions[0].node is 'host1'" in told and "flooder" in told, told
+    assert "foreign-region" not in fetch(c.daemons[0].socket)["coordination"]["jobs"]
+    with pair(c, "after-foreign-region", 0, 1):
+        pass  # a version of a new job lands bitwise

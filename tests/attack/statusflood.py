@@ -3,10 +3,11 @@ daemon does (real PeerMesh: hello, heartbeats, its own peer socket for the answe
 sends `count` messages to one daemon as fast as it can and counts what comes back within
 `hold_s`. Prints one JSON line. `kind`: "status" (StatusQuery; StatusAnswers counted) or
 "advertise" (to the coordinator: an Advertise of one trainer rank for a job of its own,
-`count` jobs; the PlanProblems it is told counted), "hello" / "rejoin" (PeerHello, the
-same incarnation or a new one each; welcomes and memberships counted; from a daemon that
-does not coordinate, its `not_coordinator` errors apart), "flap" (Heartbeat, a new
-incarnation and its own in turn).
+`count` jobs; the PlanProblems it is told counted, the first messages kept),
+"foreign-region" (an Advertise whose engine rank's region names host1), "hello" /
+"rejoin" (PeerHello, the same incarnation or a new one each; welcomes and memberships
+counted; from a daemon that does not coordinate, its `not_coordinator` errors apart),
+"flap" (Heartbeat, a new incarnation and its own in turn).
 
     python statusflood.py '{"node":"flooder","secret_key":..,"allowed_dir":..,
                             "coordinator":..,"coordinator_key":..,"address":..,
@@ -35,6 +36,7 @@ from weightwire.protocol.peer import (
     StatusAnswer,
     StatusQuery,
 )
+from weightwire.protocol.regions import RegionDescriptor
 from weightwire.protocol.tensors import SourceTensor
 
 
@@ -96,6 +98,13 @@ async def run(spec: dict[str, object]) -> dict[str, object]:
                     node=node, endpoint=me.endpoint, incarnation=inc, public_key=me.public_key
                 )
                 msg = PeerHello(protocol=PROTOCOL_VERSION, member=who)
+            elif kind == "foreign-region":  # an engine rank whose region names host1
+                area = RegionDescriptor(id=1, node="host1", kind="cpu", length=4096)
+                eng = RankAdvert(role="engine", rank=0, world_size=1, regions=(area,))
+                msg = Advertise(
+                    node=node, incarnation=incarnation, job="foreign-region", ranks=(rank, eng),
+                    seq=i + 1,
+                )  # fmt: skip
             elif kind == "advertise":
                 msg = Advertise(
                     node=node, incarnation=incarnation, job=f"flood-{i}", ranks=(rank,), seq=i + 1
