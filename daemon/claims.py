@@ -4,7 +4,8 @@ An engine rank joins a replica by naming it (`Hello.replica`). A rank can name a
 that others already serve: another rank number than the replica has room for, another
 size, the same rank again. The replica that is planned (`held`) keeps its ranks and
 serves on; the claimants are refused, each told (a `duplicate` error naming the replica and
-the hosts), and nothing else of the job changes. A replica not planned yet whose ranks
+the hosts), and nothing else of the job changes (a coordinator that restarted knows the
+planned replicas from the adverts: `recalled`). A replica not planned yet whose ranks
 conflict is refused as a whole, its ranks told why; the job's other replicas go on. The
 coordinator used to count a claimant into the replica, which then was no longer complete
 and was dropped from the plan without a word (or, sizes disagreeing, withdrew the job).
@@ -63,6 +64,7 @@ def claims(
                 )
                 continue
             members.setdefault(r.replica, []).append((node, r))
+    held = {**recalled(members), **held}
     out: dict[int, Replica] = {}
     taken: dict[int, str] = {}  # engine rank -> which replica, where
     kept = {rid for rid, ms in members.items() if _holders(held.get(rid), ms) is not None}
@@ -89,6 +91,27 @@ def claims(
         out[rid] = Replica(rid, ms[0][1].replica_size, tuple(sorted(ms, key=lambda m: m[1].rank)))
         taken.update({r.rank: f"replica {rid} on {n}" for n, r in ms})
     return out, refused
+
+
+def recalled(members: Mapping[int, list[Member]]) -> dict[int, Replica]:
+    """The replicas the adverts say were planned (`RankAdvert.replica_plan`): each one's
+    ranks that hold one replica plan, where they make the whole replica. A coordinator that
+    restarted knows no replica it planned: a claimant there at the time used to get the
+    whole replica refused, its serving ranks with it, until the claimant left."""
+    out: dict[int, Replica] = {}
+    for rid, ms in members.items():
+        plans: dict[str, list[Member]] = {}
+        for m in ms:
+            if m[1].replica_plan:
+                plans.setdefault(m[1].replica_plan, []).append(m)
+        for _, group in sorted(plans.items()):
+            size = group[0][1].replica_size
+            ranks = {r.rank for _, r in group}
+            alike = all(r.replica_size == size for _, r in group)
+            if alike and len(group) == len(ranks) == size:
+                out[rid] = Replica(rid, size, tuple(sorted(group, key=lambda m: m[1].rank)))
+                break
+    return out
 
 
 def _holders(planned: Replica | None, ms: list[Member]) -> list[Member] | None:

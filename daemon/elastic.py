@@ -55,8 +55,8 @@ class Replica:
 
     def digest(self, trainers: str) -> str:
         h = hashlib.sha256(trainers.encode())
-        for node, r in self.ranks:
-            h.update(_enc.encode([node, r]))
+        for node, r in self.ranks:  # not the plan the rank holds: that is this plan
+            h.update(_enc.encode([node, msgspec.structs.replace(r, replica_plan="")]))
         return h.hexdigest()
 
 

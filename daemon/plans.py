@@ -100,6 +100,9 @@ class PlanBook:
                         ),
                         replica=s.hello.replica,
                         replica_size=s.hello.replica_size,
+                        replica_plan=self._replica_plan(job, s.rank)
+                        if s.hello.replica >= 0
+                        else "",
                     )
                 )
         self._advert_seq += 1
@@ -131,6 +134,12 @@ class PlanBook:
             self._too_large.discard(job)
             self.problems.pop(job, None)
         self._mesh.send_soon(self._joining.coordinator_name or COORDINATOR, advert)
+
+    def _replica_plan(self, job: str, rank: int) -> str:
+        """The replica plan engine rank `rank` holds ("" none): a coordinator that restarted
+        keeps that replica's ranks serving it, and refuses only the ranks that claim it too."""
+        plan = self.plans.get(job)
+        return next((e.plan_hash for e in plan.expects if e.rank == rank), "") if plan else ""
 
     def _slot(self, job: str, rank: int) -> int:
         """The immediate counter of an engine rank here: stable while its session lives."""

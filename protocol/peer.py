@@ -49,6 +49,9 @@ class RankAdvert(msgspec.Struct, frozen=True, kw_only=True):
     lanes: int = 1  # independent paths (NICs) its node's data plane has for this rank
     replica: int = -1  # engine ranks of an elastic job: their replica (Hello.replica)
     replica_size: int = 0  # and how many ranks that replica has
+    # engine ranks of an elastic job: the replica plan the rank holds (its Expect.plan_hash;
+    # "": none), so that a coordinator that restarted knows which ranks serve each replica
+    replica_plan: str = ""
 
 
 class Advertise(PeerMsg, frozen=True, tag="advertise"):

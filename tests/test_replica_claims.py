@@ -13,8 +13,9 @@ Real daemons, each host in its own network namespace."""
 
 from __future__ import annotations
 
+import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 
 import pytest
@@ -48,14 +49,16 @@ class Serving:
     """Replica 0 (engine rank 0 on host1, size 1) and the trainer on host0, with a version
     landed; `next` lands another and checks that replica 0 alone took it, bitwise."""
 
-    def __init__(self, c: LocalCluster, job: str, stack: ExitStack) -> None:
+    def __init__(
+        self, c: LocalCluster, job: str, stack: ExitStack, trainer: int = 0, engine: int = 1
+    ) -> None:
         self.w = torch.arange(4096, dtype=torch.float32)
         self.dst = torch.zeros_like(self.w)
-        sock = c.daemons[1].socket
+        sock = c.daemons[engine].socket
         self.eng = stack.enter_context(
             Engine(0, 2, socket=sock, job=job, timeout_s=10, replica=0, replica_size=1)
         )
-        self.tr = stack.enter_context(Trainer(0, 1, socket=c.daemons[0].socket, job=job))
+        self.tr = stack.enter_context(Trainer(0, 1, socket=c.daemons[trainer].socket, job=job))
         self.eng.register({"w": self.dst})
         self.tr.register({"w": self.w})
         deadline = time.monotonic() + 20
@@ -140,3 +143,59 @@ def test_a_replica_that_cannot_be_planned_beside_the_trainer_leaves_the_trainer_
         s.next()
         s.next()
         assert job not in fetch(c.daemons[0].socket)["plan_problems"]
+
+
+def refused(eng: Engine, version: int) -> WeightwireError:
+    """The claimant's wait for `version` ends at once, refused as a duplicate."""
+    t0 = time.monotonic()
+    with pytest.raises(WeightwireError) as told:
+        eng.wait(version, timeout_s=20)
+    assert time.monotonic() - t0 < 10, "the claimant was left to its timeout"
+    assert told.value.code is ErrorCode.DUPLICATE, told.value
+    return told.value
+
+
+def until(what: str, check: Callable[[], object], timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def test_a_restarted_coordinator_refuses_only_the_claimant(three: LocalCluster) -> None:
+    """The coordinator restarts while a claimant of a serving replica is there. It knew no
+    replica it had planned: it refused the whole replica (its serving rank too, told
+    `duplicate`; no plan) until the claimant left. The ranks advertise the replica plan
+    they hold (`RankAdvert.replica_plan`): the new coordinator plans the serving replica
+    again, the claimant alone is refused, and the replica gets the next versions bitwise.
+    host0 coordinates only; host1 serves replica 0; host2 trains and runs the claimant."""
+    c = three
+    job = "replica-claimed-restart"
+    with ExitStack() as stack:
+        s = Serving(c, job, stack, trainer=2, engine=1)
+        twin = stack.enter_context(
+            Engine(1, 2, socket=c.daemons[2].socket, job=job, timeout_s=10, replica=0,
+                   replica_size=1)
+        )  # fmt: skip
+        twin.register({"w": torch.zeros_like(s.w)})
+        refused(twin, s.version + 1)
+        c.daemons[0].proc.send_signal(signal.SIGKILL)
+        c.daemons[0].proc.wait(10)
+        port = int(c.daemons[0].endpoint.rsplit(":", 1)[1])
+        c.start_daemon(0, coordinator=True, peer_port=port)
+        c.wait_joined()
+
+        def planned() -> bool:
+            jobs = fetch(c.daemons[0].socket)["coordination"]["jobs"]
+            return bool(jobs.get(job, {}).get("plan"))
+
+        until("the restarted coordinator never planned the serving replica", planned)
+        until(
+            "the claimant was not refused again",
+            lambda: fetch(c.daemons[2].socket)["rank_problems"],
+        )
+        assert fetch(c.daemons[1].socket)["rank_problems"] == {}  # the serving rank: not refused
+        s.next()  # the replica keeps serving, bitwise
+        s.next()
+        refused(twin, s.version + 1)
+
