@@ -191,6 +191,9 @@ class Cluster:
                 self._mesh.know(
                     name, self._coordinator_endpoint(), self._mesh.security.coordinator_key
                 )
+                # the coordinator judges every advert afresh (one that restarted knows no
+                # refusal of the one before): a refusal it does not repeat is gone
+                self._plans.rank_problems.clear()
                 for job in {s.job for s in self._sessions.values()} | set(self._plans.plans):
                     self._plans.advertise(job)
             case Membership(members=members, lost=lost):
@@ -200,6 +203,8 @@ class Cluster:
                     coordinator.on_advertise(sender, msg)
             case AssignPlan(plan=plan):
                 self._plans.install(plan)
+            case PlanProblem(job=job, ranks=ranks, cleared=True):
+                self._plans.cleared(job, ranks)
             case PlanProblem(job=job, code=code, message=message, ranks=ranks):
                 self._plans.problem(job, PlanError(message, code=ErrorCode(code)), ranks)
             case Heartbeat(node=node, incarnation=inc):

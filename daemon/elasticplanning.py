@@ -153,7 +153,27 @@ class ElasticPlanning:
                         ranks=fresh,
                     ),
                 )
+        self._clear(job, [k for k in el.told if k not in told])
         el.told = told
+
+    def _clear(self, job: Job, keys: list[tuple[str, int]]) -> None:
+        """Ranks refused before and no longer (the replica they claimed lost its holders,
+        the ranks they conflicted with left) are told so, where they still advertise: their
+        refusal used to stay until a plan included them, which one that cannot be planned
+        yet (its replica incomplete) never did."""
+        by_node: dict[str, list[int]] = {}
+        for node, rank in keys:
+            adv = job.adverts.get(node)
+            if adv is not None and any(r.role == "engine" and r.rank == rank for r in adv.ranks):
+                by_node.setdefault(node, []).append(rank)
+        for node, ranks in sorted(by_node.items()):
+            log.info("engine ranks no longer refused", job=job.name, node=node, ranks=ranks)
+            self.send(
+                node,
+                PlanProblem(
+                    job=job.name, code="", message="", ranks=tuple(sorted(ranks)), cleared=True
+                ),
+            )
 
     async def _replica(
         self, job: Job, trainers: list[TrainerRank], rep: Replica, inputs: str

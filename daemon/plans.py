@@ -201,6 +201,14 @@ class PlanBook:
             if not fut.done():
                 fut.set_result(None)
 
+    def cleared(self, job: str, ranks: tuple[int, ...]) -> None:
+        """The coordinator no longer refuses these engine ranks (the replica they claimed
+        is no longer served by others, or the ranks that conflicted with them left): they
+        wait for a plan again. Their refusal used to stay until a plan included them."""
+        gone = [r for r in ranks if self.rank_problems.pop((job, r), None) is not None]
+        if gone:
+            log.info("engine ranks no longer refused", job=job, ranks=gone)
+
     def problem(self, job: str, err: PlanError, ranks: tuple[int, ...] = ()) -> None:
         """The coordinator cannot plan the job (two ranks claim one rank, ...): its plan is
         gone here, for the engine ranks and for the trainer ranks too, whose next version

@@ -86,6 +86,7 @@ class PlanProblem(PeerMsg, frozen=True, tag="plan_problem"):
     code: str
     message: str
     ranks: Ranks = ()  # only these engine ranks here are refused; empty: the whole job
+    cleared: bool = False  # these `ranks` are no longer refused (their claim conflicts no more)
 
 
 class Heartbeat(PeerMsg, frozen=True, tag="heartbeat"):

@@ -199,3 +199,78 @@ def test_a_restarted_coordinator_refuses_only_the_claimant(three: LocalCluster) 
         s.next()
         refused(twin, s.version + 1)
 
+
+def test_a_refused_claimant_is_cleared_once_its_claim_conflicts_no_more(
+    three: LocalCluster,
+) -> None:
+    """A claimant of replica 0 with another size (rank 1 of 2) is refused while rank 0 of
+    size 1 serves it. The serving rank leaves: the claim conflicts no more, but the
+    claimant's replica is not complete, so no plan included it, and its `duplicate`
+    refusal stayed (its daemon's status listed it; every wait failed with it). Now the
+    coordinator tells it the refusal is gone; once rank 0 of size 2 comes, the replica is
+    planned and both its ranks get the next version bitwise."""
+    c = three
+    job = "replica-claim-cleared"
+    with ExitStack() as stack:
+        s = Serving(c, job, stack)
+        twin = stack.enter_context(
+            Engine(1, 2, socket=c.daemons[2].socket, job=job, timeout_s=10, replica=0,
+                   replica_size=2)
+        )  # fmt: skip
+        twin_dst = torch.zeros_like(s.w)
+        twin.register({"w": twin_dst})
+        refused(twin, s.version + 1)
+        assert fetch(c.daemons[2].socket)["rank_problems"]
+        s.eng.close()  # the replica's holder leaves
+        until(
+            "the claimant's refusal stayed after the holder left",
+            lambda: fetch(c.daemons[2].socket)["rank_problems"] == {},
+        )
+        mate_dst = torch.zeros_like(s.w)
+        mate = stack.enter_context(
+            Engine(0, 2, socket=c.daemons[1].socket, job=job, timeout_s=10, replica=0,
+                   replica_size=2)
+        )  # fmt: skip
+        mate.register({"w": mate_dst})
+        deadline = time.monotonic() + 20
+        while True:  # replica 0 of size 2 may be planned after the trainer's next version
+            s.version += 1
+            s.w.add_(1)
+            assert time.monotonic() < deadline, "replica 0 of size 2 was never planned"
+            try:
+                stats = s.tr.publish(s.version)
+            except WeightwireError as exc:  # the replica changed mid-version
+                assert retryable(exc), exc
+                continue
+            if [o.replica for o in stats.replicas if o.ok] == [0]:
+                break
+        twin.wait(s.version)
+        mate.wait(s.version)
+        assert torch.equal(twin_dst, s.w) and torch.equal(mate_dst, s.w)
+
+
+def test_a_replica_refused_whole_is_cleared_when_the_rank_it_conflicted_with_leaves(
+    three: LocalCluster,
+) -> None:
+    """Two ranks claim engine rank 0 of replica 1, planned nowhere yet: the replica is
+    refused whole, both told `duplicate`. One leaves: the other's claim conflicts no more,
+    but (its replica incomplete) no plan included it, and its refusal stayed. Now it is
+    told the refusal is gone."""
+    c = three
+    job = "replica-claimant-left"
+    with ExitStack() as stack:
+        a, b = (
+            stack.enter_context(
+                Engine(0, 2, socket=c.daemons[h].socket, job=job, timeout_s=10, replica=1,
+                       replica_size=2)
+            )
+            for h in (1, 2)
+        )  # fmt: skip
+        for eng in (a, b):
+            eng.register({"w": torch.zeros(4096, dtype=torch.float32)})
+        assert "claimed more than once" in refused(a, 1).message
+        b.close()
+        until(
+            "the refusal stayed after the rank it conflicted with left",
+            lambda: fetch(c.daemons[1].socket)["rank_problems"] == {},
+        )
