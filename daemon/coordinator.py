@@ -18,7 +18,6 @@ from weightwire.plan.delta import add_delta
 from weightwire.plan.planner import (
     PlanOptions,
     caveats_of,
-    plan,
     resolve_recipes,
 )
 from weightwire.protocol import PROTOCOL_VERSION
@@ -39,6 +38,7 @@ from .elastic import is_elastic
 from .elasticplanning import ElasticPlanning, Send
 from .jobs import Job, collect, delta_areas, digest, misnamed, too_large
 from .lograte import Throttled
+from .planrun import Stop, planned
 from .ratelimit import HELLO_BURST, HELLO_RATE, Buckets
 
 log = structlog.get_logger("weightwire.daemon.coordinator")
@@ -57,6 +57,7 @@ class Coordinator:
     last_seen: dict[str, float] = field(default_factory=dict)
     jobs: dict[str, Job] = field(default_factory=dict)
     _planning: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    _stops: dict[str, Stop] = field(default_factory=dict)  # each job's planning run's (planrun)
     _plans: dict[str, Mapping[str, NodePlan]] = field(default_factory=dict)  # made when sent
     _refused: Throttled = field(default_factory=lambda: Throttled(10.0))
     _hellos: Buckets = field(default_factory=lambda: Buckets(HELLO_RATE, HELLO_BURST))
@@ -200,31 +201,38 @@ class Coordinator:
         return held >= MAX_JOBS_PER_NODE
 
     def _end_job(self, job: Job) -> None:
-        running = self._planning.pop(job.name, None)
-        if running is not None:
-            running.cancel()
+        self._supersede(job.name)
         self.jobs.pop(job.name, None)
         self._plans.pop(job.name, None)
         log.info("job ended: every rank left", job=job.name, plan=job.plan_hash or None)
 
-    def _replan(self, job: Job) -> None:
-        running = self._planning.pop(job.name, None)
+    def _supersede(self, name: str) -> None:
+        """Cancel the job's planning task, and stop its thread in the planner (planrun)."""
+        running = self._planning.pop(name, None)
         if running is not None:
             running.cancel()
-        self._planning[job.name] = asyncio.get_running_loop().create_task(self._plan_job(job))
+        stop = self._stops.pop(name, None)
+        if stop is not None:
+            stop.set()
 
-    async def _plan_job(self, job: Job) -> None:
+    def _replan(self, job: Job) -> None:
+        self._supersede(job.name)
+        stop = self._stops[job.name] = Stop(job.name)
+        loop = asyncio.get_running_loop()
+        self._planning[job.name] = loop.create_task(self._plan_job(job, stop))
+
+    async def _plan_job(self, job: Job, stop: Stop) -> None:
         try:
-            await self._plan_job_now(job)
+            await self._plan_job_now(job, stop)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a planner bug must be seen, and must not kill the daemon
             log.exception("planning failed", job=job.name)
             self._problem(job, WeightwireError(f"internal planning error: {exc!r}"))
 
-    async def _plan_job_now(self, job: Job) -> None:
+    async def _plan_job_now(self, job: Job, stop: Stop) -> None:
         if is_elastic(job.adverts):
-            await self._elastic.plan(job)
+            await self._elastic.plan(job, stop)
             return
         trainers, engines, missing, problems = collect(job)
         if problems:
@@ -247,8 +255,8 @@ class Coordinator:
             options = (
                 msgspec.structs.replace(self.options, share_keys=True) if areas else self.options
             )
-            planned = await asyncio.to_thread(plan, job.name, trainers, engines, options, slots)
-            plans = add_delta(planned, areas)
+            made = await planned(stop, job.name, trainers, engines, options, slots)
+            plans = add_delta(made, areas)
         except WeightwireError as exc:
             self._problem(job, exc)
             return
@@ -296,6 +304,13 @@ class Coordinator:
         for node in job.adverts:
             self.send(node, PlanProblem(job=job.name, code=exc.code.value, message=exc.message))
 
+    def _running(self, name: str) -> str | None:
+        """What the job's planning run is doing (None: no run under way)."""
+        task, stop = self._planning.get(name), self._stops.get(name)
+        if task is None or task.done() or stop is None:
+            return None
+        return stop.phase or "preparing"
+
     def missing(self, job: str) -> list[str] | None:
         """What a job still lacks before it can be planned (None: no such job)."""
         j = self.jobs.get(job)
@@ -311,6 +326,7 @@ class Coordinator:
                     "nodes": sorted(j.adverts),
                     "missing": collect(j, elastic=is_elastic(j.adverts))[2],
                     "replicas": sorted(j.elastic.parts) if is_elastic(j.adverts) else None,
+                    "planning": self._running(j.name),
                 }
                 for j in self.jobs.values()
             },

@@ -4,7 +4,6 @@ changed sent its new plan."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -15,7 +14,6 @@ from weightwire.plan.planner import (
     EngineRank,
     PlanOptions,
     TrainerRank,
-    plan,
     resolve_recipes,
 )
 from weightwire.protocol.errors import ErrorCode, PlanError, WeightwireError
@@ -31,6 +29,7 @@ from .elastic import (
     trainers_digest,
 )
 from .jobs import Job, collect, too_large
+from .planrun import Stop, planned
 
 log = structlog.get_logger("weightwire.daemon.coordinator")
 
@@ -48,7 +47,7 @@ class ElasticPlanning:
     problem: Callable[[Job, WeightwireError], None]
     max_bytes: int = 0  # the largest message a daemon takes (jobs.too_large)
 
-    async def plan(self, job: Job) -> None:
+    async def plan(self, job: Job, stop: Stop) -> None:
         """Plan each complete engine replica on its own (only those not planned yet with
         these inputs), and send every node whose part changed its new plan."""
         trainers, _, missing, problems = collect(job, elastic=True)
@@ -82,7 +81,7 @@ class ElasticPlanning:
             if part is not None and part.inputs == inputs:
                 continue
             el.parts.pop(r, None)
-            part = await self._replica(job, trainers, rep, inputs)
+            part = await self._replica(job, trainers, rep, inputs, stop)
             if part is not None:
                 el.parts[r] = part
                 el.packs = el.packs or part.packs
@@ -176,7 +175,7 @@ class ElasticPlanning:
             )
 
     async def _replica(
-        self, job: Job, trainers: list[TrainerRank], rep: Replica, inputs: str
+        self, job: Job, trainers: list[TrainerRank], rep: Replica, inputs: str, stop: Stop
     ) -> ReplicaPlan | None:
         """One replica's plan, or None (its nodes are told why; the others go on)."""
         el = job.elastic
@@ -189,7 +188,7 @@ class ElasticPlanning:
                 ]
             )
             slots = {e.rank: e.slot for e in engines}
-            plans = await asyncio.to_thread(plan, job.name, trainers, engines, self.options, slots)
+            plans = await planned(stop, job.name, trainers, engines, self.options, slots)
             packs = packs_digest(plans.compact)
             if el.packs and packs != el.packs:
                 raise PlanError(
