@@ -105,6 +105,15 @@ def pair(c: LocalCluster, job: str, t: int, e: int, tensors: int = 1) -> Iterato
         p.eng.close()
 
 
+def timed(c: LocalCluster, target: str, kind: str) -> tuple[dict[str, object], float, str]:
+    """`flood` of QUERIES messages, all sent: its outcome, seconds, and every daemon's CPU."""
+    cpu0, t0 = cpus(c), time.monotonic()
+    out = flood(c, target, QUERIES, kind)
+    cpu1, t1 = cpus(c), time.monotonic()
+    assert out["sent"] == QUERIES, out
+    return out, t1 - t0, spent(cpu0, cpu1)
+
+
 def cpus(c: LocalCluster) -> list[float]:
     return [cpu_s(int(fetch(d.socket)["pid"])) for d in c.daemons]
 
@@ -123,16 +132,13 @@ def test_a_status_query_flood_is_answered_at_a_bounded_rate_and_the_daemon_serve
 ) -> None:
     c = hosts
     with pair(c, "status-flood", 0, 1, TENSORS) as p:
-        cpu0, t0 = cpus(c), time.monotonic()
-        out = flood(c, "host0", QUERIES)
-        cpu1, t1 = cpus(c), time.monotonic()
+        out, seconds, cpu = timed(c, "host0", "status")
         print(
             f"\n{QUERIES} StatusQuery at the coordinator: {out['answers']} answered over "
-            f"{t1 - t0:.1f} s (sent in {out['send_s']} s); {spent(cpu0, cpu1)}"
+            f"{seconds:.1f} s (sent in {out['send_s']} s); {cpu}"
         )
-        assert out["sent"] == QUERIES, out
         answers = int(out["answers"])  # type: ignore[call-overload]
-        assert 1 <= answers <= 20 + 10 * (t1 - t0), out  # the bucket: burst + rate x time
+        assert 1 <= answers <= 20 + 10 * seconds, out  # the bucket: burst + rate x time
         p.publish()  # the daemon serves on
         whole = fetch(c.daemons[1].socket, cluster=True)["nodes"]
         assert all("error" not in whole[n] for n in ("host0", "host1", "host2")), whole
@@ -235,16 +241,13 @@ def test_a_flood_of_hellos_at_a_daemon_that_does_not_coordinate_is_answered_at_a
     trainer rank lands bitwise at host2, and its status answers."""
     c = hosts
     with pair(c, "hello-flood-member", 1, 2) as p:
-        cpu0, t0 = cpus(c), time.monotonic()
-        out = flood(c, "host1", QUERIES, kind="hello")
-        cpu1, t1 = cpus(c), time.monotonic()
-        print(
-            f"\n{QUERIES} hellos at a daemon that does not coordinate: {out['not_coordinator']} "
-            f"answered over {t1 - t0:.1f} s; {spent(cpu0, cpu1)}"
-        )
-        assert out["sent"] == QUERIES, out
+        out, seconds, cpu = timed(c, "host1", "hello")
         answers = int(out["not_coordinator"])  # type: ignore[call-overload]
-        assert 1 <= answers <= 5 + (t1 - t0) + 5, out  # the bucket: burst + rate x time
+        print(
+            f"\n{QUERIES} hellos at a daemon that does not coordinate: {answers} answered "
+            f"over {seconds:.1f} s; {cpu}"
+        )
+        assert 1 <= answers <= 5 + seconds + 5, out  # the bucket: burst + rate x time
         dropped = logged(c, 1, "hellos dropped")
         assert 1 <= len(dropped) <= 5 and dropped[0]["peer"] == "flooder", dropped
         p.publish()  # host1 serves on

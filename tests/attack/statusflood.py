@@ -27,7 +27,6 @@ from weightwire.protocol.peer import (
     Heartbeat,
     Member,
     Membership,
-    PeerError,
     PeerHello,
     PeerMessage,
     PeerWelcome,
@@ -36,6 +35,7 @@ from weightwire.protocol.peer import (
     StatusAnswer,
     StatusQuery,
 )
+from weightwire.protocol.peer import PeerError as Refused
 from weightwire.protocol.regions import RegionDescriptor
 from weightwire.protocol.tensors import SourceTensor
 
@@ -64,7 +64,7 @@ async def run(spec: dict[str, object]) -> dict[str, object]:
                 answers += 1
                 last = time.monotonic()
                 first = first or last
-            case PeerError(code="not_coordinator") if sender == target:
+            case Refused(code="not_coordinator") if sender == target:
                 not_coordinator += 1  # kind hello to a daemon that does not coordinate
             case PlanProblem(code=code, message=message):
                 problems[code] = problems.get(code, 0) + 1
