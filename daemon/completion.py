@@ -3,7 +3,8 @@
 An engine rank's version is complete when exactly the planned number of immediates
 has arrived in its slot, each one sent only after its bytes landed, and some source
 has announced the full version number (immediates carry only its low 16 bits). A
-version that fails is never completed; late immediates for it are ignored.
+version that fails is never completed; late immediates for it are ignored. How an
+outcome is told, and waiting for one: `completionwaits.py`.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from weightwire.protocol.errors import ErrorCode, WeightwireError, error_from_code
+from weightwire.protocol.errors import ErrorCode, error_from_code
 from weightwire.protocol.local import VersionComplete, VersionFailed
 from weightwire.protocol.peer import BucketLanded, LandedPart
 from weightwire.protocol.plan import Expect, version_low
 
+from . import completionwaits as waits
 from .lograte import Throttled
 from .metrics import Recorder
 from .versionlog import gbyte_s
@@ -245,18 +247,7 @@ class RankCompletion:
             gbyte_s=gbyte_s(self.expect.nbytes, seconds),
             sources=sorted(st.sources),
         )
-        if self.metrics is not None:
-            sources = dict.fromkeys(self.expect.sources, 0)
-            self.metrics.rank_version(
-                self.job,
-                "engine",
-                self.rank,
-                st.version,
-                self.expect.nbytes,
-                seconds,
-                sources,
-                None,
-            )
+        self._record(st.version, self.expect.nbytes, seconds, None)
         waiters = self.waiters.pop(st.version, [])
         version = st.version
 
@@ -280,6 +271,14 @@ class RankCompletion:
                     f"superseded by version {st.version}",
                     fence=(),
                 )
+
+    def _record(self, version: int, nbytes: int, seconds: float, code: str | None) -> None:
+        """The version's outcome in the metrics (if any)."""
+        if self.metrics is not None:
+            sources = dict.fromkeys(self.expect.sources, 0)
+            self.metrics.rank_version(
+                self.job, "engine", self.rank, version, nbytes, seconds, sources, code
+            )
 
     def fail(
         self, version: int, code: ErrorCode, message: str, *, fence: tuple[str, ...] | None = None
@@ -317,12 +316,8 @@ class RankCompletion:
             code=code.value,
             error=message,
         )
-        if self.metrics is not None:
-            sources = dict.fromkeys(self.expect.sources, 0)
-            seconds = time.monotonic() - st.started if st is not None else 0.0
-            self.metrics.rank_version(
-                self.job, "engine", self.rank, version, 0, seconds, sources, code.value
-            )
+        seconds = time.monotonic() - st.started if st is not None else 0.0
+        self._record(version, 0, seconds, code.value)
         waiters = self.waiters.pop(version, [])
 
         def settle() -> None:
@@ -343,29 +338,7 @@ class RankCompletion:
         *,
         tell: bool = True,
     ) -> None:
-        """Tell the engine's sessions (`tell`) and waiters, once the nodes in `fence` are
-        fenced and after any report of this rank still being made."""
-        before = self._reports
-        if (before is None or before.done()) and (not fence or self.fence is None):
-            if tell:
-                self.notify(self.job, self.rank, msg)
-            settle()
-            return
-
-        async def report() -> None:
-            if before is not None:
-                await asyncio.wait([before])
-            if fence and self.fence is not None:
-                reason = f"version {msg.version} failed at rank {self.rank}"
-                try:
-                    await self.fence(fence, reason)
-                except Exception as exc:  # the fence logs what it could not do; report anyway
-                    log.error("fence failed", rank=self.rank, version=msg.version, error=repr(exc))
-            if tell:
-                self.notify(self.job, self.rank, msg)
-            settle()
-
-        self._reports = asyncio.get_running_loop().create_task(report())
+        waits.report(self, msg, settle, fence, tell=tell)
 
     def fail_low(self, low: int, code: ErrorCode, message: str) -> None:
         st = self.current.get(low)
@@ -383,11 +356,7 @@ class RankCompletion:
 
     def end_waits(self, code: ErrorCode, message: str) -> None:
         """The rank's plan is gone: every wait for a version of it ends now, with why."""
-        waiters, self.waiters = self.waiters, {}
-        for futs in waiters.values():
-            for fut in futs:
-                if not fut.done():
-                    fut.set_exception(error_from_code(code.value, message))
+        waits.end_waits(self, code, message)
 
     def expire(self, timeout_s: float) -> None:
         now = time.monotonic()
@@ -398,44 +367,7 @@ class RankCompletion:
                 self.fail_low(st.low, ErrorCode.TIMEOUT, msg)
 
     async def wait(self, version: int, timeout_s: float) -> VersionComplete:
-        for done in self.completed:
-            if done.version == version:
-                return done
-        if version in self.failed:
-            f = self.failed[version]
-            raise error_from_code(f.code, f.message)
-        if version < self.last_complete:
-            raise WeightwireError(
-                f"version {version} was never completed here; {self.last_complete} was",
-                code=ErrorCode.ABORTED,
-            )
-        fut: asyncio.Future[VersionComplete] = asyncio.get_running_loop().create_future()
-        self.waiters.setdefault(version, []).append(fut)
-        try:
-            return await asyncio.wait_for(fut, timeout_s)
-        except TimeoutError:
-            st = next((s for s in self.current.values() if s.version == version), None)
-            got = f"{st.count} of {self.expect.count} writes" if st else "no writes"
-            raise error_from_code(
-                ErrorCode.TIMEOUT.value,
-                f"version {version} not complete after {timeout_s:.0f} s ({got})",
-            ) from None
+        return await waits.wait(self, version, timeout_s)
 
     def progress(self) -> dict[str, object]:
-        return {
-            "rank": self.rank,
-            "slot": self.expect.slot,
-            "expected_writes": self.expect.count,
-            "expected_bytes": self.expect.nbytes,
-            "sources": list(self.expect.sources),
-            "last_complete": self.last_complete,
-            "in_progress": [
-                {
-                    "version": st.version,
-                    "writes": st.count,
-                    "fraction": st.count / self.expect.count if self.expect.count else 1.0,
-                }
-                for st in self.current.values()
-            ],
-            "failed": sorted(self.failed)[-5:],
-        }
+        return waits.progress(self)
