@@ -11,8 +11,6 @@ import asyncio
 import contextlib
 import functools
 import os
-import socket
-import stat
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
@@ -51,6 +49,7 @@ from weightwire.protocol.local import (
 )
 
 from . import fdguard
+from .localsocket import bind, gone
 from .lograte import Throttled
 from .packgate import features as FEATURES
 from .pending import Pending
@@ -58,25 +57,6 @@ from .rankrequests import Identity, Requests
 from .sessions import Session, check_hello
 
 log = structlog.get_logger("weightwire.daemon.local")
-
-
-def _remove_stale_socket(path: str) -> None:
-    """Remove a socket file left by a dead daemon; refuse to steal a live one."""
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(mode):
-        raise WeightwireError(f"{path} exists and is not a socket", code=ErrorCode.INVALID)
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(path)
-    except (ConnectionRefusedError, FileNotFoundError):
-        os.unlink(path)
-        return
-    finally:
-        probe.close()
-    raise WeightwireError(f"another daemon is serving {path}", code=ErrorCode.DUPLICATE)
 
 
 class LocalServer:
@@ -110,25 +90,10 @@ class LocalServer:
         self._inbox_loop: asyncio.AbstractEventLoop | None = None  # drains it (serve)
 
     def bind(self, ctx: zmq.asyncio.Context) -> None:
-        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        sock = ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.codec.max_bytes * HARD_LIMIT_FACTOR)
-        sock.setsockopt(zmq.SNDHWM, 100000)
-        sock.setsockopt(zmq.BACKLOG, fdguard.BACKLOG)
-        _remove_stale_socket(self.path)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path + ".full")  # a paused name left by a daemon that died
-        old = os.umask(0o777 & ~self.mode)
-        try:
-            sock.bind(f"ipc://{self.path}")
-        finally:
-            os.umask(old)
-        os.chmod(self.path, self.mode)
-        self._sock = sock
+        self._sock = bind(ctx, self.path, self.mode, self.codec.max_bytes * HARD_LIMIT_FACTOR)
         # no new connection near the descriptor limit, where libzmq's accept would abort
         # the daemon; sessions already open go on (fdguard.py)
-        self._guard = fdguard.GuardThread(sock, self.path)
+        self._guard = fdguard.GuardThread(self._sock, self.path)
         try:
             self.inbox = Inbox(self.path + ".fds", self.mode)
         except OSError as exc:  # e.g. a path too long for a socket: VMM memory is refused
@@ -344,19 +309,8 @@ class LocalServer:
         )
 
     def _gone(self, identity: bytes) -> bool:
-        """Whether the connection of `identity` is closed (its process ended): ZeroMQ knows
-        at once, and says so to a send that must be routed (an empty frame, which a rank
-        that is still there ignores as undecodable)."""
         assert self._sock is not None
-        now: zmq.Socket[bytes] = zmq.Socket.shadow(self._sock.underlying)  # raises, no future
-        now.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        try:
-            now.send_multipart([identity, b""], flags=zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            return exc.errno == zmq.EHOSTUNREACH
-        finally:
-            now.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        return False
+        return gone(self._sock, identity)
 
     def expire(self, timeout_s: float) -> None:
         """Release sessions whose rank has been silent (no ping) for `timeout_s`."""
