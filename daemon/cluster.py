@@ -253,8 +253,10 @@ class Cluster:
             known[m.node] = m
             if old is None or old.incarnation != m.incarnation:
                 self._restarted.pop(m.node, None)
-            if m.node != self.node:
-                self._mesh.know(m.node, m.endpoint, _key(m.public_key))
+            # its own endpoint too: a trainer rank here announces its versions to the
+            # engine ranks here through the mesh (the coordinator learns its own from its
+            # own hello; without this, another daemon dropped them: no version completed)
+            self._mesh.know(m.node, m.endpoint, _key(m.public_key))
             if old is not None and old.incarnation != m.incarnation:
                 self.node_lost(m.node, f"{m.node} restarted")
                 self.node_back(m.node)

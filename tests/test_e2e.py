@@ -153,3 +153,26 @@ def test_trainer_ranks_never_wait_for_each_other(cluster: LocalCluster, procs: l
         assert bitwise(t, want[n])
     assert fast.finish() == 0 and slow.finish() == 0
     eng.close()
+
+
+def test_trainer_and_engine_behind_one_daemon_that_does_not_coordinate(
+    cluster: LocalCluster, procs: list[Proc]
+) -> None:
+    """A trainer rank process and an engine rank behind host1's daemon (not the
+    coordinator): each version completes, bitwise. The trainer's daemon announces a
+    version to the engines' daemons through the peer mesh, here to itself; it did not know
+    its own endpoint, dropped the announce, and every wait timed out (no writes)."""
+    job = "one-host"
+    eng, mine = engine_for(cluster, job)  # behind host1
+    sock = cluster.daemons[1].socket
+    trainer = Proc(cluster, 1, "--socket", sock, "--rank", "0", "--world", "1", "--job", job)
+    procs.append(trainer)
+    for version in (1, 2, 3):
+        trainer.publish(version)
+        trainer.wait_for("done", version=version)
+        assert eng.wait(version, timeout_s=30).version == version
+        want = expected_rows(version)
+        for n, t in mine.items():
+            assert bitwise(t, want[n]), f"{n} at version {version}"
+    assert trainer.finish() == 0
+    eng.close()
