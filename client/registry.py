@@ -137,7 +137,9 @@ class SourceRegistry:
         """What a publish reads: the registered tensors, module parameters and Megatron
         parameters given new storage since, and `tensors` in place of registered ones."""
         if self._module_params:
-            tensors = {**self._module_tensors(), **(tensors or {})}
+            moved = self._module_tensors()
+            if moved:
+                tensors = {**moved, **(tensors or {})}
         for source in self._megatron:  # parameters given new storage: read them there
             for name, t in source.moved().items():
                 reg = self.tensors[name]
@@ -153,13 +155,25 @@ class SourceRegistry:
         return self._current(tensors)
 
     def _module_tensors(self) -> dict[str, torch.Tensor]:
-        """The module parameters' local tensors that are no longer the ones registered (the
-        parameter was given new storage since)."""
+        """Module parameters given new storage since they were registered (offloaded and
+        reloaded, `param.data = ...`): each is read where it is now, and from now on as if
+        registered so, so this rank no longer holds the old storage (it used to, for ever:
+        a parameter offloaded to the CPU and back kept its first GPU storage alive beside
+        the new one). Zero-copy ones are returned instead, for `_current` to refuse."""
         out = {}
         for name, param in self._module_params.items():
-            local, reg = local_of(param), self.tensors[name].tensor
-            if local is not reg and (local.data_ptr(), local.shape) != (reg.data_ptr(), reg.shape):
+            reg = self.tensors[name]
+            local = local_of(param)
+            if local is reg.tensor or (local.data_ptr(), local.shape) == (
+                reg.tensor.data_ptr(),
+                reg.tensor.shape,
+            ):
+                continue
+            if reg.spec.region >= 0:
                 out[name] = local
+            else:
+                reg.tensor = local
+                self._snapshot = None
         return out
 
     def _current(self, tensors: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
