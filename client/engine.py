@@ -40,6 +40,7 @@ from .dtypes import name_of
 from .feeds import Recipe as Recipe  # also importable from here, as before
 from .feeds import Rows as Rows
 from .feeds import Source, pieces_of
+from .inputs import tensors_of, timeout_of, version_of
 from .rank import RankClient
 
 
@@ -138,6 +139,7 @@ class Engine(RankClient):
         the same name; `Rows` for a dim-0 slice; `Recipe` for explicit pieces; None (with a
         `layout`) leaves it to the coordinator's rules.
         """
+        tensors = tensors_of(tensors, "register")
         sources = sources or {}
         for name, t in tensors.items():
             if not t.is_contiguous():
@@ -326,7 +328,7 @@ class Engine(RankClient):
 
     def wait(self, version: int, timeout_s: float | None = None) -> VersionInfo:
         """Block until `version` has fully landed in this rank's tensors."""
-        t = timeout_s or self.timeout_s
+        version, t = version_of(version), timeout_of(timeout_s, self.timeout_s)
         reply = expect(
             self._conn.request(WaitVersion(version=version, timeout_s=t), t + 5), VersionComplete
         )

@@ -15,6 +15,7 @@ from weightwire.protocol.local import Hello, LocalMessage
 
 from .connection import DaemonConnection
 from .cuda import gpu_uuid
+from .inputs import index_of, timeout_of
 
 
 class RankClient:
@@ -31,6 +32,8 @@ class RankClient:
         replica: int = -1,
         replica_size: int = 0,
     ) -> None:
+        rank, world_size = index_of(rank, "rank"), index_of(world_size, "world_size")
+        timeout_s = timeout_of(timeout_s, timeout_s)
         self.rank, self.world_size, self.job, self.timeout_s = rank, world_size, job, timeout_s
         self._hello = Hello(
             protocol=PROTOCOL_VERSION,

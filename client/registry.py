@@ -17,7 +17,7 @@ from weightwire.protocol.local import DeclareSources, LocalMessage, LocalMsg
 from weightwire.protocol.tensors import SourceTensor
 
 from .dtypes import TORCH, name_of
-from .layouts import Full, Layout, Part, local_box
+from .layouts import Full, Layout, Part, Shard, local_box
 from .modules import ModuleShard, local_of
 from .sources import SourceRegions
 
@@ -68,6 +68,12 @@ class SourceRegistry:
         specs = []
         for name, t in tensors.items():
             lay = layout.get(name, Full()) if isinstance(layout, Mapping) else (layout or Full())
+            if not isinstance(lay, Full | Shard | Part):
+                raise RegistrationError(
+                    f"tensor {name}: layout {lay!r} is no Full(), Shard(dim, index, count) or "
+                    "Part(offsets, sizes)",
+                    code=ErrorCode.INVALID,
+                )
             shape = tuple((global_shapes or {}).get(name, tuple(t.shape)))
             box = local_box(lay, shape, tuple(t.shape))
             region, offset = self.regions.region_of(t, zero_copy)

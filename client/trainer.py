@@ -17,6 +17,7 @@ from .bucketpack import BucketPacking, gpu_regions_of
 from .delta.sender import DeltaSender, Mode
 from .direct import Direct
 from .gilswitch import fast_switching
+from .inputs import tensors_of, timeout_of, version_of
 from .layouts import Layout
 from .modules import Rename, module_shards
 from .pack import Packer
@@ -160,7 +161,9 @@ class Trainer(RankClient):
         and unchanged while a publish runs; publish them as registered (no replacements).
         Tensors from `Trainer.allocate` are always zero-copy.
         """
-        self._sources.register(tensors, layout, global_shapes, zero_copy=zero_copy)
+        self._sources.register(
+            tensors_of(tensors, "register"), layout, global_shapes, zero_copy=zero_copy
+        )
         self._start.forget_plan()
 
     def register_module(
@@ -207,7 +210,7 @@ class Trainer(RankClient):
 
     def plan(self, timeout_s: float | None = None) -> RankPlan:
         """This rank's plan (waits until every rank of the job has registered)."""
-        return self._start.plan(timeout_s or self.timeout_s)
+        return self._start.plan(timeout_of(timeout_s, self.timeout_s))
 
     def prepare(self, timeout_s: float | None = None) -> RankPlan:
         """Fetch the plan and register the staging region now, not in the first publish.
@@ -262,6 +265,9 @@ class Trainer(RankClient):
         # the BeginVersion round trip hops between this thread and the connection's loop
         # thread, each hop waiting up to a switch interval (5 ms by default) behind any
         # other Python-busy thread of the rank's process. Restored on every path.
+        version = version_of(version)
+        if tensors is not None:
+            tensors = tensors_of(tensors, f"publish({version})")
         with fast_switching(self._device().type == "cuda"):
             return self._publish(version, tensors)
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import msgspec
+import numpy as np
 import pytest
 import torch
 import zmq
@@ -295,6 +297,58 @@ def test_small_bad_inputs_are_invalid_not_internal(cluster: LocalCluster) -> Non
         assert reply.code == "invalid" and "2^48" in reply.message, reply
     assert fetch(sock)["node"] == "host0"
     healthy_sync(cluster, "after-small-bad-inputs")
+
+
+def test_wrong_typed_arguments_to_the_rank_calls_are_typed_errors(cluster: LocalCluster) -> None:
+    """What a trainer script may hand the public calls by mistake: a list for a mapping, a
+    numpy array or a sparse tensor for a tensor, a layout that is none, a float version, one
+    too large for the protocol, a timeout of 0 or inf. Each is a typed error naming it, at
+    once; these used to be AttributeErrors, msgspec's TypeError or OverflowError, a sparse
+    tensor refused only by the first publish (an untyped RuntimeError), and `wait(v,
+    timeout_s=0)` waited the whole default timeout. Integer scalars of numpy and torch are
+    versions like any int, and the pair still syncs bitwise."""
+    job = "wrong-types"
+    tr = Trainer(np.int64(0), np.int64(1), socket=cluster.daemons[0].socket, job=job, timeout_s=10)
+    eng = Engine(0, 1, socket=cluster.daemons[1].socket, job=job, timeout_s=10)
+    try:
+        registrations: list[tuple[Callable[[], object], str]] = [
+            (lambda: tr.register([("w", W)]), "got a list"),  # type: ignore[arg-type]
+            (lambda: tr.register({"w": W.numpy()}), "w is a numpy.ndarray"),  # type: ignore[dict-item]
+            (lambda: tr.register({"w": W.to_sparse()}), "w is a torch.sparse_coo"),
+            (lambda: tr.register({"w": W}, layout="rows"), "layout 'rows'"),  # type: ignore[arg-type]
+            (lambda: eng.register([("w", W)]), "got a list"),  # type: ignore[arg-type]
+            (lambda: eng.register({"w": W.numpy()}), "w is a numpy.ndarray"),  # type: ignore[dict-item]
+            (lambda: Engine(0.0, 1, socket=cluster.daemons[1].socket, job=job), "rank 0.0"),  # type: ignore[arg-type]
+            (lambda: Trainer(0, 1, socket=cluster.daemons[0].socket, timeout_s=-1), "timeout_s"),
+        ]
+        for call, named in registrations:
+            with pytest.raises(RegistrationError) as err:
+                call()
+            assert err.value.code is ErrorCode.INVALID and named in err.value.message, err.value
+        dst = torch.zeros(8, 8)
+        tr.register({"w": W.clone()})
+        eng.register({"w": dst})
+        for version in (2.0, "2", True, 1 << 64, -1):
+            with pytest.raises(VersionError) as verr:
+                tr.publish(version)  # type: ignore[arg-type]
+            assert verr.value.code is ErrorCode.INVALID and repr(version) in str(verr.value)
+        with pytest.raises(RegistrationError) as perr:
+            tr.publish(1, tensors={"w": W.numpy()})  # type: ignore[dict-item]
+        assert "w is a numpy.ndarray" in perr.value.message
+        for timeout in (0, float("inf"), "1"):
+            t0 = time.monotonic()
+            with pytest.raises(RegistrationError) as terr:
+                eng.wait(1, timeout_s=timeout)  # type: ignore[arg-type]
+            assert "timeout_s" in terr.value.message and time.monotonic() - t0 < 2
+        tr.publish(np.int64(1))  # type: ignore[arg-type]
+        eng.wait(np.int64(1))  # type: ignore[arg-type]
+        assert torch.equal(dst, W)
+        tr.publish(torch.tensor(2), tensors={"w": W * 2})  # type: ignore[arg-type]
+        eng.wait(2)
+        assert torch.equal(dst, W * 2)
+    finally:
+        tr.close()
+        eng.close()
 
 
 def test_a_flood_of_waits_is_refused_past_a_cap_and_ends_with_its_session(
