@@ -237,7 +237,10 @@ class DaemonConnection:
                     print(f"weightwire: recovering the session failed: {exc!r}", file=sys.stderr)
                 continue
             if self._on_notify is not None:
-                self._on_notify(msg)
+                try:
+                    self._on_notify(msg)
+                except Exception as exc:  # this thread delivers every later notification
+                    print(f"weightwire: a notification failed: {exc!r}", file=sys.stderr)
 
     def _start(self, msg: LocalMsg, timeout_s: float) -> tuple[int, Future[LocalMessage]]:
         """Send a request from the calling thread; its reply comes to the future."""

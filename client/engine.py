@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import msgspec
+import structlog
 import torch
 
 from weightwire.memory.hostmem import SharedFile, create_shared
@@ -42,6 +43,8 @@ from .feeds import Rows as Rows
 from .feeds import Source, pieces_of
 from .inputs import tensors_of, timeout_of, version_of
 from .rank import RankClient
+
+log = structlog.get_logger("weightwire.client.engine")
 
 
 @dataclass(frozen=True)
@@ -335,7 +338,8 @@ class Engine(RankClient):
         return VersionInfo(reply.version, reply.nbytes, reply.seconds)
 
     def on_version(self, callback: Callable[[VersionInfo | Exception], None]) -> None:
-        """Call `callback` (on a weightwire thread) for every version that lands or fails."""
+        """Call `callback` (on a weightwire thread) for every version that lands or fails.
+        One that raises is logged, and the thread goes on: it also applies delta versions."""
         self._callbacks.append(callback)
 
     @property
@@ -372,7 +376,12 @@ class Engine(RankClient):
             case _:
                 return
         for cb in self._callbacks:
-            cb(event)
+            try:
+                cb(event)
+            except Exception:  # the caller's bug: the other callbacks, and later events, go on
+                log.exception(
+                    "an on_version callback failed", callback=repr(cb), outcome=repr(event)
+                )
 
     def _replay(self) -> None:
         """The daemon restarted: register the same memory again, on a fresh session."""

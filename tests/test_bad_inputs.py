@@ -351,6 +351,43 @@ def test_wrong_typed_arguments_to_the_rank_calls_are_typed_errors(cluster: Local
         eng.close()
 
 
+def test_an_on_version_callback_that_raises_stops_nothing(cluster: LocalCluster) -> None:
+    """A callback of the caller's that raises is logged; the other callbacks get every
+    event, `latest` moves on, and a delta engine still applies and answers every version.
+    It used to end the thread that delivers notifications: no later callback ran, and the
+    delta engine never answered the next version, which timed out at the trainer with every
+    byte landed ("did not land within")."""
+    job = "raising-callback"
+    tr = Trainer(0, 1, socket=cluster.daemons[0].socket, job=job, timeout_s=10)
+    eng = Engine(0, 1, socket=cluster.daemons[1].socket, job=job, timeout_s=10, delta_area=0.5)
+    seen: list[int] = []
+
+    def broken(event: object) -> None:
+        raise RuntimeError("a bug in the caller's callback")
+
+    def record(event: object) -> None:
+        assert not isinstance(event, Exception), event
+        seen.append(event.version)  # type: ignore[attr-defined]
+
+    try:
+        dst = torch.zeros(8, 8)
+        tr.register({"w": W.clone()})
+        eng.register({"w": dst})
+        eng.on_version(broken)
+        eng.on_version(record)
+        for version in (1, 2, 3):
+            tr.publish(version, tensors={"w": W * version})
+            eng.wait(version)
+            assert torch.equal(dst, W * version)
+        deadline = time.monotonic() + 10
+        while seen != [1, 2, 3] and time.monotonic() < deadline:
+            time.sleep(0.01)  # the notices come on their own thread
+        assert seen == [1, 2, 3] and eng.latest is not None and eng.latest.version == 3
+    finally:
+        tr.close()
+        eng.close()
+
+
 def test_a_flood_of_waits_is_refused_past_a_cap_and_ends_with_its_session(
     cluster: LocalCluster,
 ) -> None:
