@@ -2,26 +2,19 @@
 
 from __future__ import annotations
 
-import threading
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import msgspec
-import structlog
 import torch
 
 from weightwire.memory.hostmem import SharedFile, create_shared
 from weightwire.protocol.errors import (
-    ErrorCode,
     PeerLostError,
     RegistrationError,
-    error_from_code,
 )
 from weightwire.protocol.local import (
-    Applied,
-    ApplyBucket,
-    ApplyVersion,
     CudaRegion,
     DeclareDestinations,
     EngineLayout,
@@ -30,7 +23,6 @@ from weightwire.protocol.local import (
     RegisterRegion,
     RemapRegion,
     VersionComplete,
-    VersionFailed,
     WaitVersion,
 )
 from weightwire.protocol.tensors import DestTensor
@@ -41,10 +33,10 @@ from .dtypes import name_of
 from .feeds import Recipe as Recipe  # also importable from here, as before
 from .feeds import Rows as Rows
 from .feeds import Source, pieces_of
-from .inputs import tensors_of, timeout_of, version_of
+from .inputs import index_of, tensors_of, timeout_of, version_of
+from .notices import VersionInfo as VersionInfo  # importable from here, as before
+from .notices import VersionNotices
 from .rank import RankClient
-
-log = structlog.get_logger("weightwire.client.engine")
 
 
 @dataclass(frozen=True)
@@ -65,13 +57,6 @@ def _what(members: list[tuple[str, torch.Tensor]]) -> str:
     names = [n for n, _ in members]
     shown = ", ".join(names[:3]) + (f" (and {len(names) - 3} more)" if len(names) > 3 else "")
     return f"parameter{'s' if len(names) > 1 else ''} {shown}"
-
-
-@dataclass(frozen=True)
-class VersionInfo:
-    version: int
-    nbytes: int
-    seconds: float
 
 
 class Engine(RankClient):
@@ -105,9 +90,9 @@ class Engine(RankClient):
         self._delta_fraction = delta_area
         self._delta: DeltaReceiver | None = None
         self._delta_request: RegisterRegion | None = None
-        self._callbacks: list[Callable[[VersionInfo | Exception], None]] = []
-        self._latest: VersionInfo | None = None
-        self._cond = threading.Condition()
+        # before the session: notices may come as soon as it exists
+        rank = index_of(rank, "rank")
+        self._notices = VersionNotices(rank, lambda: self._delta, lambda m: self._conn.send(m))
         super().__init__(
             "engine",
             rank,
@@ -340,48 +325,14 @@ class Engine(RankClient):
     def on_version(self, callback: Callable[[VersionInfo | Exception], None]) -> None:
         """Call `callback` (on a weightwire thread) for every version that lands or fails.
         One that raises is logged, and the thread goes on: it also applies delta versions."""
-        self._callbacks.append(callback)
+        self._notices.callbacks.append(callback)
 
     @property
     def latest(self) -> VersionInfo | None:
-        return self._latest
+        return self._notices.latest
 
     def _on_notify(self, msg: LocalMessage) -> None:
-        event: VersionInfo | Exception
-        match msg:
-            case VersionComplete(rank=rank) if rank == self.rank:
-                event = VersionInfo(msg.version, msg.nbytes, msg.seconds)
-                with self._cond:
-                    self._latest = event
-                    self._cond.notify_all()
-            case VersionFailed(rank=rank) if rank == self.rank:
-                event = error_from_code(msg.code, f"version {msg.version}: {msg.message}")
-            case ApplyBucket(rank=rank) if rank == self.rank:
-                if self._delta is not None and msg.region == self._delta.region:
-                    self._delta.apply_bucket(msg)  # no reply: ApplyVersion settles it
-                return
-            case ApplyVersion(rank=rank) if rank == self.rank:
-                if self._delta is None or msg.region != self._delta.region:
-                    reply = Applied(
-                        rank=self.rank,
-                        version=msg.version,
-                        ok=False,
-                        code=ErrorCode.INVALID.value,
-                        message=f"engine rank {self.rank} has no delta area {msg.region}",
-                    )
-                else:
-                    reply = self._delta.apply(msg)
-                self._conn.send(reply)
-                return
-            case _:
-                return
-        for cb in self._callbacks:
-            try:
-                cb(event)
-            except Exception:  # the caller's bug: the other callbacks, and later events, go on
-                log.exception(
-                    "an on_version callback failed", callback=repr(cb), outcome=repr(event)
-                )
+        self._notices.notify(msg)
 
     def _replay(self) -> None:
         """The daemon restarted: register the same memory again, on a fresh session."""
