@@ -22,8 +22,6 @@ from weightwire.protocol.local import (
 
 from .delta.receiver import DeltaReceiver
 
-log = structlog.get_logger("weightwire.client.engine")
-
 
 @dataclass(frozen=True)
 class VersionInfo:
@@ -33,6 +31,7 @@ class VersionInfo:
 
 
 Callback = Callable[[VersionInfo | Exception], None]
+log = structlog.get_logger("weightwire.client.engine")
 
 
 class VersionNotices:
