@@ -13,7 +13,8 @@ from weightwire.protocol.errors import PeerLostError, TimeoutError_, error_from_
 from weightwire.protocol.local import AbortVersion, LocalMessage, PublishResult, TrailersReady
 from weightwire.protocol.plan import RankPlan, StagingRing
 
-from .bucketpack import BucketPacking, gpu_regions_of
+from .bucketloop import pack_buckets
+from .bucketpack import BucketPacking
 from .delta.sender import DeltaSender, Mode
 from .direct import Direct
 from .gilswitch import fast_switching
@@ -26,7 +27,7 @@ from .posting import Poster, PublishStats
 from .rank import RankClient
 from .rankstaging import RankStaging
 from .registry import SourceRegistry
-from .ring import SlotOps, slot_wait
+from .ring import SlotOps
 from .slotreuse import SlotReuse, VersionSlots
 from .slotwait import SlotWaits
 from .sources import SourceRegions
@@ -284,9 +285,8 @@ class Trainer(RankClient):
             raise
         self._pending.begun(version)
         plan, staging, device, out = begun.plan, begun.staging, begun.device, begun.out
-        ring, counters, gate = begun.ring, begun.counters, begun.gate
+        counters = begun.counters
         poster = Poster(self._conn, version)
-        pack_s = 0.0
         what = f"version {version} of trainer rank {self.rank}"
         slots = VersionSlots(
             self._reuse, begun, poster, landed, self._events_on, self.timeout_s, what
@@ -303,37 +303,8 @@ class Trainer(RankClient):
             # stream, while the daemon's copies of one wait on the GPU for the other's packs).
             with torch.cuda.stream(pack_stream):
                 try:
-                    in_place: set[int] = set()  # buckets of this version packed in place
-                    gpu_regions = gpu_regions_of(plan)  # once per version, not per bucket
-                    for bucket in plan.buckets:
-                        direct = (
-                            self._direct.targets(plan, bucket, device) if self._direct else None
-                        )
-                        reuse = -1 if direct else slot_wait(ring, bucket.index, in_place)
-                        if gate is not None and landed.ended:
-                            break  # the version failed: its result says why
-                        if reuse >= 0 and not slots.free(bucket.index, reuse):
-                            break  # the version failed: its result says why
-                        p0 = time.perf_counter()
-                        started = time.time()
-                        if direct:  # colocated: packing is the transfer
-                            in_place.add(bucket.index)
-                        delta = self._packing.pack(
-                            plan, ring, bucket, direct, current, staging, out, gpu_regions
-                        )
-                        if gate is not None:  # the daemon's copies wait for this on the GPU
-                            self._slots.packed(gate, bucket.index)
-                        self._post_bucket(
-                            poster,
-                            bucket.index,
-                            device,
-                            started,
-                            delta,
-                            in_place=bool(direct),
-                            queued=gate is not None,
-                        )
-                        pack_s += time.perf_counter() - p0
-                    else:
+                    pack_s, posted = pack_buckets(self, begun, current, slots, landed, poster)
+                    if posted:
                         ended = False
                         if counters is None:
                             poster.finish()
