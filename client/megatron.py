@@ -355,6 +355,14 @@ class MegatronSource:
         chunks = list(self.model) if isinstance(self.model, Sequence) else [self.model]
         return [t.data_ptr() for c in chunks for _, t in _tensors(_unwrap(c))]
 
+    def release(self, keep: set[str]) -> None:
+        """Hold none of the parameters' storage (but the pieces named in `keep`): the next
+        `moved` finds every other piece where it is then."""
+        for p in self.pieces:
+            if p.name not in keep:
+                p.local = torch.empty(0, dtype=p.local.dtype, device=p.local.device)
+        self._where = []
+
     def moved(self) -> dict[str, torch.Tensor]:
         """{HF name: its view now} for every piece whose parameter has new storage since
         registration (or the last call that found some); empty when none moved."""

@@ -49,6 +49,12 @@ class Packer:
         with self._lock:
             self._cache.clear()
 
+    def forget(self) -> None:
+        """Drop every bucket made (and its views of the tensors it packed from): the next
+        pack of each bucket makes it again."""
+        self.clear()
+        self._buckets.clear()
+
     def pack_bucket(
         self, ops: tuple[PackOp, ...], tensors: dict[str, torch.Tensor], staging: torch.Tensor
     ) -> None:

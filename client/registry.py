@@ -160,6 +160,19 @@ class SourceRegistry:
                 self._snapshot = None
         return self._current(tensors)
 
+    def release(self) -> None:
+        """Hold no reference to the storage of module and Megatron parameters (see
+        `Trainer.release_parameters`); zero-copy ones stay, their memory is registered."""
+        kept = {n for n, r in self.tensors.items() if r.spec.region >= 0}
+        for source in self._megatron:
+            source.release(kept)
+        names = [p.name for s in self._megatron for p in s.pieces] + list(self._module_params)
+        for name in names:
+            reg = self.tensors[name]
+            if name not in kept:
+                reg.tensor = torch.empty(0, dtype=reg.tensor.dtype, device=reg.tensor.device)
+        self._snapshot, self._ptrs = None, []
+
     def _module_tensors(self) -> dict[str, torch.Tensor]:
         """Module parameters given new storage since they were registered (offloaded and
         reloaded, `param.data = ...`): each is read where it is now, and from now on as if

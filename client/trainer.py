@@ -207,6 +207,15 @@ class Trainer(RankClient):
         self._start.forget_plan()
         return boxes
 
+    def release_parameters(self) -> None:
+        """Before parameters registered with `register_module` or `register_megatron` move
+        (offloaded to the CPU between versions, as verl's `model.to("cpu")`): this rank
+        drops every reference it holds to their storage, so moving them frees it. Without
+        this call the storage of the last publish stays allocated until the next one. The
+        next publish reads them where they are then, and packs as a first version does."""
+        self._sources.release()
+        self._packer.forget()
+
     # --- publishing ----------------------------------------------------------
 
     def plan(self, timeout_s: float | None = None) -> RankPlan:

@@ -188,9 +188,22 @@ def test_parameters_given_new_storage_between_versions(cluster: LocalCluster) ->
             with pytest.raises(RegistrationError) as e2:
                 tr.publish(4)
             assert e2.value.code is ErrorCode.DTYPE_MISMATCH and "tensor w" in e2.value.message
-            m.w.data = torch.arange(12.0).reshape(3, 4) * 7
+            fifth = np.arange(12, dtype=np.float32).reshape(3, 4) * 7
+            m.w.data = torch.from_numpy(fifth)
+            gone = weakref.ref(fifth)
+            del fifth
             tr.publish(5)
             eng.wait(5)
             assert torch.equal(dst["w"], m.w.detach())
+            tr.release_parameters()  # before an offload: the rank holds none of their storage
+            m.w.data = m.w.detach() * 2  # offloaded (and back): the old storage is freed now
+            gc.collect()
+            assert gone() is None, "release_parameters kept the parameter's storage"
+            with torch.no_grad():
+                m.b.mul_(3)  # in place, not moved: still read where it is
+            for version in (6, 7):
+                tr.publish(version)
+                eng.wait(version)
+                assert torch.equal(dst["w"], m.w.detach()) and torch.equal(dst["b"], m.b.detach())
         finally:
             eng.close()

@@ -5,12 +5,15 @@ workers (engine replicas), every received tensor checked bitwise."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import re
 import warnings
+import weakref
 from collections.abc import AsyncGenerator, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -130,13 +133,13 @@ def build_process_group(actors: list[Any], rollouts: list[Any]) -> None:
             e.init_process_group(**{k: v[i] for k, v in kw.items()})
 
 
-def backends(c: LocalCluster, job: str) -> tuple[list[Any], list[Any]]:
+def backends(c: LocalCluster, job: str, **more: Any) -> tuple[list[Any], list[Any]]:
     """Actor and rollout engines made the way verl makes them (`new_engine`: the README's
     config, verl's registry), their first process group, and the rollout workers'
     receive buffers."""
     cls = ce.CheckpointEngineRegistry.get("weightwire")
     assert issubclass(cls, ce.CheckpointEngine)
-    opts = {"job": job, "timeout_s": 60, "destinations": "buffers"}
+    opts = {"job": job, "timeout_s": 60, "destinations": "buffers", **more}
     actors = [new_engine(socket=c.daemons[0].socket, **opts) for _ in range(ACTORS)]
     rollouts = [new_engine(socket=c.daemons[1].socket, **opts) for _ in range(ROLLOUTS)]
     build_process_group(actors, rollouts)
@@ -185,7 +188,9 @@ def test_stream_of_named_tensors(cluster: LocalCluster) -> None:
 
 def test_module_shards_without_the_stream(cluster: LocalCluster) -> None:
     """use_module: the actor ranks publish the module's own parameters; the stream (verl's
-    gathers) is never iterated."""
+    gathers) is never iterated. With `release_parameters`, a parameter offloaded after a
+    send (`param.data = ...`, as verl's `model.to("cpu")`) frees its old storage at once,
+    and the next send reads it where it is."""
     from weightwire.adapters.verl import use_module
 
     job = "verl-module"
@@ -193,12 +198,17 @@ def test_module_shards_without_the_stream(cluster: LocalCluster) -> None:
     for name, t in model(1).items():
         module.register_parameter(name.replace(".", "__"), torch.nn.Parameter(t.clone()))
     use_module(module, rename=lambda n: n.replace("__", "."), job=job)
+    held = next(iter(module.parameters()))
+    first = np.zeros(held.numel() * held.element_size(), dtype=np.uint8)  # its end is seen
+    held.data = torch.from_numpy(first).view(held.dtype).view(held.shape)
+    gone = weakref.ref(first)
+    del first
 
     def stream() -> Iterator[tuple[str, torch.Tensor]]:
         raise AssertionError("module mode iterated verl's stream")
         yield  # pragma: no cover
 
-    actors, rollouts = backends(cluster, job)
+    actors, rollouts = backends(cluster, job, release_parameters=True)
     for version in (1, 2):
         want = model(version)
         with torch.no_grad():
@@ -207,6 +217,9 @@ def test_module_shards_without_the_stream(cluster: LocalCluster) -> None:
         out = asyncio.run(step(actors, rollouts, version, stream))
         for received in out[ACTORS:]:
             check(received, want)
+        held.data = held.detach().clone()  # offloaded and back
+        gc.collect()
+        assert gone() is None, "the actor holds the storage of an offloaded parameter"
     for e in actors + rollouts:
         e.close()
 

@@ -55,8 +55,10 @@ def use_module(module: torch.nn.Module, rename: Rename | None = None, *, job: st
 class WeightwireCheckpointEngine(CheckpointEngine):
     """verl's `engine_kwargs.weightwire` are this constructor's keyword arguments:
     `socket` (the local weightwired's; default WEIGHTWIRE_SOCKET or its default path),
-    `job` ("verl"), `timeout_s`, `staging_buckets` (trainer ring slots) and `destinations`
-    ("buffers" or "in_place")."""
+    `job` ("verl"), `timeout_s`, `staging_buckets` (trainer ring slots), `destinations`
+    ("buffers" or "in_place") and `release_parameters` (module mode: after each send the
+    rank holds none of the module's parameter storage, so that verl's param offload frees
+    it; `Trainer.release_parameters`)."""
 
     def __init__(
         self,
@@ -67,6 +69,7 @@ class WeightwireCheckpointEngine(CheckpointEngine):
         timeout_s: float = 300.0,
         staging_buckets: int = 4,
         destinations: str = "buffers",
+        release_parameters: bool = False,
     ) -> None:
         if destinations not in ("buffers", "in_place"):
             raise ValueError(f"destinations={destinations!r}: expected buffers or in_place")
@@ -74,6 +77,7 @@ class WeightwireCheckpointEngine(CheckpointEngine):
         self.socket = socket or os.environ.get("WEIGHTWIRE_SOCKET") or None
         self.job, self.timeout_s = job, timeout_s
         self.staging_buckets, self.destinations = staging_buckets, destinations
+        self.release_parameters = release_parameters
         self.role = ""
         self.rank, self.world_size = 0, 1
         self.trainer: Trainer | None = None
@@ -159,6 +163,8 @@ class WeightwireCheckpointEngine(CheckpointEngine):
         if self.job not in _MODULES:
             await self._keep_share(weights)
         stats = await asyncio.to_thread(tr.publish, version)
+        if self.release_parameters and self.job in _MODULES:  # before verl offloads them
+            tr.release_parameters()
         return {
             "weightwire/seconds": stats.seconds,
             "weightwire/bytes": float(stats.nbytes),

@@ -229,6 +229,8 @@ def main() -> None:
     def publish(msg: dict[str, Any]) -> None:
         assert model is not None
         v = msg["version"]
+        if msg.get("move") and ranked.tr is not None:  # as before an offload: hold nothing
+            ranked.tr.release_parameters()
         step(model, v, bool(msg.get("move")), bool(msg.get("sparse")))
         own = {n: p.detach().clone() for n, p in tensors(model).items()}
         torch.save(
