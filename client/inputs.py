@@ -37,6 +37,8 @@ def tensors_of(tensors: Any, what: str) -> Mapping[str, torch.Tensor]:
                 f"{what}: {name} is a {type(t).__module__}.{type(t).__name__}, not a torch.Tensor",
                 code=ErrorCode.INVALID,
             )
+        if (why := storageless(t)) is not None:
+            raise RegistrationError(f"{what}: {name} {why}", code=ErrorCode.INVALID)
         if t.layout is not torch.strided:
             raise RegistrationError(
                 f"{what}: {name} is a {t.layout} tensor: only dense (strided) tensors are "
@@ -94,3 +96,27 @@ def index_of(value: Any, what: str) -> int:
         raise RegistrationError(
             f"{what} {value!r} is a {type(value).__name__}, not an int", code=ErrorCode.INVALID
         ) from None
+
+
+def storageless(t: torch.Tensor) -> str | None:
+    """Why `t` cannot be read as raw bytes, or None: a tensor subclass with no storage of
+    its own (a DTensor, a float8 training wrapper, ...), whose values the packing kernels,
+    which read memory by address, would not see. Plain tensors pass, empty ones too."""
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter or not t.numel():
+        return None
+    try:
+        ptr = t.data_ptr()
+    except RuntimeError:
+        ptr = 0
+    if ptr:
+        return None
+    kind = type(t).__name__
+    if kind == "DTensor":
+        return (
+            "is a DTensor (its shape is the global one, its bytes are elsewhere): register "
+            "the module with register_module, or its to_local() with a layout"
+        )
+    return (
+        f"is a {kind}, a tensor subclass with no storage of its own: weightwire reads tensors "
+        "as bytes; register the plain tensor it stands for"
+    )

@@ -45,6 +45,8 @@ import torch
 from weightwire.protocol.errors import ErrorCode, RegistrationError
 from weightwire.protocol.tensors import Box
 
+from .inputs import storageless
+
 MERGED_ROWS = "a local tensor with one dimension more than its box: dims 0 and 1 are its rows"
 
 Skip = Callable[[str], bool]
@@ -303,6 +305,9 @@ def megatron_pieces(
         for raw, local in _tensors(gpt):
             name = raw.removeprefix("module.")
             if skip is not None and skip(name):
+                continue
+            if (why := storageless(local)) is not None:
+                problems.append(f"parameter {raw} {why}")
                 continue
             try:
                 m = _LAYER.fullmatch(name)

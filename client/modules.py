@@ -32,6 +32,8 @@ import torch
 from weightwire.protocol.errors import ErrorCode, RegistrationError
 from weightwire.protocol.tensors import Box
 
+from .inputs import storageless
+
 Rename = Callable[[str], str | None]
 """Parameter name (torch's wrapper parts already removed) -> HF name, or None: leave it out."""
 
@@ -164,6 +166,9 @@ def module_shards(module: torch.nn.Module, rename: Rename | None = None) -> list
         names[name] = pname
         shape = tuple(int(n) for n in p.shape)
         if not isinstance(p, DTensor):
+            if (why := storageless(local_of(p))) is not None:
+                problems.append(f"parameter {pname} {why}")
+                continue
             out.append(ModuleShard(name, p, local_of(p), shape, Box.full(shape)))
             continue
         mesh, placements = p.device_mesh, tuple(p.placements)
@@ -177,6 +182,9 @@ def module_shards(module: torch.nn.Module, rename: Rename | None = None) -> list
             problems.append(f"parameter {pname} ({desc}): {exc}")
             continue
         local = local_of(p)
+        if (why := storageless(local)) is not None:
+            problems.append(f"parameter {pname} ({desc}): its local tensor {why}")
+            continue
         if tuple(local.shape) != tuple(box.sizes):
             problems.append(
                 f"parameter {pname} ({desc}): its local tensor is {list(local.shape)}, but "

@@ -100,3 +100,41 @@ def test_a_partial_parameter_is_refused_and_nothing_is_sent(
         eng.wait(1)
         assert torch.equal(dst, good)
     eng.close()
+
+
+def test_tensors_whose_bytes_are_not_their_values_are_refused(
+    cluster: LocalCluster, one_rank_group: None
+) -> None:
+    """A DTensor given to `register` (its shape is the global one, its bytes are elsewhere)
+    and a tensor subclass with no storage of its own (as float8 training wrappers are), as
+    a tensor, a module parameter or an engine tensor: a typed error naming it, nothing
+    declared. They used to be registered (address 0): on the CPU torch's copies packed what
+    the subclass made of them (TwoTensor: its second tensor), and on a GPU the packing
+    kernels, which read memory by address, would have read from address 0."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    good = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    two = TwoTensor(good.clone(), good * 2)
+    model = torch.nn.Module()
+    model.two = torch.nn.Parameter(TwoTensor(good.clone(), good * 2), requires_grad=False)
+    job = "storageless"
+    eng = Engine(0, 1, socket=cluster.daemons[1].socket, job=job, timeout_s=30)
+    with Trainer(0, 1, socket=cluster.daemons[0].socket, job=job, timeout_s=30) as tr:
+        for call, named in (
+            (lambda: tr.register({"w": DTensor.from_local(good, mesh, [Shard(0)])}), "DTensor"),
+            (lambda: tr.register({"w": two}), "w is a TwoTensor"),
+            (lambda: tr.register_module(model), "parameter two is a TwoTensor"),
+            (lambda: eng.register({"w": two}), "w is a TwoTensor"),
+        ):
+            with pytest.raises(RegistrationError) as err:
+                call()
+            assert err.value.code == ErrorCode.INVALID and named in err.value.message
+        dst = torch.zeros(3, 4)
+        eng.register({"w": dst})
+        tr.register({"w": good})  # nothing was declared before: no duplicate
+        tr.publish(1)
+        eng.wait(1)
+        assert torch.equal(dst, good)
+    eng.close()
