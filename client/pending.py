@@ -16,7 +16,7 @@ class PendingVersions:
         self._results: dict[int, Future[PublishResult]] = {}
         self._landed: dict[int, Landed] = {}
         self._begun: set[int] = set()  # versions the daemon accepted (BeginVersion replied)
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()  # notified as versions close
 
     def open(self, version: int) -> tuple[Future[PublishResult], Landed]:
         """Before BeginVersion: its result may come back before the reply is read (a
@@ -38,6 +38,12 @@ class PendingVersions:
             self._results.pop(version, None)
             self._landed.pop(version, None)
             self._begun.discard(version)
+            self._lock.notify_all()
+
+    def idle(self, timeout_s: float) -> bool:
+        """Wait until no version is in flight (a publish of another thread has ended)."""
+        with self._lock:
+            return self._lock.wait_for(lambda: not self._results, timeout_s)
 
     def notify(self, msg: LocalMessage) -> None:
         if isinstance(msg, BucketsLanded):

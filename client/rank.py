@@ -10,7 +10,7 @@ import os
 from typing import Literal, Self
 
 from weightwire.protocol import PROTOCOL_VERSION
-from weightwire.protocol.errors import PeerLostError
+from weightwire.protocol.errors import ErrorCode, PeerLostError, WeightwireError
 from weightwire.protocol.local import Hello, LocalMessage
 
 from .connection import DaemonConnection
@@ -80,6 +80,12 @@ class RankClient:
         self._conn.fail_pending(exc)
 
     def close(self) -> None:
+        """Calls of other threads still waiting on the daemon (a publish, a wait) fail at
+        once, typed; they used to wait out their whole timeout. Then the session ends."""
+        role = self._hello.role
+        self._fail_pending(
+            WeightwireError(f"{role} rank {self.rank} was closed", code=ErrorCode.PEER_LOST)
+        )
         self._conn.close()
 
     def __enter__(self) -> Self:

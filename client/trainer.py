@@ -392,6 +392,7 @@ class Trainer(RankClient):
 
     def close(self) -> None:
         super().close()
+        self._pending.idle(10.0)  # a publish of another thread ends before its staging goes
         self._stage.close()
         self._source_regions.close()
         if self._direct is not None:

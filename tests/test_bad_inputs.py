@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -386,6 +387,56 @@ def test_an_on_version_callback_that_raises_stops_nothing(cluster: LocalCluster)
     finally:
         tr.close()
         eng.close()
+
+
+def test_closing_a_rank_fails_the_calls_other_threads_wait_in(cluster: LocalCluster) -> None:
+    """`close()` while another thread publishes (waiting for a plan, or mid-version) or
+    waits for a version: those calls fail at once with a typed error naming the closed
+    rank. They used to wait out their whole timeout (300 s by default) after close."""
+    job = "closed-under-waits"
+    tr = Trainer(0, 1, socket=cluster.daemons[0].socket, job=job, timeout_s=60)
+    tr.register({"w": torch.ones(1 << 24)})  # 64 MiB: a version takes a while
+    eng = Engine(0, 1, socket=cluster.daemons[1].socket, job=job + "-engine", timeout_s=60)
+    outcomes: dict[str, BaseException | None] = {}
+
+    def run(name: str, call: Callable[[], object]) -> threading.Thread:
+        def body() -> None:
+            try:
+                call()
+                outcomes[name] = None
+            except BaseException as exc:
+                outcomes[name] = exc
+
+        th = threading.Thread(target=body)
+        th.start()
+        return th
+
+    waiting = [run("publish without a plan", lambda: tr.publish(1))]
+    waiting.append(run("wait", lambda: eng.wait(1)))
+    time.sleep(0.5)
+    tr.close()
+    eng.close()
+    for th in waiting:
+        th.join(10)
+        assert not th.is_alive(), f"a call still waits after close: {outcomes}"
+    for name in ("publish without a plan", "wait"):
+        err = outcomes[name]
+        assert isinstance(err, WeightwireError) and "was closed" in err.message, (name, err)
+    # mid-version: the publish ends (landed, or failed typed), and its staging outlives it
+    tr = Trainer(0, 1, socket=cluster.daemons[0].socket, job=job + "-2", timeout_s=60)
+    eng = Engine(0, 1, socket=cluster.daemons[1].socket, job=job + "-2", timeout_s=60)
+    tr.register({"w": torch.ones(1 << 24)})
+    eng.register({"w": torch.zeros(1 << 24)})
+    tr.prepare()
+    th = run("publish in flight", lambda: tr.publish(1))
+    time.sleep(0.02)
+    tr.close()
+    th.join(10)
+    assert not th.is_alive(), outcomes
+    err = outcomes["publish in flight"]
+    assert err is None or isinstance(err, WeightwireError), err
+    eng.close()
+    healthy_sync(cluster, "after-closed-under-waits")
 
 
 def test_a_flood_of_waits_is_refused_past_a_cap_and_ends_with_its_session(
