@@ -11,6 +11,7 @@ import torch
 
 from weightwire.memory.hostmem import SharedFile, create_shared
 from weightwire.protocol.errors import (
+    ErrorCode,
     PeerLostError,
     RegistrationError,
 )
@@ -128,6 +129,10 @@ class Engine(RankClient):
         `layout`) leaves it to the coordinator's rules.
         """
         tensors = tensors_of(tensors, "register")
+        for name in set(tensors) & {t.name for _, specs, _ in self._declared for t in specs}:
+            raise RegistrationError(  # refused here: the daemon would keep the region
+                f"tensor {name} is already registered by this rank", code=ErrorCode.DUPLICATE
+            )
         sources = sources or {}
         for name, t in tensors.items():
             if not t.is_contiguous():
@@ -200,18 +205,19 @@ class Engine(RankClient):
         sources: Mapping[str, Source],
         layout: EngineLayout | None,
     ) -> list[DestTensor]:
-        region = expect(self._conn.request(request), RegionRegistered).region
-        specs = tuple(
+        specs = tuple(  # what can be refused is, before the daemon maps the region
             DestTensor(
                 name=name,
                 dtype=name_of(t.dtype),
                 shape=tuple(t.shape),
-                region=region,
+                region=-1,  # known once registered
                 offset=off,
                 pieces=pieces_of(name, t, sources.get(name), layout),
             )
             for name, t, off in placed
         )
+        region = expect(self._conn.request(request), RegionRegistered).region
+        specs = tuple(msgspec.structs.replace(t, region=region) for t in specs)
         self._conn.request(DeclareDestinations(tensors=specs, layout=layout))
         self._declared.append((request, specs, layout))
         return list(specs)

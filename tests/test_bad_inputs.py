@@ -150,6 +150,20 @@ def test_duplicate_registrations(cluster: LocalCluster) -> None:
             raw.request(DeclareSources(tensors=(bad_box,)))
         assert e5.value.code is ErrorCode.SHAPE_MISMATCH
     tr.close()
+    # an engine's registration refused keeps no region at the daemon (each used to keep
+    # one, mapped, of the size of what was refused, until the session ended)
+    eng = Engine(0, 1, socket=cluster.daemons[1].socket, job="dupes-engine")
+    eng.register({"a": torch.zeros(4)})
+    held = fetch(cluster.daemons[1].socket)["regions"]
+    for bad, code in (
+        ({"a": torch.zeros(4), "b": torch.zeros(1 << 20)}, ErrorCode.DUPLICATE),
+        ({"c": torch.zeros(1 << 20, dtype=torch.complex64)}, ErrorCode.DTYPE_MISMATCH),
+    ):
+        with pytest.raises(RegistrationError) as e6:
+            eng.register(bad)
+        assert e6.value.code is code
+    assert fetch(cluster.daemons[1].socket)["regions"] == held
+    eng.close()
 
 
 def test_versions_only_go_forwards(cluster: LocalCluster) -> None:
