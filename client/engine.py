@@ -134,6 +134,12 @@ class Engine(RankClient):
                 f"tensor {name} is already registered by this rank", code=ErrorCode.DUPLICATE
             )
         sources = sources or {}
+        if not isinstance(sources, Mapping):
+            raise RegistrationError(
+                f"register: sources is a {type(sources).__name__}, not a mapping of name -> "
+                "Rows or Recipe",
+                code=ErrorCode.INVALID,
+            )
         for name, t in tensors.items():
             if not t.is_contiguous():
                 raise RegistrationError(f"tensor {name} must be contiguous to receive in place")

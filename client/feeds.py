@@ -43,6 +43,12 @@ def pieces_of(
     rules."""
     match source:
         case Rows():
+            if not (source.shape and 0 <= source.start <= source.stop <= source.shape[0]):
+                raise RegistrationError(
+                    f"tensor {name}: rows {source.start}:{source.stop} are not rows of "
+                    f"{list(source.shape)}",
+                    code=ErrorCode.SHAPE_MISMATCH,
+                )
             if source.stop - source.start != t.shape[0] or source.shape[1:] != t.shape[1:]:
                 raise RegistrationError(
                     f"tensor {name} {list(t.shape)} is not rows {source.start}:{source.stop} "
@@ -56,3 +62,9 @@ def pieces_of(
             return None
         case None:
             return (Piece(source=name, box=Box.full(tuple(t.shape)), dst_offset=0),)
+        case _:  # it used to mean "the coordinator's rules", as None with a layout does
+            raise RegistrationError(
+                f"tensor {name}: source {source!r} is no Rows(shape, start, stop) or "
+                "Recipe(pieces)",
+                code=ErrorCode.INVALID,
+            )

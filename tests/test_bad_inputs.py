@@ -332,6 +332,8 @@ def test_wrong_typed_arguments_to_the_rank_calls_are_typed_errors(cluster: Local
             (lambda: tr.register({"w": W.to_sparse()}), "w is a torch.sparse_coo"),
             (lambda: tr.register({"w": W}, layout="rows"), "layout 'rows'"),  # type: ignore[arg-type]
             (lambda: eng.register([("w", W)]), "got a list"),  # type: ignore[arg-type]
+            (lambda: eng.register({"w": W}, [("w", W)]), "sources is a list"),  # type: ignore[arg-type]
+            (lambda: eng.register({"w": W}, {"w": "rows"}), "source 'rows'"),  # type: ignore[dict-item]
             (lambda: eng.register({"w": W.numpy()}), "w is a numpy.ndarray"),  # type: ignore[dict-item]
             (lambda: Engine(0.0, 1, socket=cluster.daemons[1].socket, job=job), "rank 0.0"),  # type: ignore[arg-type]
             (lambda: Trainer(0, 1, socket=cluster.daemons[0].socket, timeout_s=-1), "timeout_s"),
@@ -340,6 +342,9 @@ def test_wrong_typed_arguments_to_the_rank_calls_are_typed_errors(cluster: Local
             with pytest.raises(RegistrationError) as err:
                 call()
             assert err.value.code is ErrorCode.INVALID and named in err.value.message, err.value
+        with pytest.raises(RegistrationError) as rows:  # rows 6:10 of 8 were accepted
+            eng.register({"w": W}, {"w": Rows((10, 8), 6, 14)})
+        assert rows.value.code is ErrorCode.SHAPE_MISMATCH and "6:14" in rows.value.message
         dst = torch.zeros(8, 8)
         tr.register({"w": W.clone()})
         eng.register({"w": dst})
