@@ -468,3 +468,37 @@ def test_cpu_replica_over_tcp_into_gpu(gpu_cluster: LocalCluster, dest: str) -> 
     got = sync(gpu_cluster, f"replica-tcp-{dest or 'bf16'}", dest, "cpu", trainer_host=1)
     assert got["tcp1"] == got["bytes"] > 0, got  # the trainers' daemon sent it all over tcp
     assert got["cuda"] == 0, got
+
+
+def test_release_parameters_frees_an_offloaded_modules_gpu_memory(
+    gpu_cluster: LocalCluster,
+) -> None:
+    """An offload right after a publish (`model.to("cpu")`, as verl's FSDP param offload):
+    after `release_parameters()` the parameters' GPU memory is free at once (the rank's
+    registry and its packs of the last publish held it), and after the reload the next
+    publish lands bitwise."""
+    dev = device(0)
+    model = torch.nn.Linear(2048, 2048, bias=False).to(dev)  # 16 MiB
+    sock = gpu_cluster.daemons[0].socket
+    job = "gpu-release-parameters"
+    eng = Engine(0, 1, socket=sock, job=job, timeout_s=60, device=dev.index)
+    dst = torch.zeros(2048, 2048, device=dev)
+    eng.register({"weight": dst})
+    try:
+        with Trainer(0, 1, socket=sock, job=job, timeout_s=60, device=dev.index) as tr:
+            tr.register_module(model)
+            for version in (1, 2):
+                tr.publish(version)
+                eng.wait(version)
+                assert torch.equal(dst, model.weight.detach())
+                tr.release_parameters()
+                torch.cuda.synchronize(dev)
+                before = torch.cuda.memory_allocated(dev)
+                model.to("cpu")
+                freed = before - torch.cuda.memory_allocated(dev)
+                assert freed >= model.weight.nbytes, (version, before, freed)
+                model.to(dev)
+                with torch.no_grad():
+                    model.weight.mul_(-2)  # the optimizer step after the rollout
+    finally:
+        eng.close()
