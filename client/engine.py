@@ -376,5 +376,7 @@ class Engine(RankClient):
 
     def close(self) -> None:
         super().close()
+        if self._delta is not None:
+            self._delta.close()
         for shared in self._regions:
             shared.unlink()

@@ -189,6 +189,7 @@ def test_byte_changed_after_its_bucket_was_checked(pair: Pair) -> None:
 
     def flip_after(msg):  # type: ignore[no-untyped-def]
         apply_bucket(msg)
+        rx.wait_buckets()  # applied and checksummed (host buckets may be applied beside)
         if msg.version == 1 and msg.ranges and not flipped:
             region, offset = msg.ranges[0][:2]
             rx.pieces(region, offset, 1)[0][0] ^= 0x40  # not by weightwire
@@ -206,6 +207,38 @@ def test_byte_changed_after_its_bucket_was_checked(pair: Pair) -> None:
     assert pair.tr.publish(3).delta_bytes < 4096  # dense: nothing verified was held
     pair.eng.wait(3)
     assert bitwise(pair.dst, pair.w)
+
+
+def test_a_bucket_landing_during_the_one_before_is_applied_beside_it(pair: Pair) -> None:
+    """Host buckets: the next bucket that lands while one is still being applied is
+    applied beside it, not after. Here the first delta bucket's apply waits (up to 20 s)
+    until a later bucket of its version has been applied: applied one after the other,
+    that never happens. The version completes, bitwise."""
+    import threading
+
+    pair.tr.publish(0)
+    pair.eng.wait(0)
+    rx = pair.eng.delta
+    assert rx is not None and len(pair.tr.plan().buckets) > 1
+    inner = rx._apply_bucket
+    later = threading.Event()
+    seen: list[tuple[int, bool]] = []
+
+    def slow_first(early, msg):  # type: ignore[no-untyped-def]
+        first = not seen
+        seen.append((msg.bucket, first))
+        if first:
+            seen.append((-1, later.wait(20)))  # the next bucket was applied meanwhile
+        inner(early, msg)
+        if not first:
+            later.set()
+
+    rx._apply_bucket = slow_first  # type: ignore[method-assign]
+    step(pair.w, 0.02, 1)
+    pair.tr.publish(1)
+    pair.eng.wait(1)
+    assert (-1, True) in seen, f"the second bucket waited for the first: {seen}"
+    assert bitwise(pair.dst, pair.w) and rx.held == 1
 
 
 class DropsABucket(Trainer):

@@ -8,7 +8,11 @@ Bucket by bucket: when a source says every write of one of its buckets landed he
 (`ApplyBucket`), that bucket's payloads are applied and its ranges checksummed at once,
 while later buckets are still on their way; `ApplyVersion` (every write landed) then
 does only what no bucket message covered and checks each trailer, combining the range
-checksums in the trailer's order. From a version's first bucket on, the rank holds no
+checksums in the trailer's order. In host memory a bucket that lands while the one before
+is still being applied is applied beside it (two at most: the one before on a helper
+thread, this one on the caller's), so a backlog at the version's end (the last, small
+buckets landing while a large one is applied) takes both cores, once the sender is done
+with its own. From a version's first bucket on, the rank holds no
 verified version until that version verifies. A range checksummed early attests its
 bytes as they were once its bucket landed and was applied: a byte changed there behind
 weightwire's back later is caught by the next version's check (every version checksums
@@ -18,9 +22,10 @@ every range it writes, changed or not), as a change after the version's end alwa
 from __future__ import annotations
 
 import bisect
+import threading
 import time
 from collections.abc import Iterable
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -53,7 +58,8 @@ class _Early:
     nbytes: int = 0
     checked: int = 0  # bytes of the ranges its buckets named (at most what the rank holds)
     error: Exception | None = None
-    seconds: float = 0.0
+    seconds: float = 0.0  # summed over the threads its buckets were applied on
+    lock: threading.Lock = field(default_factory=threading.Lock)  # its fields, two appliers
 
 
 class ApplyError(Exception):
@@ -78,8 +84,22 @@ class DeltaReceiver:
         self.early_ranges = 0  # ranges of the last version checksummed as their bucket landed
         self.tail_ranges = 0  # and those checksummed at its end (`ApplyVersion`)
         self.tail_s = 0.0  # seconds `apply` took for the last version (its end)
+        self._beside: ThreadPoolExecutor | None = None  # host areas: a bucket applied beside
+        self._busy: Future[None] | None = None  # the bucket it applies (if any)
         if area.device.type == "cpu":
             decodeloop.warm()  # compiled (or loaded from numba's cache) before a version
+            self._beside = ThreadPoolExecutor(1, thread_name_prefix="delta-bucket")
+
+    def wait_buckets(self) -> None:
+        """Return once no bucket is being applied beside (`apply_bucket` may return before
+        its bucket is applied; a failure is kept in its version)."""
+        if self._busy is not None:
+            self._busy.result()
+            self._busy = None
+
+    def close(self) -> None:
+        if self._beside is not None:
+            self._beside.shutdown(wait=True)
 
     def add_targets(self, targets: list[Target]) -> None:
         for t in targets:
@@ -92,6 +112,7 @@ class DeltaReceiver:
 
     def rename_regions(self, renamed: dict[int, int]) -> None:
         """The daemon restarted and numbered the regions anew."""
+        self.wait_buckets()
         self._early, self._settled = None, -1
         old = [t for ts in self._targets.values() for t in ts]
         self._targets, self._starts, self._ends = {}, {}, {}
@@ -133,9 +154,17 @@ class DeltaReceiver:
             self.held = -1  # its bytes are changing: nothing verified until it verifies
         if early.error is not None:
             return
+        if self._beside is not None and (self._busy is None or self._busy.done()):
+            self.wait_buckets()
+            self._busy = self._beside.submit(self._apply_bucket, early, msg)
+        else:  # the helper is busy with the bucket before: this one beside it, here
+            self._apply_bucket(early, msg)
+
+    def _apply_bucket(self, early: _Early, msg: ApplyBucket) -> None:
         t0 = time.perf_counter()
         try:
-            early.checked = self._check_ranges(msg.ranges, early.checked)
+            with early.lock:
+                early.checked = self._check_ranges(msg.ranges, early.checked)
             ranges = set(msg.ranges)
             hashed = self._host(ranges)
             taken: dict[frames.Range, list[int]] = {}
@@ -149,20 +178,26 @@ class DeltaReceiver:
                 got = self._payload(msg.version, early.base, offset, length, ranges, hashed)
                 for r, value in got.items():
                     taken.setdefault(r, []).append(value)
-                early.applied.add((msg.sender, offset))
-                early.nbytes += length
+                with early.lock:
+                    early.applied.add((msg.sender, offset))
+                    early.nbytes += length
             for r in msg.ranges:
                 sums = taken.get(r, ())
                 if len(sums) == 1:  # hashed as its payload wrote it
-                    early.sums[(msg.sender, r)] = sums[0]
-                    continue
-                blocks = digest.range_blocks(self.pieces, r)
-                early.sums[(msg.sender, r)] = digest.range_digest(blocks, self.is_gpu(r[0]))
+                    value = sums[0]
+                else:
+                    blocks = digest.range_blocks(self.pieces, r)
+                    value = digest.range_digest(blocks, self.is_gpu(r[0]))
+                with early.lock:
+                    early.sums[(msg.sender, r)] = value
         except Exception as exc:  # reported when the version ends here
-            early.error = exc
-        early.seconds += time.perf_counter() - t0
+            with early.lock:
+                early.error = early.error or exc
+        with early.lock:
+            early.seconds += time.perf_counter() - t0
 
     def apply(self, msg: ApplyVersion) -> Applied:
+        self.wait_buckets()  # every bucket of the version applied first
         t0 = time.perf_counter()
         early = self._early if self._early and self._early.version == msg.version else None
         self._early, self._settled = None, max(self._settled, msg.version)
