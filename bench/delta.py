@@ -183,6 +183,8 @@ def run_lr(cluster: Any, lr: float, args: Any, job: str) -> dict[str, Any]:
         "dense_s": round(dense_s, 4),
         "delta_s": round(delta_s, 4),
         "speedup": round(dense_s / delta_s, 3),
+        "delta_s_each": [round(d.total_seconds, 4) for d, _, _, _ in rows],
+        "dense_s_each": [round(n.total_seconds, 4) for _, n, _, _ in rows],
         "dense_transfer_s": round(med(n.transfer_seconds for _, n, _, _ in rows), 4),
         "delta_transfer_s": round(med(d.transfer_seconds for d, _, _, _ in rows), 4),
         "delta_pack_s": round(med(d.pack_seconds for d, _, _, _ in rows), 4),
@@ -282,7 +284,7 @@ def add_arguments(p: Any) -> None:
     p.add_argument(
         "--lr", type=float, nargs="+", default=[1e-6, 1e-5], help="AdamW learning rates, each a run"
     )
-    p.add_argument("--steps", type=int, default=3, help="AdamW steps (versions) per learning rate")
+    p.add_argument("--steps", type=int, default=5, help="AdamW steps (versions) per learning rate")
     p.add_argument("--streams", type=int, default=4, help="tcp streams per peer")
     links = p.add_mutually_exclusive_group()
     links.add_argument(

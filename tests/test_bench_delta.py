@@ -45,6 +45,7 @@ def test_bench_delta_reports_unshaped_and_shaped_runs(
         d, n = r["delta_s"], r["dense_s"]
         slack = 5e-4 + 5e-5 * (1 / d + n / d**2)
         assert r["speedup"] == pytest.approx(n / d, abs=slack)
+        assert len(r["delta_s_each"]) == len(r["dense_s_each"]) == r["steps"]
         for kind in ("delta", "dense"):  # where each publish's time went, in its order
             t = r["timeline_s"][kind]
             assert 0 <= t["begin"] <= t["last_posted"] <= t["last_landed"] <= t["total"], t
