@@ -150,6 +150,9 @@ class DeltaReceiver:
             return  # the version was already settled here: a late note
         early = self._early
         if early is None or early.version != msg.version:
+            # a version that never ended here (no ApplyVersion) may still be writing on
+            # the helper: never beside the next one's bytes
+            self.wait_buckets()
             early = self._early = _Early(msg.version, self.held)
             self.held = -1  # its bytes are changing: nothing verified until it verifies
         if early.error is not None:
