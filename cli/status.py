@@ -34,6 +34,8 @@ def render(s: dict[str, Any]) -> str:
         lines.append(f"  plan of job {job!r}: {h}")
     for job, problem in s["plan_problems"].items():
         lines.append(f"  plan of job {job!r} IMPOSSIBLE: {problem}")
+    for job, why in s.get("plans_withdrawn", {}).items():  # ranks of the job left
+        lines.append(f"  plan of job {job!r} WITHDRAWN: {why}")
     for p in s["publishing"]:
         frac = p["bytes_done"] / p["bytes_total"] if p["bytes_total"] else 0.0
         ring = p.get("staging_buckets", 0)
@@ -75,6 +77,8 @@ def render_cluster(c: dict[str, Any]) -> str:
             jobs.setdefault(job, []).append(f"    {name}: plan {h}")
         for job, problem in s["plan_problems"].items():
             jobs.setdefault(job, []).append(f"    {name}: plan IMPOSSIBLE: {problem}")
+        for job, why in s.get("plans_withdrawn", {}).items():
+            jobs.setdefault(job, []).append(f"    {name}: plan WITHDRAWN: {why}")
         for p in s["publishing"]:
             frac = p["bytes_done"] / p["bytes_total"] if p["bytes_total"] else 0.0
             jobs.setdefault(p["job"], []).append(
@@ -94,6 +98,7 @@ def render_cluster(c: dict[str, Any]) -> str:
                 0,
                 f"    coordinator: plan {j.get('plan')}"
                 + (f", problem: {j['problem']}" if j.get("problem") else "")
+                + (f" (plan {j['withdrawn']} withdrawn)" if j.get("withdrawn") else "")
                 + (f", missing: {missing}" if missing else ""),
             )
     for job, rows in sorted(jobs.items()):

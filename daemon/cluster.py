@@ -205,6 +205,8 @@ class Cluster:
                 self._plans.install(plan)
             case PlanProblem(job=job, ranks=ranks, cleared=True):
                 self._plans.cleared(job, ranks)
+            case PlanProblem(job=job, message=message, withdrawn=True):
+                self._plans.incomplete(job, message)
             case PlanProblem(job=job, code=code, message=message, ranks=ranks):
                 self._plans.problem(job, PlanError(message, code=ErrorCode(code)), ranks)
             case Heartbeat(node=node, incarnation=inc):

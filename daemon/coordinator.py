@@ -35,8 +35,8 @@ from weightwire.protocol.peer import (
 from weightwire.protocol.plan import NodePlan
 
 from .elastic import is_elastic
-from .elasticplanning import ElasticPlanning, Send
-from .jobs import Job, collect, delta_areas, digest, misnamed, too_large
+from .elasticplanning import ElasticPlanning, Send, lacking
+from .jobs import Job, collect, delta_areas, digest, misnamed, too_large, world_sizes
 from .lograte import Throttled
 from .planrun import Stop, planned
 from .ratelimit import HELLO_BURST, HELLO_RATE, Buckets
@@ -66,7 +66,7 @@ class Coordinator:
 
     def __post_init__(self) -> None:
         self._elastic = ElasticPlanning(
-            self.send, self.members, self.options, self._problem, self.max_bytes
+            self.send, self.members, self.options, self._problem, self._withdraw, self.max_bytes
         )
 
     # --- membership ----------------------------------------------------------
@@ -157,6 +157,7 @@ class Coordinator:
             self.members.pop(node, None)
             self.last_seen.pop(node, None)
         for job in list(self.jobs.values()):
+            job.told.pop(node, None)  # a node that comes back is told afresh
             if job.adverts.pop(node, None) is None:
                 continue
             if any(a.ranks for a in job.adverts.values()):
@@ -239,9 +240,7 @@ class Coordinator:
             self._problem(job, PlanError("; ".join(problems), code=ErrorCode.DUPLICATE))
             return
         if missing:
-            if job.plan_hash:
-                log.info("job incomplete; plan withdrawn", job=job.name, missing=missing)
-            job.plan_hash, job.inputs, job.assigned = "", "", {}
+            self._withdraw(job, missing)
             return
         inputs = digest(job)
         if inputs == job.inputs and job.plan_hash:
@@ -260,7 +259,8 @@ class Coordinator:
         except WeightwireError as exc:
             self._problem(job, exc)
             return
-        job.inputs, job.problem = inputs, ""
+        job.inputs, job.problem, job.withdrawn, job.told = inputs, "", "", {}
+        job.worlds = world_sizes(job)
         new_hash = plans.plan_hash
         if new_hash != job.plan_hash:
             job.assigned = {}
@@ -295,8 +295,37 @@ class Coordinator:
             self.send(node, msg)
             job.assigned[node] = member.incarnation
 
+    def _withdraw(self, job: Job, missing: list[str]) -> None:
+        """The job lacks ranks (`missing`): it has no plan. Where it had one (a rank left),
+        each node of the job is told, naming what is missing: the nodes kept the plan, and
+        a trainer rank published on into the regions of an engine rank that had left
+        (`unknown_region`, not retryable, until the rank came back). A node told drops
+        the plan as on a lost peer (a version in flight fails `peer_lost`); a trainer
+        rank's next publish waits for the next plan, as for its first, and at its timeout
+        fails `not_ready` saying this. A job never planned waits for its ranks, untold."""
+        if job.plan_hash:
+            log.info(
+                "job incomplete; plan withdrawn", job=job.name, plan=job.plan_hash, missing=missing
+            )
+            job.withdrawn = job.plan_hash
+        job.plan_hash, job.inputs, job.assigned, job.sent = "", "", {}, {}
+        if not job.withdrawn:
+            return
+        why = (
+            f"plan {job.withdrawn} of job {job.name!r} withdrawn: the job lacks "
+            f"{'; '.join(missing)} (a rank left); publishes wait for a new plan"
+        )
+        for node, adv in job.adverts.items():
+            if adv.ranks and job.told.get(node) != why:
+                job.told[node] = why
+                msg = PlanProblem(
+                    job=job.name, code=ErrorCode.NOT_READY.value, message=why, withdrawn=True
+                )
+                self.send(node, msg)
+
     def _problem(self, job: Job, exc: WeightwireError) -> None:
         job.plan_hash, job.inputs, job.assigned, job.sent = "", "", {}, {}
+        job.withdrawn, job.told = "", {}  # the problem stands in its place at the nodes
         if job.problem == exc.message:
             return
         job.problem = exc.message
@@ -314,7 +343,7 @@ class Coordinator:
     def missing(self, job: str) -> list[str] | None:
         """What a job still lacks before it can be planned (None: no such job)."""
         j = self.jobs.get(job)
-        return collect(j, elastic=is_elastic(j.adverts))[2] if j is not None else None
+        return _missing(j) if j is not None else None
 
     def status(self) -> dict[str, object]:
         return {
@@ -324,10 +353,16 @@ class Coordinator:
                     "plan": j.plan_hash or None,
                     "problem": j.problem or None,
                     "nodes": sorted(j.adverts),
-                    "missing": collect(j, elastic=is_elastic(j.adverts))[2],
+                    "missing": _missing(j),
+                    "withdrawn": j.withdrawn or None,  # the plan withdrawn: ranks left
                     "replicas": sorted(j.elastic.parts) if is_elastic(j.adverts) else None,
                     "planning": self._running(j.name),
                 }
                 for j in self.jobs.values()
             },
         }
+
+
+def _missing(job: Job) -> list[str]:
+    """What the job lacks before it can be planned."""
+    return lacking(job) if is_elastic(job.adverts) else collect(job)[2]

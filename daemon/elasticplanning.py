@@ -5,7 +5,7 @@ changed sent its new plan."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import structlog
@@ -39,12 +39,14 @@ Send = Callable[[str, PeerMsg], None]
 @dataclass
 class ElasticPlanning:
     """Plans elastic jobs for the coordinator: `members` its live view of the cluster,
-    `problem` how a job that cannot be planned at all is withdrawn and reported."""
+    `problem` how a job that cannot be planned at all is withdrawn and reported, `withdraw`
+    how one that lacks ranks is (what it lacks)."""
 
     send: Send
     members: Mapping[str, Member]
     options: PlanOptions
     problem: Callable[[Job, WeightwireError], None]
+    withdraw: Callable[[Job, list[str]], None]
     max_bytes: int = 0  # the largest message a daemon takes (jobs.too_large)
 
     async def plan(self, job: Job, stop: Stop) -> None:
@@ -59,11 +61,9 @@ class ElasticPlanning:
         self._tell(job, refused)
         live = {r: rep for r, rep in replicas.items() if rep.complete}
         if not live:
-            missing.append("any complete engine replica")
+            missing.append(_incomplete(replicas.values()))
         if missing:
-            if job.plan_hash:
-                log.info("job incomplete; plan withdrawn", job=job.name, missing=missing)
-            job.plan_hash, job.inputs, job.assigned, job.sent = "", "", {}, {}
+            self.withdraw(job, missing)
             return
         td = trainers_digest(job.adverts)
         if el.trainers != td:
@@ -91,7 +91,7 @@ class ElasticPlanning:
             job.plan_hash, job.assigned, job.sent = "", {}, {}
             return
         hashes, whole = node_hashes(el.packs, el.parts.values())
-        job.problem = ""
+        job.problem, job.withdrawn, job.told = "", "", {}
         if whole != job.plan_hash:
             log.info(
                 "plan ready",
@@ -217,3 +217,24 @@ class ElasticPlanning:
             seconds=round(time.monotonic() - t0, 4),
         )
         return ReplicaPlan(rep, inputs, plans, packs)
+
+
+def lacking(job: Job) -> list[str]:
+    """What an elastic job lacks before it can be planned: trainer ranks, or a complete
+    engine replica (each incomplete one's absent ranks)."""
+    missing = collect(job, elastic=True)[2]
+    replicas, _ = claims(job.adverts, job.elastic.held)
+    if not any(rep.complete for rep in replicas.values()):
+        missing.append(_incomplete(replicas.values()))
+    return missing
+
+
+def _incomplete(replicas: Iterable[Replica]) -> str:
+    """What a job none of whose engine replicas is complete lacks: each replica's absent
+    ranks."""
+    parts = [
+        f"engine ranks {[r for r in range(rep.size) if r not in {a.rank for _, a in rep.ranks}]}"
+        f" of replica {rep.replica}"
+        for rep in sorted(replicas, key=lambda rep: rep.replica)
+    ]
+    return "; ".join(parts) or "any complete engine replica"

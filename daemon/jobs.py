@@ -28,6 +28,9 @@ class Job:
     problem: str = ""
     sent: dict[str, str] = field(default_factory=dict)  # elastic: node -> plan hash sent to it
     elastic: Elastic = field(default_factory=Elastic)
+    worlds: dict[str, int] = field(default_factory=dict)  # role -> world size when last planned
+    withdrawn: str = ""  # the plan withdrawn because ranks left ("" none): until the next
+    told: dict[str, str] = field(default_factory=dict)  # node -> withdrawal it was told
 
 
 def collect(
@@ -64,13 +67,19 @@ def collect(
     for role, have in (("trainer", trainers), ("engine", engines)):
         if elastic and role == "engine":
             continue
-        size = next(iter(worlds.get(role, {0})))
+        # every rank of a role gone, the job planned before: the ranks that it had
+        size = next(iter(worlds.get(role, {job.worlds.get(role, 0)})))
         absent = [r for r in range(size) if r not in have]
-        if not worlds.get(role):
+        if not size:
             missing.append(f"any {role} rank")
         elif absent:
             missing.append(f"{role} ranks {_some(absent)}")
     return list(trainers.values()), list(engines.values()), missing, problems
+
+
+def world_sizes(job: Job) -> dict[str, int]:
+    """Each role's world size, as the job's ranks advertise it."""
+    return {r.role: r.world_size for adv in job.adverts.values() for r in adv.ranks}
 
 
 def misnamed(sender: str, adv: Advertise) -> str:

@@ -62,6 +62,7 @@ class PlanBook:
         self.max_bytes = max_bytes  # the largest advert a daemon takes (0: unchecked)
         self._too_large: set[str] = set()  # jobs whose advert did not fit: their problem
         self.problems: dict[str, PlanError] = {}
+        self.withdrawn: dict[str, str] = {}  # jobs whose plan the coordinator withdrew: why
         self.rank_problems: dict[tuple[str, int], PlanError] = {}  # (job, engine rank) refused
         self.related_since: dict[str, float] = {}  # nodes of this node's plans: since when
         self._waiters: dict[str, list[asyncio.Future[None]]] = {}
@@ -177,6 +178,7 @@ class PlanBook:
         old = self.plans.get(plan.job)
         self.plans[plan.job] = plan
         self.problems.pop(plan.job, None)
+        self.withdrawn.pop(plan.job, None)
         for e in plan.expects:  # a refused rank the plan now has (the replica's holder left)
             self.rank_problems.pop((plan.job, e.rank), None)
         self._users.use_plan(plan.job, plan)
@@ -226,6 +228,7 @@ class PlanBook:
             return
         self.plans.pop(job, None)
         self.problems[job] = err
+        self.withdrawn.pop(job, None)
         self._completions.drop_job(job, err.message, err.code)
         self.grant_writers()
         self._users.plan_problem(job, err)
@@ -255,13 +258,14 @@ class PlanBook:
         showed them long after). A rank that comes back advertises and gets a plan again."""
         plan = self.plans.pop(job, None)
         problem = self.problems.pop(job, None)
+        self.withdrawn.pop(job, None)
         self._too_large.discard(job)
         self.rank_problems = {k: v for k, v in self.rank_problems.items() if k[0] != job}
         self._completions.drop_job(job, "every rank of the job here left")
         if plan is not None or problem is not None:
             log.info("job left this node", job=job, plan=plan.plan_hash if plan else None)
 
-    def withdraw(self, job: str, reason: str) -> None:
+    def withdraw(self, job: str, reason: str, *, advertise: bool = True) -> None:
         """Stop using a job's plan (it involves a lost node) until the coordinator sends one.
         A version in flight fails with PEER_LOST: the peer is the cause, not the plan."""
         plan = self.plans.pop(job, None)
@@ -270,7 +274,23 @@ class PlanBook:
         log.warning("plan withdrawn", job=job, plan=plan.plan_hash, reason=reason)
         self.grant_writers()
         self._users.use_plan(job, None, reason)
-        self.advertise(job)
+        if advertise:
+            self.advertise(job)
+
+    def incomplete(self, job: str, why: str) -> None:
+        """The coordinator withdrew the job's plan: ranks of it left (`why` names them). The
+        plan goes here as on a lost peer (this node's publishes used to go on with it, into
+        the regions of the engine rank that had left); a trainer rank's next version waits
+        for the next plan, whose timeout says `why` (`waiting`)."""
+        if job in self.plans or any(s.job == job for s in self._sessions.values()):
+            self.withdrawn[job] = why
+            self.withdraw(job, why, advertise=False)  # the coordinator knows
+
+    def waiting(self, job: str, timeout_s: float, otherwise: str) -> str:
+        """Why a rank of `job` waited `timeout_s` for a plan in vain: its plan withdrawn,
+        or `otherwise` (no plan yet)."""
+        why = self.withdrawn.get(job)
+        return f"{why}; none came within {timeout_s:g} s" if why else otherwise
 
 
 def _scoped(plan: NodePlan) -> NodePlan:

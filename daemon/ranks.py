@@ -121,7 +121,10 @@ class Ranks:
                 return PlanReply(req=req, plan=rp)
             left = deadline - time.monotonic()
             if left <= 0:
-                raise PlanError(self._joining.waiting_for(session.job), code=ErrorCode.NOT_READY)
+                why = self._plans.waiting(
+                    session.job, timeout_s, self._joining.waiting_for(session.job)
+                )
+                raise PlanError(why, code=ErrorCode.NOT_READY)
             await self._plans.changed(session.job, left)
 
     async def begin_version(

@@ -87,6 +87,9 @@ class PlanProblem(PeerMsg, frozen=True, tag="plan_problem"):
     message: str
     ranks: Ranks = ()  # only these engine ranks here are refused; empty: the whole job
     cleared: bool = False  # these `ranks` are no longer refused (their claim conflicts no more)
+    # the job's plan is withdrawn, no fault: it lacks ranks (one left; `message` names
+    # them). Its nodes drop the plan and wait for the next, as for a first plan.
+    withdrawn: bool = False
 
 
 class Heartbeat(PeerMsg, frozen=True, tag="heartbeat"):
