@@ -106,7 +106,9 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # networks), "off" (plain: anyone who reaches the port and knows an rkey can write;
     # warns at start). Between two nodes the stronger setting wins. See "Trust model"
     tcp_security: Literal["auth", "encrypt", "off"] = "auth"
-    stall_timeout_s: float = 30.0  # a data connection making no progress this long is failed
+    # a data connection making no progress this long is failed (on tcp: a frame not whole
+    # this long after its first byte)
+    stall_timeout_s: float = 30.0
     # liveness between daemons: a heartbeat this often; also the ZeroMQ (ZMTP) heartbeat of
     # every peer connection
     heartbeat_interval_s: float = 0.5

@@ -18,6 +18,8 @@ from weightwire.protocol.regions import RegionDescriptor, RegionKeys, TcpKey
 from weightwire.transport.base import LocalRegion, WriteRequest
 from weightwire.transport.tcp import TcpTransport, auth
 
+from .test_tcp_limits import release
+
 N = 1 << 16
 
 
@@ -84,10 +86,6 @@ def test_a_planned_source_writes_only_where_and_with_the_key_it_was_granted() ->
             assert bytes(job_a.view) == bytes(src.view)
             assert t.stats()["refused"] >= 3, t.stats()
         finally:
-            await w.close()
-            await t.close()
-            for f in files:
-                f.unlink()
-                f.close()
+            await release([w, t], files)
 
     uvloop.run(body())

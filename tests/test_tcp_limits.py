@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import uvloop
@@ -112,6 +113,15 @@ async def authenticated(t: TcpTransport, node: str) -> tuple[socket.socket, auth
     channel = await handshake.connect(loop, s, node, t.node, ticket)
     assert channel is not None
     return s, channel
+
+
+async def release(transports: list[TcpTransport], files: list[Any]) -> None:
+    """Close the transports, then unlink and close the region files."""
+    for tr in transports:
+        await tr.close()
+    for f in files:
+        f.unlink()
+        f.close()
 
 
 def test_one_node_cannot_hold_more_than_its_share_of_connections() -> None:
@@ -292,10 +302,79 @@ def test_an_authenticated_peer_stalled_mid_write_is_closed_and_delivers_nothing(
             assert bytes(dst.view) == bytes(src.view)
             assert await until(lambda: imms == [(9, "b")], 5), imms
         finally:
-            await w.close()
-            await t.close()
-            for f in files:
-                f.unlink()
-                f.close()
+            await release([w, t], files)
+
+    uvloop.run(body())
+
+
+def test_a_peer_trickling_a_write_is_closed_while_another_writer_lands() -> None:
+    """A writer with a valid ticket and grant sends a write's header, then its payload one
+    byte every 0.4 s: never silent for stall_timeout_s, so closing only silent peers kept
+    it (and its receive thread) for ever. It is closed once the frame is stall_timeout_s
+    old and delivers no immediate; meanwhile another node's writes land bitwise."""
+    from weightwire.memory.hostmem import create_shared
+    from weightwire.protocol.regions import RegionDescriptor, RegionKeys, TcpKey
+    from weightwire.transport.base import LocalRegion, WriteRequest
+    from weightwire.transport.tcp.data import Write
+
+    n, stall_s = 1 << 16, 1.5
+
+    def trickle(s: socket.socket) -> float:
+        """One byte every 0.4 s until the receiver closes; how long that took."""
+        t0 = time.monotonic()
+        try:
+            while time.monotonic() - t0 < 20:
+                s.send(b"\x01")
+                time.sleep(0.4)
+        except OSError:
+            pass
+        return time.monotonic() - t0
+
+    async def body() -> None:
+        imms: list[tuple[int, str]] = []
+        t = TcpTransport("a", bind_host="127.0.0.1", stall_timeout_s=stall_s)
+        await t.start(lambda imm, node: imms.append((imm, node)))
+        files = [create_shared(n, purpose="test") for _ in range(3)]
+        w = TcpTransport("c", bind_host="127.0.0.1", streams=1)
+        try:
+            src, trickled, honest = (
+                LocalRegion(id=i + 1, kind="cpu", length=n, view=f.view, fd=f.fd)
+                for i, f in enumerate(files)
+            )
+            keys = {r.id: t.register(r) for r in (trickled, honest)}
+            t.authorize(2, frozenset({"b"}), "plan")
+            t.authorize(3, frozenset({"c"}), "plan")
+            rkeys = {i: auth.plan_rkey(k.tcp.rkey, "plan") for i, k in keys.items() if k.tcp}
+            s, channel = await authenticated(t, "b")
+            s.setblocking(True)
+            header = Write(seq=1, region=2, rkey=rkeys[2], offset=0, length=n, imm=7, tag=7)
+            s.sendall(wire.seal(wire.encode(header), channel.send))
+            held = asyncio.ensure_future(asyncio.to_thread(trickle, s))
+
+            async def signal(peer: str, payload: bytes) -> bytes:
+                return await t.on_signal("c", payload)
+
+            await w.start(lambda imm, node: None)
+            w.set_signal(signal)
+            desc = RegionDescriptor(
+                id=3, node="a", kind="cpu", length=n, keys=RegionKeys(tcp=TcpKey(rkey=rkeys[3]))
+            )
+            await w.connect("a", t.endpoints())
+            landed = 0
+            while not held.done():  # the other writer is served all along
+                src.view[:] = bytes([landed % 251 + 1]) * n
+                await asyncio.wait_for(w.write(WriteRequest(src, 0, desc, 0, n, 100)), 10)
+                assert bytes(honest.view) == bytes(src.view)
+                landed += 1
+                await asyncio.sleep(0.2)
+            held_s = held.result()
+            s.close()
+            assert held_s < stall_s + 3, f"a trickling writer was kept {held_s:.1f} s"
+            assert landed >= 3, landed
+            assert await until(lambda: len(imms) == landed, 5), imms
+            assert all(imm == (100, "c") for imm in imms), imms  # none from the trickler
+            assert await until(lambda: t.incoming() == 1, 5), t.incoming()  # c's stream only
+        finally:
+            await release([w, t], files)
 
     uvloop.run(body())

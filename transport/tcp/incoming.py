@@ -77,14 +77,27 @@ class IncomingStream:
 
     def _serve(self) -> None:
         m = self.machine
-        stalled_since = time.monotonic()
+        frame_started = time.monotonic()  # when the frame under way began to arrive
         try:
             while not self._closed.is_set():
-                if m.peer is None and time.monotonic() - self._accepted > self.handshake_timeout_s:
+                now = time.monotonic()
+                if m.peer is None and now - self._accepted > self.handshake_timeout_s:
                     log.info(
                         "tcp data connection not authenticated in time; closing",
                         address=self.address,
                         timeout_s=self.handshake_timeout_s,
+                    )
+                    return
+                if m.mid_frame and now - frame_started > self.stall_timeout_s:
+                    # A frame must be whole within stall_timeout_s of its first byte, not
+                    # merely see a byte that often: a peer trickling one byte every 0.4 s
+                    # held its write (and this thread) open for ever. The writer fails a
+                    # write not acknowledged within the same time, so no honest frame
+                    # takes longer.
+                    log.warning(
+                        "tcp peer stalled mid-frame; closing",
+                        peer=self.peer,
+                        frame_s=round(now - frame_started, 3),
                     )
                     return
                 try:
@@ -94,14 +107,12 @@ class IncomingStream:
                     n = self.sock.recv_into(m.buffer(), 0, socket.MSG_WAITALL)
                 except (BlockingIOError, TimeoutError):
                     if not m.mid_frame:
-                        stalled_since = time.monotonic()
-                    elif time.monotonic() - stalled_since > self.stall_timeout_s:
-                        log.warning("tcp peer stalled mid-frame; closing", peer=self.peer)
-                        return
+                        frame_started = time.monotonic()
                     continue
                 if n == 0:
                     return
-                stalled_since = time.monotonic()
+                if not m.mid_frame:
+                    frame_started = time.monotonic()
                 try:
                     event = m.received(n)
                     if isinstance(event, wire.HelloReceived):
