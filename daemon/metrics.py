@@ -10,9 +10,12 @@ prometheus-client is the `[metrics]` extra: imported only when `metrics_bind` is
 from __future__ import annotations
 
 import contextlib
+import io
 import socket
 import socketserver
+import sys
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
@@ -21,7 +24,8 @@ from weightwire.protocol.errors import ErrorCode, WeightwireError
 
 PREFIX = "weightwire_"
 HTTP_CONNECTIONS = 8  # scrapes served at once; more are closed unanswered
-HTTP_TIMEOUT_S = 5.0  # a connection silent this long (a request half sent) is closed
+HTTP_TIMEOUT_S = 5.0  # a request not whole this long after the connection is closed
+EVICT_WAIT_S = 1.0  # how long a new connection waits for the slot of one it evicted
 
 # Seconds: a bucket's writes land in ~1 ms (same host) to seconds (a slow link).
 _SECONDS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -204,8 +208,40 @@ class Prometheus:
                     self.peer_throughput.labels(job, peer).observe(n / seconds)
 
 
+class _Deadline(io.RawIOBase):
+    """A connection's bytes, read until a deadline: the whole request must come within
+    HTTP_TIMEOUT_S, not merely a byte that often (one byte a second kept a slot for ever)."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self._sock = sock
+        self._deadline = deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("request not received in time")
+        self._sock.settimeout(left)
+        return self._sock.recv_into(buffer)
+
+
 class _Handler(WSGIRequestHandler):
     timeout = HTTP_TIMEOUT_S  # a request half sent holds its thread this long at most
+    server: _Server
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile = io.BufferedReader(
+            _Deadline(self.connection, time.monotonic() + HTTP_TIMEOUT_S)
+        )
+
+    def parse_request(self) -> bool:
+        whole = bool(super().parse_request())  # the request line's rest, and the headers
+        self.server.done_reading(self.connection)  # the request is in: not evictable
+        self.connection.settimeout(HTTP_TIMEOUT_S)  # for the answer
+        return whole
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
@@ -221,23 +257,49 @@ class _Server(socketserver.ThreadingMixIn, WSGIServer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._slots = threading.BoundedSemaphore(HTTP_CONNECTIONS)
+        # connections still sending their request, by when they were accepted: when every
+        # slot is taken the oldest of them makes room (8 clients trickling requests shut
+        # every scraper out, each new one closed unanswered)
+        self._reading: dict[socket.socket, float] = {}
+        self._lock = threading.Lock()
         super().__init__(*args, **kwargs)
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
-            self.shutdown_request(request)
-            return
+            with self._lock:
+                oldest = min(self._reading, key=self._reading.__getitem__, default=None)
+                self._reading.pop(oldest, None)  # type: ignore[arg-type]
+            if oldest is not None:
+                with contextlib.suppress(OSError):
+                    oldest.shutdown(socket.SHUT_RDWR)
+            if oldest is None or not self._slots.acquire(timeout=EVICT_WAIT_S):
+                self.shutdown_request(request)
+                return
+        with self._lock:
+            self._reading[request] = time.monotonic()
         try:
             super().process_request(request, client_address)
         except BaseException:
+            self.done_reading(request)
             self._slots.release()
             raise
+
+    def done_reading(self, request: socket.socket) -> None:
+        with self._lock:
+            self._reading.pop(request, None)
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
+            self.done_reading(request)
             self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that timed out or went away is no error of the daemon's (socketserver
+        printed a traceback to stderr for each)."""
+        if not isinstance(sys.exc_info()[1], OSError):
+            super().handle_error(request, client_address)
 
 
 def _http_server(host: str, port: int, app: Any) -> _Server:

@@ -187,3 +187,57 @@ def test_stalled_scrapers_hold_no_thread_for_long(tmp_path) -> None:  # type: ig
         assert _threads(d.proc.pid) <= base + 2
     finally:
         assert c.stop() == [0]
+
+
+def test_scrapers_get_in_past_clients_trickling_their_requests(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """More clients than the endpoint serves at once each send a request line, then one
+    header byte a second: never silent for HTTP_TIMEOUT_S, they kept every slot (each new
+    connection closed unanswered), so no scrape got through. Now a request must be whole
+    within HTTP_TIMEOUT_S and a new connection takes the slot of the oldest still sending
+    its request: scrapes made while they trickle are answered."""
+    import socket
+    import threading
+    import time
+    import urllib.request
+
+    from weightwire.daemon.metrics import HTTP_CONNECTIONS, HTTP_TIMEOUT_S
+
+    c = LocalCluster(hosts=1, extra=FAST, metrics=True, workdir=tmp_path)
+    c.start()
+    stop = threading.Event()
+    held: list[float] = []
+
+    def trickle(host: str, port: int) -> None:
+        s = socket.create_connection((host, port), timeout=30)
+        t0 = time.monotonic()
+        try:
+            s.sendall(b"GET /metrics HTTP/1.1\r\n")
+            while not stop.is_set():
+                s.sendall(b"X")
+                time.sleep(1.0)
+        except OSError:
+            held.append(time.monotonic() - t0)
+        finally:
+            s.close()
+
+    try:
+        url = str(c.daemons[0].ready["metrics"])
+        host, port = url.split("//")[1].split("/")[0].rsplit(":", 1)
+        base = _threads(c.daemons[0].proc.pid)
+        clients = [
+            threading.Thread(target=trickle, args=(host, int(port)), daemon=True)
+            for _ in range(HTTP_CONNECTIONS + 2)
+        ]
+        for t in clients:
+            t.start()
+        time.sleep(2.0)  # every slot taken by a trickling client
+        for _ in range(3):
+            text = urllib.request.urlopen(url, timeout=10).read().decode()
+            assert "weightwire_daemon_info" in text
+        assert _threads(c.daemons[0].proc.pid) <= base + HTTP_CONNECTIONS + 2
+        time.sleep(HTTP_TIMEOUT_S + 2)
+        assert len(held) == len(clients), held  # each closed, evicted or at the deadline
+        assert max(held) < HTTP_TIMEOUT_S + 3, held
+    finally:
+        stop.set()
+        assert c.stop() == [0]
