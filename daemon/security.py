@@ -34,9 +34,19 @@ def missing_key_file(path: str) -> str | None:
 
 
 def _public_keys(directory: str) -> set[bytes]:
+    """The public keys of the directory's *.key files; ConfigError naming a file that holds
+    none (half copied, say) or cannot be read. It escaped as a bare ValueError: a daemon
+    started with one died with a traceback, and a SIGHUP logged nothing of ours."""
     keys: set[bytes] = set()
-    for path in sorted(Path(directory).glob("*.key")):
-        public, _ = zmq.auth.load_certificate(str(path))
+    try:
+        paths = sorted(Path(directory).glob("*.key"))
+    except OSError as exc:
+        raise ConfigError(f"curve_allowed_keys_dir: cannot list {directory}: {exc}") from None
+    for path in paths:
+        try:
+            public, _ = zmq.auth.load_certificate(str(path))
+        except (OSError, ValueError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"curve_allowed_keys_dir: cannot load {path}: {exc}") from None
         keys.add(public)
     return keys
 

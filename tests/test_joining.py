@@ -151,3 +151,61 @@ def test_sighup_reloads_the_allow_list_and_the_node_joins(untrusted: tuple) -> N
     ready = [m for m in seen if "READY=1" in m]
     assert ready, seen
     assert f"MAINPID={c.daemons[1].proc.pid}" in ready[0] and "joined host0" in ready[0]
+
+
+def test_sighup_with_a_half_written_key_file_keeps_the_old_keys_and_says_which(
+    untrusted: tuple,
+) -> None:
+    """The untrusted node's key is copied into the allow-list directory in two steps (a
+    half-written file, as a slow copy leaves it, then the whole one), with a SIGHUP after
+    each. The first reload fails with one line naming the file, the old keys stay in use
+    and the daemon serves on; after the second the node joins. The bad file's ValueError
+    escaped the reload, as asyncio's 'Exception in callback' traceback on stderr."""
+    import signal
+
+    c, _ = untrusted
+    wait_log(c, "host1", "cannot join", timeout=15)
+    public = c.workdir / "keys" / "host1" / "host1.key"
+    trusted = c.workdir / "keys" / "public" / "host1.key"
+    trusted.write_bytes(public.read_bytes()[:40])  # cut before the public key line
+    coordinator = c.daemons[0].proc
+    coordinator.send_signal(signal.SIGHUP)
+    failed = wait_log(c, "host0", "SIGHUP: keys not reloaded; the old ones stay in use", 10)
+    assert str(trusted) in failed[0]["error"], failed
+    assert "host1" not in (fetch(c.daemons[0].socket)["coordination"] or {})["members"]
+    trusted.write_bytes(public.read_bytes())
+    coordinator.send_signal(signal.SIGHUP)
+    reloaded = wait_log(c, "host0", "keys reloaded", timeout=10)[0]
+    assert reloaded["added"] == 1 and reloaded["removed"] == 0, reloaded
+    try:
+        c.wait_joined(timeout_s=15)
+    except RuntimeError as exc:
+        raise AssertionError(f"{exc}; logs in {c.workdir}") from None
+    assert coordinator.poll() is None
+
+
+def test_a_daemon_started_with_a_key_file_holding_no_key_names_it(tmp_path: Path) -> None:
+    """A *.key file in curve_allowed_keys_dir that holds no public key: the daemon refuses
+    to start with one 'daemon failed' line naming the file (it died with a traceback)."""
+    import json
+    import subprocess
+    import sys
+
+    keygen(str(tmp_path), "me")
+    (tmp_path / "peers").mkdir()
+    bad = tmp_path / "peers" / "half.key"
+    bad.write_text("#   ****  Generated on 2026-11-24 by pyzmq  ****\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "weightwire.daemon", "--node", "x", "--is-coordinator",
+         "--local-socket", str(tmp_path / "x.sock"), "--peer-bind", "tcp://127.0.0.1:0",
+         "--curve-secret-key-file", str(tmp_path / "me.key_secret"),
+         "--curve-allowed-keys-dir", str(tmp_path / "peers")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode != 0, proc
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [json.loads(x) for x in proc.stdout.splitlines() + proc.stderr.splitlines()
+             if x.startswith("{")]  # fmt: skip
+    failed = [e for e in lines if e.get("event") == "daemon failed"]
+    assert failed and failed[0]["code"] == "invalid", lines
+    assert str(bad) in failed[0]["error"], failed
