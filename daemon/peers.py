@@ -249,6 +249,14 @@ class PeerMesh:
             frames = await self._router.recv_multipart(copy=False)
             sender = claimed_name(bytes(frames[0].buffer))
             key = _authenticated_key(frames[0]) if self.security.curve else None
+            if key is not None and key not in self.security.allowed:
+                # a key taken off the allow-list (SIGHUP) on a connection it opened before:
+                # ZAP checks only handshakes, so its messages kept coming (and it kept its
+                # membership, plans and data connections) until a restart. Unheard, it is
+                # lost after heartbeat_timeout_s like a silent node: fenced, tickets revoked.
+                self._bad.emit(log.warning, "peer message from a key no longer trusted; dropped",
+                               peer=sender, key=key.decode(errors="replace"))  # fmt: skip
+                continue
             try:
                 msg, _ = self.codec.decode(frames[1:])
             except Exception as exc:  # nothing a peer sends may end this loop

@@ -4,9 +4,10 @@ coordinator_public_key) without a restart.
 A node added to the cluster needs only its public key dropped into every peer's
 allow-list directory and a SIGHUP. The ZAP handler checks keys at each handshake, so a
 newly trusted key is let in at its next attempt (joining nodes retry every second). A key
-removed from the list is refused from its next handshake on; connections it already has
-stay until they break or the daemon restarts. This node's own key pair is not swapped on
-a running daemon (its sockets were made with it): a changed pair on disk is reported.
+removed from the list is refused from its next handshake on, and the mesh drops what it
+sends on connections it already has (peers.py), so its node is soon lost. This node's own
+key pair is not swapped on a running daemon (its sockets were made with it): a changed
+pair on disk is reported.
 """
 
 from __future__ import annotations

@@ -209,3 +209,33 @@ def test_a_daemon_started_with_a_key_file_holding_no_key_names_it(tmp_path: Path
     failed = [e for e in lines if e.get("event") == "daemon failed"]
     assert failed and failed[0]["code"] == "invalid", lines
     assert str(bad) in failed[0]["error"], failed
+
+
+def test_a_key_taken_off_the_allow_list_loses_its_membership_without_a_restart() -> None:
+    """host1's key is removed from the coordinator's allow-list directory and the
+    coordinator SIGHUPed. ZAP checks only handshakes: host1's connection, made before,
+    went on carrying its messages, and it stayed a member (with its plans and data
+    connections) until a restart. Now its messages are dropped, and it is lost like a
+    silent node within heartbeat_timeout_s."""
+    import signal
+
+    c = LocalCluster(hosts=2, use_netns=NETNS, extra=FAST)
+    c.start()
+    try:
+        c.wait_joined()
+        members = (fetch(c.daemons[0].socket)["coordination"] or {})["members"]
+        assert "host1" in members, members
+        (c.workdir / "keys" / "public" / "host1.key").unlink()
+        coordinator = c.daemons[0].proc
+        coordinator.send_signal(signal.SIGHUP)
+        reloaded = wait_log(c, "host0", "keys reloaded", timeout=10)[0]
+        assert reloaded["removed"] == 1, reloaded
+        deadline = time.monotonic() + float(FAST["heartbeat-timeout-s"]) + 10
+        while "host1" in (fetch(c.daemons[0].socket)["coordination"] or {})["members"]:
+            assert time.monotonic() < deadline, f"host1 still a member; logs in {c.workdir}"
+            time.sleep(0.2)
+        dropped = wait_log(c, "host0", "peer message from a key no longer trusted; dropped", 10)
+        assert dropped[0]["peer"] == "host1", dropped
+        assert coordinator.poll() is None
+    finally:
+        assert c.stop() == [0, 0], f"logs in {c.workdir}"
