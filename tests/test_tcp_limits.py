@@ -378,3 +378,32 @@ def test_a_peer_trickling_a_write_is_closed_while_another_writer_lands() -> None
             await release([w, t], files)
 
     uvloop.run(body())
+
+
+def test_a_host_sending_garbage_in_a_loop_gets_one_line_a_while() -> None:
+    """A host that connects, sends garbage and closes, 300 times: every connection is
+    refused and counted, and logged once per interval (a warning per connection let
+    anyone who reaches the port flood the daemon's log: 833 lines in 3 s)."""
+    from structlog.testing import capture_logs
+
+    async def body() -> None:
+        t = TcpTransport("a", bind_host="127.0.0.1")
+        await t.start(lambda imm, node: None)
+
+        def garbage(times: int) -> None:
+            for _ in range(times):
+                with socket.create_connection(("127.0.0.1", t.port)) as s:
+                    s.sendall(b"\x09" * 16)
+                    closed_by_peer(s, 5)  # refused: the daemon closes it
+
+        try:
+            with capture_logs() as logs:
+                await asyncio.to_thread(garbage, 300)
+                assert await until(lambda: t.stats()["refused"] == 300, 5), t.stats()
+            refusals = [e for e in logs if e["event"] == "tcp write refused; closing connection"]
+            assert len(refusals) == 1, len(refusals)
+            assert refusals[0]["code"] == "malformed", refusals
+        finally:
+            await t.close()
+
+    uvloop.run(body())

@@ -41,6 +41,10 @@ class Admission(Gate):
         self._fenced_at: dict[str, int] = {}  # node -> _accepted at its last fence
         self.refused = 0
         self._log = Limited()
+        # lines about peers, of each kind at most one per interval for each authenticated
+        # node and one for all connections not authenticated: a host connecting in a loop to send
+        # garbage logged a warning per connection (833 in 3 s)
+        self._peer_logs: dict[tuple[str | None, str], Limited] = {}
 
     def number(self, address: str) -> int | None:
         """A number for a connection just accepted (None: it may not wait at all). Past
@@ -92,6 +96,12 @@ class Admission(Gate):
     def ended(self, stream: IncomingStream) -> None:
         with self._lock:
             self._streams.discard(stream)
+
+    def warn(self, stream: IncomingStream, event: str, **fields: object) -> None:
+        who = stream.machine.peer
+        with self._lock:
+            limited = self._peer_logs.setdefault((who, event), Limited())
+        limited.warning(event, **{"peer": stream.peer, **fields})
 
     def fence(self, node: str) -> list[IncomingStream]:
         """`node`'s streams, to close; any it opened before now is refused at its hello."""

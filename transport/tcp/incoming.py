@@ -33,6 +33,11 @@ class Gate:
     def ended(self, stream: IncomingStream) -> None:
         pass
 
+    def warn(self, stream: IncomingStream, event: str, **fields: object) -> None:
+        """A line about the stream's peer: anyone who reaches the port can make these in a
+        loop, so a gate may throttle them."""
+        log.warning(event, **fields)
+
 
 @dataclass(eq=False)
 class IncomingStream:
@@ -82,7 +87,8 @@ class IncomingStream:
             while not self._closed.is_set():
                 now = time.monotonic()
                 if m.peer is None and now - self._accepted > self.handshake_timeout_s:
-                    log.info(
+                    self.gate.warn(
+                        self,
                         "tcp data connection not authenticated in time; closing",
                         address=self.address,
                         timeout_s=self.handshake_timeout_s,
@@ -94,7 +100,8 @@ class IncomingStream:
                     # held its write (and this thread) open for ever. The writer fails a
                     # write not acknowledged within the same time, so no honest frame
                     # takes longer.
-                    log.warning(
+                    self.gate.warn(
+                        self,
                         "tcp peer stalled mid-frame; closing",
                         peer=self.peer,
                         frame_s=round(now - frame_started, 3),
@@ -121,7 +128,8 @@ class IncomingStream:
                             raise wire.FrameViolation(refusal, 0)
                 except wire.FrameViolation as v:
                     self.on_refused()
-                    log.warning(
+                    self.gate.warn(
+                        self,
                         "tcp write refused; closing connection",
                         peer=self.peer,
                         code=v.code.value,
