@@ -128,3 +128,27 @@ def test_a_node_waiting_for_its_coordinator_extends_the_start_timeout(tmp_path: 
         assert not any("READY=1" in m for m in seen), seen
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+def test_unit_exposure_is_low_and_a_bad_configuration_is_not_restarted(tmp_path: Path) -> None:
+    """systemd's own security analysis of the unit: 5.8 (MEDIUM) before the capability
+    bounding set, tunables, mounts and system call deny-list, 2.3 now. A configuration that
+    cannot be parsed exits with status 2, which the unit does not restart."""
+    path = tmp_path / "weightwired.service"
+    path.write_text((ROOT / "systemd" / "weightwired.service").read_text())
+    out = subprocess.run(
+        ["systemd-analyze", "security", "--offline=true", str(path)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    exposure = float(out.stdout.split("Overall exposure level for")[1].split(":")[1].split()[0])
+    assert exposure <= 3.0, out.stdout
+    bad = tmp_path / "bad.toml"
+    bad.write_text("stall_timeout_s = 'soon'\n")
+    daemon = subprocess.run(
+        [sys.executable, "-m", "weightwire.daemon", "--config", str(bad)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert daemon.returncode == 2, daemon
+    assert "stall_timeout_s" in daemon.stderr, daemon.stderr
+    assert "RestartPreventExitStatus=2" in path.read_text()
