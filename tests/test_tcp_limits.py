@@ -9,11 +9,13 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import msgspec
+import pytest
 import uvloop
 
 from weightwire.protocol import PROTOCOL_VERSION
@@ -161,7 +163,7 @@ def test_one_node_cannot_hold_more_than_its_share_of_connections() -> None:
 
 
 EMFILE_SCRIPT = r"""
-import asyncio, json, resource, sys, time
+import asyncio, json, os, resource, sys, time
 import structlog, uvloop
 from weightwire.transport.base import LocalRegion, WriteRequest
 from weightwire.memory.hostmem import create_shared
@@ -175,6 +177,30 @@ def keep(_logger, _method, event):
     raise structlog.DropEvent
 
 structlog.configure(processors=[keep])
+
+def limit(kind):
+    # descriptors ("fds": 8 more than in use) or tasks ("tasks": 2 more threads, a pids
+    # cgroup as systemd's TasksMax makes) nearly exhausted; returns what lifts the limit
+    if kind == "fds":
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+        return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    root = sys.argv[3]
+    cg = f"{root}/ww-tasks-{os.getpid()}"
+    os.mkdir(cg)
+    with open(f"{cg}/cgroup.procs", "w") as f:
+        f.write(str(os.getpid()))
+    with open(f"{cg}/pids.max", "w") as f:
+        f.write(str(int(open(f"{cg}/pids.current").read()) + 2))
+
+    def lift():
+        with open(f"{cg}/pids.max", "w") as f:
+            f.write("max")
+        with open(f"{root}/cgroup.procs", "w") as f:
+            f.write(str(os.getpid()))
+        os.rmdir(cg)
+
+    return lift
 
 async def main():
     t = TcpTransport("a", bind_host="127.0.0.1", max_unauthenticated=10_000)
@@ -192,23 +218,22 @@ async def main():
         return await t.on_signal("b", payload)
 
     w.set_signal(signal)
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    import os
-    used = len(os.listdir("/proc/self/fd"))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (used + 8, hard))
+    fds = len(os.listdir("/proc/self/fd"))
+    restore = limit(sys.argv[2])
     print(json.dumps({"port": t.port}), flush=True)
     cpu0 = time.process_time()
     await asyncio.sleep(float(sys.argv[1]))  # the flood, from another process
     cpu = time.process_time() - cpu0
-    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    restore()
     await asyncio.sleep(1.5)  # the listener's pause ends; the flood's sockets are gone
+    left = {"incoming": t.incoming(), "fds_more": len(os.listdir("/proc/self/fd")) - fds}
     await w.connect("a", t.endpoints())
     await w.write(WriteRequest(src, 0, desc, 0, 1 << 20, 7))
     lines = [e for e in logged if e.get("event") == "tcp accept failed; pausing the listener"]
     print(json.dumps({
         "cpu_s": cpu, "accept_errors": t.stats()["accept_errors"], "log_lines": len(lines),
         "errnos": sorted({e["errno"] for e in lines}), "landed": bytes(dst.view) == bytes(src.view),
-        "imms": got,
+        "imms": got, **left,
     }), flush=True)
     await w.close()
     await t.close()
@@ -218,34 +243,66 @@ uvloop.run(main())
 """
 
 
-def test_out_of_descriptors_the_listener_backs_off_and_logs_once_per_interval() -> None:
-    seconds = 4.0
-    proc = subprocess.Popen(
-        [sys.executable, "-c", EMFILE_SCRIPT, str(seconds)],
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(HERE.parent)},
-    )
-    assert proc.stdout is not None
-    port = json.loads(proc.stdout.readline())["port"]
-    held = []
-    deadline = time.monotonic() + seconds - 1
-    while time.monotonic() < deadline and len(held) < 200:
-        try:
-            held.append(socket.create_connection(("127.0.0.1", port), timeout=1))
-        except OSError:
-            break
-    time.sleep(max(0.0, deadline - time.monotonic()))
-    for s in held:
-        s.close()
-    report = json.loads(proc.stdout.readline())
-    assert proc.wait(30) == 0
+def flooded(kind: str, *args: str, seconds: float = 4.0) -> dict[str, Any]:
+    """EMFILE_SCRIPT's transport under limit `kind`, flooded with connections held open
+    meanwhile; its report (it exited 0, so its transports closed, with nothing on stderr)."""
+    with tempfile.TemporaryFile("w+") as stderr:  # not a pipe: a full one blocks the script
+        proc = subprocess.Popen(
+            [sys.executable, "-c", EMFILE_SCRIPT, str(seconds), kind, *args],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(HERE.parent)},
+        )
+        assert proc.stdout is not None
+        port = json.loads(proc.stdout.readline())["port"]
+        held = []
+        deadline = time.monotonic() + seconds - 1
+        while time.monotonic() < deadline and len(held) < 200:
+            try:
+                held.append(socket.create_connection(("127.0.0.1", port), timeout=1))
+            except OSError:
+                break
+        time.sleep(max(0.0, deadline - time.monotonic()))
+        for s in held:
+            s.close()
+        report: dict[str, Any] = json.loads(proc.stdout.readline())
+        code = proc.wait(30)
+        stderr.seek(0)
+        err = stderr.read()
+        assert code == 0, err[-3000:]
+        assert "Traceback" not in err, err[-3000:]
     print(report)
+    return report
+
+
+def test_out_of_descriptors_the_listener_backs_off_and_logs_once_per_interval() -> None:
+    report = flooded("fds")
     assert report["accept_errors"] >= 1, report  # it did run out of descriptors
     assert report["errnos"] == ["EMFILE"], report
     # paused 50 ms doubling to 1 s: a handful of tries in 4 s, not a spin of thousands
     assert report["accept_errors"] <= 20, report
     assert report["log_lines"] == 1, report  # once per 10 s interval
+    assert report["landed"] and report["imms"] == [7], report
+
+
+PIDS = Path("/sys/fs/cgroup/pids")  # cgroup v1's pids controller (v2: the unified root)
+
+
+@pytest.mark.skipif(
+    not os.access(PIDS if PIDS.is_dir() else "/sys/fs/cgroup", os.W_OK),
+    reason="no writable pids cgroup",
+)
+def test_out_of_threads_the_listener_backs_off_and_leaks_nothing() -> None:
+    """A task limit (systemd's TasksMax) leaves no thread for new connections. Each accept
+    raised 'can't start new thread' into the loop (a traceback each), the connection stayed
+    counted with its descriptor open and nothing to end it, and closing the transport
+    failed ('cannot join thread before it is started'). Now it is closed and the listener
+    pauses as for EMFILE; once the limit is lifted nothing is left over, a write lands."""
+    report = flooded("tasks", str(PIDS if PIDS.is_dir() else "/sys/fs/cgroup"))
+    assert report["accept_errors"] >= 1, report  # it did run out of threads
+    assert report["log_lines"] == 1 and report["accept_errors"] <= 20, report
+    assert report["incoming"] == 0 and report["fds_more"] <= 0, report
     assert report["landed"] and report["imms"] == [7], report
 
 

@@ -129,13 +129,15 @@ class Backoff:
         self.failures = 0
         self._log = Limited()
 
-    def failed(self, exc: OSError) -> float:
+    def failed(self, exc: Exception) -> float:
+        """After an accept that failed, or a connection no thread could be started for."""
         self.failures += 1
         self.pause_s = min(PAUSE_S[1], max(PAUSE_S[0], self.pause_s * 2))
+        number = exc.errno if isinstance(exc, OSError) else None
         self._log.warning(
             "tcp accept failed; pausing the listener",
             error=str(exc),
-            errno=errno.errorcode.get(exc.errno or 0, str(exc.errno)),
+            errno=errno.errorcode.get(number or 0, str(number)),
             pause_s=self.pause_s,
         )
         return self.pause_s

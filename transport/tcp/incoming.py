@@ -59,10 +59,10 @@ class IncomingStream:
     _accepted: float = field(default_factory=time.monotonic)
 
     def start(self) -> None:
-        self._thread = threading.Thread(
-            target=self._run, name=f"ww-tcp-recv-{self.address}", daemon=True
-        )
-        self._thread.start()
+        """RuntimeError when no thread can be started (the caller closes the socket)."""
+        thread = threading.Thread(target=self._run, name=f"ww-tcp-recv-{self.address}", daemon=True)
+        thread.start()
+        self._thread = thread
 
     @property
     def peer(self) -> str:

@@ -195,11 +195,8 @@ class TcpTransport(Transport):
         except (BlockingIOError, InterruptedError, ConnectionAbortedError):
             return
         except OSError as exc:  # EMFILE and the like: pause, rather than spin on it
-            self._loop.remove_reader(self._listener.fileno())
-            self._paused = True
-            self._loop.call_later(self._backoff.failed(exc), self._resume_accepting)
+            self._pause(exc)
             return
-        self._backoff.ok()
         address = f"{addr[0]}:{addr[1]}"
         number = self._incoming.number(address)
         if number is None:
@@ -223,7 +220,23 @@ class TcpTransport(Transport):
             number=number,
         )
         self._incoming.add(stream)
-        stream.start()
+        try:
+            stream.start()
+        except RuntimeError as exc:  # no thread for it (a task limit, or memory): as EMFILE
+            # It stayed counted with its socket open and no thread to end it (descriptors
+            # leaked, close() failed joining it) and each accept logged a traceback.
+            self._incoming.ended(stream)
+            conn.close()
+            self._pause(exc)
+            return
+        self._backoff.ok()  # only now: accepts that work while threads fail pause all the same
+
+    def _pause(self, exc: Exception) -> None:
+        """Stop accepting for a while after `exc` (backing off), with one line a while."""
+        assert self._listener is not None and self._loop is not None
+        self._loop.remove_reader(self._listener.fileno())
+        self._paused = True
+        self._loop.call_later(self._backoff.failed(exc), self._resume_accepting)
 
     def _resume_accepting(self) -> None:
         if self._listener is not None and self._loop is not None and self._paused:
