@@ -13,9 +13,10 @@ import pytest
 import uvloop
 
 from weightwire.memory.hostmem import create_shared
-from weightwire.protocol.errors import ErrorCode, WeightwireError
+from weightwire.protocol.errors import ErrorCode, WeightwireError, retryable
 from weightwire.protocol.regions import RegionDescriptor, RegionKeys, TcpKey
 from weightwire.transport.base import LocalRegion, WriteRequest
+from weightwire.transport.removed import RemovedRegions, unknown
 from weightwire.transport.tcp import TcpTransport, auth
 
 from .test_tcp_limits import release
@@ -89,3 +90,84 @@ def test_a_planned_source_writes_only_where_and_with_the_key_it_was_granted() ->
             await release([w, t], files)
 
     uvloop.run(body())
+
+
+def test_a_write_to_a_region_whose_rank_left_is_refused_as_peer_lost() -> None:
+    """A writer still on the plan from before an engine rank left (its regions removed
+    with it) is refused `peer_lost`, retryable, naming the region and that its rank
+    left; a region that never existed is still `unknown_region`. No byte of either lands,
+    and a region registered again under its id (a remap) takes writes again, bitwise."""
+
+    async def body() -> None:
+        t = TcpTransport("a", bind_host="127.0.0.1")
+        await t.start(lambda imm, node: None)
+        w = TcpTransport("b", bind_host="127.0.0.1")
+        await w.start(lambda imm, node: None)
+
+        async def signal(peer: str, payload: bytes) -> bytes:
+            return await t.on_signal("b", payload)
+
+        w.set_signal(signal)
+        files = [create_shared(N, purpose="test") for _ in range(3)]
+        try:
+            src = LocalRegion(id=1, kind="cpu", length=N, view=files[0].view, fd=files[0].fd)
+            src.view[:] = bytes(range(256)) * (N // 256)
+            dst = LocalRegion(id=2, kind="cpu", length=N, view=files[1].view, fd=files[1].fd)
+
+            def desc(region_id: int, rkey: int, scope: str) -> RegionDescriptor:
+                wire_key = RegionKeys(tcp=TcpKey(rkey=auth.plan_rkey(rkey, scope)))
+                return RegionDescriptor(id=region_id, node="a", kind="cpu", length=N, keys=wire_key)
+
+            async def write(d: RegionDescriptor) -> None:
+                await w.connect("a", t.endpoints())
+                await asyncio.wait_for(w.write(WriteRequest(src, 0, d, 0, N, 7)), 10)
+
+            async def refused(d: RegionDescriptor) -> WeightwireError:
+                with pytest.raises(WeightwireError) as err:
+                    await write(d)
+                return err.value
+
+            rkey = t.register(dst).tcp.rkey  # type: ignore[union-attr]
+            t.authorize(2, frozenset({"b"}), "plan-1")
+            old = desc(2, rkey, "plan-1")
+            await write(old)  # lands
+            assert bytes(dst.view) == bytes(src.view)
+
+            dst.view[:] = bytes(N)
+            t.deregister(2)  # its rank left: its regions are removed
+            e1 = await refused(old)
+            assert e1.code is ErrorCode.PEER_LOST and retryable(e1), e1
+            assert "region 2 is gone" in e1.message and "rank left" in e1.message, e1
+
+            e2 = await refused(desc(99, rkey, "plan-1"))  # never registered here
+            assert e2.code is ErrorCode.UNKNOWN_REGION and not retryable(e2), e2
+            assert "unknown region 99" in e2.message, e2
+            assert bytes(dst.view) == bytes(N), "a refused write landed"
+
+            again = LocalRegion(id=2, kind="cpu", length=N, view=files[2].view, fd=files[2].fd)
+            rkey2 = t.register(again).tcp.rkey  # type: ignore[union-attr]
+            t.authorize(2, frozenset({"b"}), "plan-2")
+            await write(desc(2, rkey2, "plan-2"))  # the next plan: lands
+            assert bytes(again.view) == bytes(src.view)
+            assert bytes(dst.view) == bytes(N)
+        finally:
+            await w.close()
+            await t.close()
+            for f in files:
+                f.unlink()
+                f.close()
+
+    uvloop.run(body())
+
+
+def test_removed_region_ids_are_remembered_within_a_bound() -> None:
+    """The last `keep` ids removed are remembered (oldest forgotten first: unknown_region
+    again); an id registered again is forgotten."""
+    removed = RemovedRegions(keep=2)
+    for region_id in (1, 2, 3):
+        removed.add(region_id)
+    assert 1 not in removed and 2 in removed and 3 in removed and len(removed) == 2
+    assert unknown(1, removed).code is ErrorCode.UNKNOWN_REGION
+    assert unknown(3, removed).code is ErrorCode.PEER_LOST
+    removed.discard(3)
+    assert unknown(3, removed).code is ErrorCode.UNKNOWN_REGION

@@ -17,6 +17,7 @@ from weightwire.protocol.errors import (
     PeerLostError,
     RegionError,
     TransferError,
+    retryable,
 )
 from weightwire.protocol.regions import RegionDescriptor, RegionKeys, TcpKey
 from weightwire.transport.base import WriteRequest
@@ -274,6 +275,38 @@ def _forged(desc: RegionDescriptor, **changes: object) -> RegionDescriptor:
     fields = {f: getattr(desc, f) for f in desc.__struct_fields__}
     fields.update(changes)
     return RegionDescriptor(**fields)  # type: ignore[arg-type]
+
+
+def test_a_write_to_a_deregistered_region_fails_peer_lost(kit: TransportKit) -> None:
+    """A writer still on the plan from before the destination's rank left (its region
+    deregistered there) is refused `peer_lost`, retryable, naming the region; no byte, no
+    immediate. The region registered again under its id takes writes again, bitwise."""
+    if not kit.knows_removed:
+        pytest.skip(f"{kit.name} answers unknown_region for a deregistered region")
+
+    async def body(p: Pair) -> None:
+        src, _ = p.region(p.a, 1, MiB)
+        dst, desc = p.region(p.b, 2, MiB)
+        p.kit.fill(src, 0, rand(MiB, 11))
+        p.kit.fill(dst, 0, bytes(MiB))
+        p.b.transport.deregister(2)
+        with pytest.raises(TransferError) as err:
+            await asyncio.wait_for(p.a.transport.write(WriteRequest(src, 0, desc, 0, MiB, 9)), 30)
+        assert retryable(err.value), err.value
+        if p.kit.precise_codes:
+            assert err.value.code is ErrorCode.PEER_LOST, err.value
+            assert "region 2 is gone: its rank left" in err.value.message, err.value
+        assert p.b.imms == []
+        assert p.kit.read(dst, 0, MiB) == bytes(MiB)
+        keys = p.b.transport.register(dst)  # registered again (a remap keeps its id)
+        p.b.transport.authorize(2, frozenset({p.a.name}))
+        again = _forged(desc, keys=keys)
+        await p.a.transport.connect("node-b", p.b.transport.endpoints())
+        await asyncio.wait_for(p.a.transport.write(WriteRequest(src, 0, again, 0, MiB, 5)), 30)
+        assert p.kit.read(dst, 0, MiB) == rand(MiB, 11)
+        assert p.b.imms == [(5, "node-a")]
+
+    run(kit, body)
 
 
 def test_receiver_refuses_out_of_bounds_unknown_region_and_bad_key(kit: TransportKit) -> None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from weightwire.protocol.errors import ErrorCode, RegionError
 from weightwire.transport.base import LocalRegion
+from weightwire.transport.removed import RemovedRegions, unknown
 from weightwire.transport.tcp.data import Write
 
 from . import auth
@@ -43,17 +44,20 @@ class RegionTable:
 
     def __init__(self, grant_wait_s: float = GRANT_WAIT_S) -> None:
         self._regions: dict[int, _Registered] = {}
+        self.removed = RemovedRegions()  # a write to one: peer_lost, not unknown_region
         self._changed = threading.Condition()
         self.grant_wait_s = grant_wait_s
 
     def add(self, region: LocalRegion, rkey: int) -> None:
         with self._changed:
             self._regions[region.id] = _Registered(region, rkey, rkey, frozenset())
+            self.removed.discard(region.id)
             self._changed.notify_all()
 
     def remove(self, region_id: int) -> None:
         with self._changed:
-            self._regions.pop(region_id, None)
+            if self._regions.pop(region_id, None) is not None:
+                self.removed.add(region_id)
             self._changed.notify_all()
 
     def grant(self, region_id: int, writers: frozenset[str], scope: str) -> None:
@@ -74,10 +78,8 @@ class RegionTable:
         with self._changed:
             while True:
                 reg = self._regions.get(write.region)
-                if reg is None:
-                    raise RegionError(
-                        f"unknown region {write.region}", code=ErrorCode.UNKNOWN_REGION
-                    )
+                if reg is None:  # peer_lost when its rank left (removed): retryable
+                    raise unknown(write.region, self.removed)
                 problem = reg.refusal(write, peer)
                 if problem is None:
                     break
