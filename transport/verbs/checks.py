@@ -15,6 +15,7 @@ import structlog
 
 from weightwire.protocol.errors import ErrorCode, RegionError
 from weightwire.protocol.regions import RegionDescriptor, VerbsKey
+from weightwire.transport.removed import unknown
 
 from . import wire
 from .mesh import Mesh
@@ -64,9 +65,10 @@ class Checks:
 
     def answer(self, req: wire.Check) -> wire.Reply:
         self.rt.stats["checks"] += 1
-        reg = self.regions.get(req.region)
-        if reg is None:
-            raise RegionError(f"no region {req.region} here", code=ErrorCode.UNKNOWN_REGION)
+        with self.rt.lock:
+            reg = self.regions.get(req.region)
+            if reg is None:  # peer_lost when its rank left (removed): retryable
+                raise unknown(req.region, self.regions.removed, " here")
         key = reg.keys.get(req.device)
         if key is None or key.addr != req.addr or key.rkey != req.rkey:
             raise RegionError(f"wrong key for region {req.region}", code=ErrorCode.UNAUTHORIZED)

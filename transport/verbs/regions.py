@@ -17,6 +17,7 @@ from weightwire.memory.hostmem import address_of, page_span
 from weightwire.protocol.errors import RegistrationError, WeightwireError
 from weightwire.protocol.regions import RegionKeys, VerbsKey
 from weightwire.transport.base import LocalRegion
+from weightwire.transport.removed import RemovedRegions
 
 from .devices import affine_nics, pci_path_of_bus_id, pci_path_of_nic
 from .hw import populate
@@ -54,6 +55,7 @@ class Regions:
         self.relaxed_ordering = relaxed_ordering
         self.sysfs = sysfs
         self._regions: dict[int, Registered] = {}
+        self.removed = RemovedRegions()  # a Check of one: peer_lost, not unknown_region
         self._gpu_nics: dict[str, list[str]] = {}
 
     def get(self, region_id: int) -> Registered | None:
@@ -160,6 +162,7 @@ class Regions:
         with rt.lock:
             old = self._regions.pop(region.id, None)
             self._regions[region.id] = reg
+            self.removed.discard(region.id)
             rt.stats["regions"] = len(self._regions)
         if old is not None:
             self._release(old)
@@ -183,6 +186,8 @@ class Regions:
     def deregister(self, region_id: int) -> None:
         with self.rt.lock:
             reg = self._regions.pop(region_id, None)
+            if reg is not None:
+                self.removed.add(region_id)
             self.rt.stats["regions"] = len(self._regions)
         if reg is not None:
             self._release(reg)
