@@ -51,16 +51,16 @@ def body_size(kind: Kind, n: int, k: int, width: int) -> int:
 SPARSE = (Kind.POS32, Kind.BLOCK16, Kind.BITMAP)  # the delta (not dense) encodings
 
 
-def _sparse(n: int) -> list[Kind]:
-    """The delta encodings a stream of n elements may use (POS32 positions are 32-bit)."""
-    return [kd for kd in SPARSE if kd is not Kind.POS32 or n <= 0xFFFFFFFF]
+def _sparse(n: int, kinds: tuple[Kind, ...]) -> list[Kind]:
+    """Those of `kinds` a stream of n elements may use (POS32 positions are 32-bit)."""
+    return [kd for kd in kinds if kd is not Kind.POS32 or n <= 0xFFFFFFFF]
 
 
-def max_changes(n: int, width: int, capacity: int) -> int:
-    """The most changes of n elements whose smallest delta body fits `capacity` bytes
-    (-1: none fits); exact, so a compare may stop once it has found more."""
+def max_changes(n: int, width: int, capacity: int, kinds: tuple[Kind, ...] = SPARSE) -> int:
+    """The most changes of n elements whose smallest delta body (of `kinds`) fits
+    `capacity` bytes (-1: none fits); exact, so a compare may stop once it has found more."""
     best = -1
-    for kind in _sparse(n):
+    for kind in _sparse(n, kinds):
         fixed = body_size(kind, n, 0, width)
         per = body_size(kind, n, 1, width) - fixed
         if capacity >= fixed:
@@ -68,7 +68,10 @@ def max_changes(n: int, width: int, capacity: int) -> int:
     return min(best, n)
 
 
-def best_kind(n: int, k: int, width: int, *, allow_dense: bool = True) -> Kind:
-    """The smallest encoding of k changes of n elements (ties go to the simplest)."""
-    kinds = ([Kind.DENSE] if allow_dense else []) + _sparse(n)
-    return min(kinds, key=lambda kd: body_size(kd, n, k, width))
+def best_kind(
+    n: int, k: int, width: int, *, allow_dense: bool = True, kinds: tuple[Kind, ...] = SPARSE
+) -> Kind:
+    """The smallest encoding of k changes of n elements, of `kinds` or dense (ties go to
+    the simplest)."""
+    some = ([Kind.DENSE] if allow_dense else []) + _sparse(n, kinds)
+    return min(some, key=lambda kd: body_size(kd, n, k, width))

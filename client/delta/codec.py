@@ -17,11 +17,19 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from weightwire.protocol.delta import BLOCK, Kind, best_kind, body_size, elements, max_changes
+from weightwire.protocol.delta import (
+    BLOCK,
+    SPARSE,
+    Kind,
+    best_kind,
+    body_size,
+    elements,
+    max_changes,
+)
 
 from . import apply_kernel, decodeloop
 
-__all__ = ["BLOCK", "Kind", "best_kind", "body_size", "elements", "max_changes"]
+__all__ = ["BLOCK", "SPARSE", "Kind", "best_kind", "body_size", "elements", "max_changes"]
 _CHUNK = 1 << 18  # elements compared at a time on the CPU
 
 
