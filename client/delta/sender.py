@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -48,16 +47,6 @@ HOST_KINDS = (codec.Kind.POS32, codec.Kind.BLOCK16)
 """The host path's encodings: BLOCK16, compiled at both ends, and POS32 (a few changes).
 BITMAP took 0.28 s to encode and 0.9 s to decode per 256 MiB bucket at 18 % density, a
 version slower than dense: where BLOCK16 cannot fit, the slot goes dense."""
-
-
-@dataclass
-class BucketDelta:
-    """What one bucket sent as payloads: (bucket, slot index, bytes) and, per destination,
-    (area offset, bytes) for its trailer."""
-
-    sent: list[tuple[int, int, int]] = field(default_factory=list)
-    refs: dict[Dst, list[tuple[int, int]]] = field(default_factory=dict)
-    dense_bytes: int = 0  # of the bucket's writes replaced by payloads
 
 
 class DeltaSender:
@@ -159,7 +148,11 @@ class DeltaSender:
         for index, ds in enumerate(b.deltas):
             if not self._wants_delta(ds):
                 continue
-            nbytes = self._encode(b, ds, new, out, found)
+            into_host = any(
+                not gpu_region(b.writes[i].dst_node, b.writes[i].dst_region) for i in ds.writes
+            )  # a host engine applies BLOCK16 compiled, BITMAP slowly
+            kinds = HOST_KINDS if into_host else codec.SPARSE
+            nbytes = self._encode(b, ds, new, out, found, kinds)
             if nbytes:
                 sent.append((b.index, index, nbytes))
                 self._trailers.sent(ds, nbytes)
@@ -313,8 +306,10 @@ class DeltaSender:
         staging: Planned,
         out: torch.Tensor,
         found: dict[tuple[int, int, int], torch.Tensor],
+        kinds: tuple[codec.Kind, ...],
     ) -> int:
-        """The payload for `ds` at its offset in `out`; 0 when it goes dense."""
+        """The payload for `ds` at its offset in `out` (the smallest of `kinds`); 0 when it
+        goes dense."""
         assert self.shadow is not None
         w = ds.width
         writes = [b.writes[i] for i in ds.writes]
@@ -336,7 +331,7 @@ class DeltaSender:
                 return 0
         n = start // w
         pos = _cat(positions, torch.int64)
-        head = self._head(b, ds, n, int(pos.numel()), codec.SPARSE)
+        head = self._head(b, ds, n, int(pos.numel()), kinds)
         if head is None:
             return 0
         body = codec.encode_body(pos, _cat(values, torch.uint8), n, w, codec.Kind(head.kind))
