@@ -214,7 +214,10 @@ def run(args: Any) -> int:
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     use_netns, why = netns.available()
-    flags = {"tcp-streams": str(args.streams), "version-timeout-s": "600"}
+    from weightwire.daemon.config import default_tcp_streams
+
+    streams = args.streams or default_tcp_streams()  # the daemon's default unless given
+    flags = {"tcp-streams": str(streams), "version-timeout-s": "600"}
     cluster = LocalCluster(hosts=2, use_netns=use_netns, extra=flags)
     runs = []
     params = args.layers * args.width * args.width
@@ -254,7 +257,7 @@ def run(args: Any) -> int:
         "link": "veth between two network namespaces" if use_netns else f"loopback ({why})",
         "link_gbps": shaped,  # shaped runs (tc tbf on the trainer host's veth)
         "transport": "tcp",
-        "streams": args.streams,
+        "streams": streams,
         "runs": nic or runs,
         "unshaped_runs": [r for r in runs if r["link_gbps"] is None] if nic else [],
         "verified": all(r["verified"] for r in runs),
@@ -285,7 +288,12 @@ def add_arguments(p: Any) -> None:
         "--lr", type=float, nargs="+", default=[1e-6, 1e-5], help="AdamW learning rates, each a run"
     )
     p.add_argument("--steps", type=int, default=5, help="AdamW steps (versions) per learning rate")
-    p.add_argument("--streams", type=int, default=4, help="tcp streams per peer")
+    p.add_argument(
+        "--streams",
+        type=int,
+        default=0,
+        help="tcp streams per peer (default: the daemon's, 4 or the host's cores if fewer)",
+    )
     links = p.add_mutually_exclusive_group()
     links.add_argument(
         "--link-gbps",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import os
 import socket
 import tomllib
 from pathlib import Path
@@ -91,7 +92,10 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     cuda: Literal["auto", "on", "off"] = "auto"
     tcp_bind: str = "0.0.0.0"  # tcp data plane: listen address
     tcp_port: int = 0  # tcp data plane: port (0: any; advertised to peers)
-    tcp_streams: int = 4  # tcp data plane: parallel connections per peer
+    # tcp data plane: parallel connections per peer (0: 4, or the host's cores if fewer:
+    # each stream's copies and tags take a core; on 2 cores 4 streams moved no more dense
+    # bytes than 2 and made a delta version 4-7 % slower)
+    tcp_streams: int = 0
     # a data connection not authenticated (hello and ticket proof) this long after it was
     # accepted is closed
     tcp_handshake_timeout_s: float = 10.0
@@ -152,10 +156,24 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 f"heartbeat_timeout_s ({self.heartbeat_timeout_s}) must exceed twice "
                 f"heartbeat_interval_s ({self.heartbeat_interval_s})"
             )
-        return msgspec.structs.replace(self, node=node, advertise_host=advertise)
+        if self.tcp_streams < 0:
+            raise ConfigError(f"tcp_streams {self.tcp_streams} must be 0 (by the cores) or more")
+        streams = self.tcp_streams or default_tcp_streams()
+        return msgspec.structs.replace(
+            self, node=node, advertise_host=advertise, tcp_streams=streams
+        )
 
 
 _WILDCARDS = ("0.0.0.0", "*", "::")
+
+
+def default_tcp_streams() -> int:
+    """tcp_streams = 0: 4, or the cores this process may run on if fewer."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(4, cores))
 
 
 def _host_address(peer_bind: str) -> str:

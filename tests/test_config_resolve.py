@@ -3,10 +3,12 @@ use, and a host name that does not resolve is a config error naming advertise_ho
 
 The host names are real ones, resolved for real (`localhost` is loopback everywhere, the
 `.invalid` top-level domain never resolves, RFC 6761); only gethostname() is swapped, or,
-for the daemon itself, the host name of a UTS namespace is set."""
+for the daemon itself, the host name of a UTS namespace is set. And how many tcp streams
+a node opens per peer by default."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -104,3 +106,14 @@ def test_daemon_refuses_to_advertise_loopback_or_nothing(
     assert r.returncode == 1, r.stdout + r.stderr
     assert '"code": "invalid"' in r.stdout and needle in r.stdout, r.stdout + r.stderr
     assert "set advertise_host" in r.stdout and hostname in r.stdout
+
+
+def test_tcp_streams_default_follows_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tcp_streams = 0 (the default): 4 streams, or one per core where there are fewer
+    (each stream's copies and tags take a core); a number given is kept; below 0 refused."""
+    for cores, want in ((1, 1), (2, 2), (3, 3), (16, 4)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)))
+        assert _cfg(peer_bind="tcp://127.0.0.1:0").resolved().tcp_streams == want
+    assert _cfg(peer_bind="tcp://127.0.0.1:0", tcp_streams=8).resolved().tcp_streams == 8
+    with pytest.raises(ConfigError, match="tcp_streams -1"):
+        _cfg(peer_bind="tcp://127.0.0.1:0", tcp_streams=-1).resolved()
