@@ -337,7 +337,7 @@ class DaemonConnection:
         try:
             yield shared
         except BaseException:
-            shared.unlink()
+            shared.detach()
             shared.close()
             raise
 

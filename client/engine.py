@@ -379,4 +379,6 @@ class Engine(RankClient):
         if self._delta is not None:
             self._delta.close()
         for shared in self._regions:
-            shared.unlink()
+            shared.detach()  # the weights may live on in the caller's tensors
+        self._regions.clear()
+        self._buffers.clear()

@@ -107,5 +107,5 @@ class SourceRegions:
 
     def close(self) -> None:
         for _, shared, _ in self._host:
-            shared.unlink()
+            shared.detach()  # the tensors `allocate` gave out may live on
         self._host.clear()

@@ -88,5 +88,6 @@ class Staging:
         if self.shared is not None:
             del self.tensor
             self.shared.unlink()
-            self.shared.close()
+            if not self.shared.close():  # a view of it lives on: its memory goes with it
+                self.shared.detach()
             self.shared = None

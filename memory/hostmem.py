@@ -68,8 +68,22 @@ class SharedFile:
         except BufferError:
             self.view = memoryview(self.map)
             return False
-        os.close(self.fd)
+        self._close_fd()
         return True
+
+    def detach(self) -> None:
+        """Unlink the name and close the descriptor (and with it the flock), leaving the
+        mapping to whoever still reads it: tensors on it keep working, and its memory goes
+        back to the filesystem when the last of them goes. What a rank that closes does
+        with files its callers' tensors may still live in (an engine's adopted weights):
+        kept open, a file's pages stayed allocated until the process exited."""
+        self.unlink()
+        self._close_fd()
+
+    def _close_fd(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def free_bytes(directory: str) -> int:

@@ -8,10 +8,12 @@ and the daemon, which maps what ranks register, never touches a page it could no
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -216,3 +218,60 @@ def test_delta_regions_live_in_the_region_directory(
     finally:
         big.close()
     healthy_sync(shm_cluster, "after-delta-region-dir")
+
+
+def _free(small_shm: str, at_least: int) -> int:
+    """The tmpfs's free bytes once they reach `at_least` (a closed rank's threads let go of
+    it within moments), or after 10 s."""
+    deadline = time.monotonic() + 10
+    while True:
+        gc.collect()
+        free = free_bytes(small_shm)
+        if free >= at_least or time.monotonic() > deadline:
+            return free
+        time.sleep(0.05)
+
+
+def test_closed_ranks_give_their_region_memory_back(
+    shm_cluster: LocalCluster, small_shm: str
+) -> None:
+    """Ranks made and closed one after another in one process (a bench's runs, an engine
+    made again after a replan): a closed engine kept the descriptors of its weights'
+    region and its delta area open (and a trainer those of `allocate`'s sources), so their
+    pages stayed allocated in the tmpfs until the process exited, and in this 8 MiB one
+    the second engine found no room. Now a closed rank's files go back as soon as the
+    caller's tensors on them go; tensors kept past `close` still hold their bytes."""
+    free0 = _free(small_shm, 8 * MiB)
+    assert free0 == 8 * MiB, "the tests before left memory in the tmpfs"
+    kept: dict[str, torch.Tensor] = {}
+    for i in range(4):
+        job = f"reuse-{i}"
+        eng = Engine(0, 1, socket=shm_cluster.daemons[1].socket, job=job, timeout_s=20,
+                     delta_area=0.5)  # fmt: skip
+        tr = Trainer(0, 1, socket=shm_cluster.daemons[0].socket, job=job, timeout_s=20,
+                     delta="on")  # fmt: skip
+        try:
+            src = tr.allocate({"w": ((256 << 10,), torch.float32)})["w"]  # 1 MiB, zero-copy
+            src.copy_(torch.arange(256 << 10, dtype=torch.float32) + i)
+            dst = torch.zeros_like(src)
+            eng.register({"w": dst})  # 1 MiB of weights, 1 MiB of delta area
+            tr.register({"w": src})
+            for version in range(2):
+                src[version::31] += 1
+                tr.publish(version)
+                eng.wait(version)
+                assert torch.equal(dst, src)
+            expected = src.clone()
+        finally:
+            tr.close()
+            eng.close()
+        assert torch.equal(dst, expected)  # the engine's weights outlive its close
+        if i == 0:
+            kept["dst"], kept["expected"] = dst, expected
+        del src, dst, tr, eng
+        want = free0 - 1 * MiB  # all but the first engine's weights, still in use
+        assert _free(small_shm, want) >= want, "a closed rank kept its files"
+    assert torch.equal(kept["dst"], kept["expected"])  # still mapped, three ranks later
+    kept.clear()
+    assert _free(small_shm, free0) >= free0
+    healthy_sync(shm_cluster, "after-reuse")
