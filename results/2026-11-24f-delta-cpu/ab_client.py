@@ -70,6 +70,26 @@ def versions() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     return a, b
 
 
+def start(runs: list[dict[str, Any]], variant: str, extra: dict[str, str]) -> dict[str, Any]:
+    """Two daemons in namespaces, the first's veth shaped to 10 Gbit/s, as a new run."""
+    cl = LocalCluster(hosts=2, use_netns=True, extra=extra)
+    run: dict[str, Any] = {"variant": variant, "cluster": cl, "times": [], "v": 0}
+    runs.append(run)
+    cl.start()
+    cl.wait_joined()
+    assert cl.net is not None
+    cl.net.shape(0, 10.0)
+    return run
+
+
+def report(runs: list[dict[str, Any]]) -> None:
+    print("load average", os.getloadavg())
+    for run in runs:
+        times = run["times"]
+        print(run["variant"], f"median {statistics.median(times):.4f}",
+              [round(x, 3) for x in times], flush=True)  # fmt: skip
+
+
 def main() -> None:
     sender.DeltaSender._bucket_host = bucket_host  # type: ignore[method-assign]
     receiver.DeltaReceiver._apply_bucket = apply_bucket  # type: ignore[method-assign]
@@ -86,13 +106,8 @@ def main() -> None:
             tail = option(variant, "tail")
             if tail is not None:
                 extra["bucket-tail-bytes"] = str(tail << 20)
-            cl = LocalCluster(hosts=2, use_netns=True, extra=extra)
-            run: dict[str, Any] = {"variant": variant, "cluster": cl, "times": [], "v": 0}
-            runs.append(run)
-            cl.start()
-            cl.wait_joined()
-            assert cl.net is not None
-            cl.net.shape(0, 10.0)
+            run = start(runs, variant, extra)
+            cl = run["cluster"]
             dst = {n: torch.zeros_like(t) for n, t in params.items()}
             job, sock = f"ab-{len(runs)}", cl.daemons[1].socket
             eng = Engine(0, 1, socket=sock, job=job, timeout_s=600, delta_area=0.25)
@@ -121,11 +136,7 @@ def main() -> None:
                     tr.publish(run["v"])
                     eng.wait(run["v"])
                     tr.delta.mode = "auto"
-        print("load average", os.getloadavg())
-        for run in runs:
-            times = run["times"]
-            print(run["variant"], f"median {statistics.median(times):.4f}",
-                  [round(x, 3) for x in times], flush=True)  # fmt: skip
+        report(runs)
     finally:
         for run in runs:
             if "tr" in run:

@@ -12,13 +12,10 @@ in the engine's process). Prints each variant's delta seconds.
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
-import statistics
 import sys
 from multiprocessing.connection import Connection
 from typing import Any
 
-import numpy as np
 import torch
 import xxhash
 
@@ -44,37 +41,24 @@ def engine_process(sock: str, job: str, shapes: dict[str, Any], conn: Connection
 
 
 def main() -> None:
+    from ab_client import report, start, versions  # this script's folder is on the path
+
     from weightwire.client import Engine, Trainer
     from weightwire.harness import netns
-    from weightwire.harness.localcluster import LocalCluster
 
     rounds = int(sys.argv[1])
     use_netns, why = netns.available()
     if not use_netns:
         raise SystemExit(f"needs network namespaces: {why}")
-    rng = np.random.default_rng(0)
-    a, b = {}, {}
-    for i in range(8):
-        x = rng.standard_normal((8192, 8192), dtype=np.float32) * 0.02
-        t = torch.from_numpy(x).to(torch.bfloat16)
-        flip = torch.from_numpy(rng.random(8192 * 8192, dtype=np.float32) < 0.042)
-        u = t.clone()
-        u.view(torch.int16).view(-1).bitwise_xor_(flip.to(torch.int16))
-        a[f"l{i}"], b[f"l{i}"] = t, u
+    a, b = versions()
     want = {0: digest(a), 1: digest(b)}
     params = {n: t.clone() for n, t in a.items()}
     ctx = mp.get_context("spawn")
     runs: list[dict[str, Any]] = []
     try:
         for variant in ("in-process", "own-process"):
-            cl = LocalCluster(hosts=2, use_netns=True, extra={"version-timeout-s": "600"})
-            run: dict[str, Any] = {"variant": variant, "cluster": cl, "times": [], "v": 0}
-            runs.append(run)
-            cl.start()
-            cl.wait_joined()
-            assert cl.net is not None
-            cl.net.shape(0, 10.0)
-            job, sock = f"ep-{variant}", cl.daemons[1].socket
+            run = start(runs, variant, {"version-timeout-s": "600"})
+            job, sock = f"ep-{variant}", run["cluster"].daemons[1].socket
             if variant == "in-process":
                 dst = {n: torch.zeros_like(t) for n, t in params.items()}
                 eng = Engine(0, 1, socket=sock, job=job, timeout_s=600, delta_area=0.25)
@@ -87,7 +71,8 @@ def main() -> None:
                 proc.start()
                 assert mine.recv() == "ready"
                 run.update(pipe=mine, proc=proc)
-            tr = Trainer(0, 1, socket=cl.daemons[0].socket, job=job, timeout_s=600, delta="auto")
+            trainer_sock = run["cluster"].daemons[0].socket
+            tr = Trainer(0, 1, socket=trainer_sock, job=job, timeout_s=600, delta="auto")
             tr.register(params)
             tr.prepare()
             run["tr"] = tr
@@ -111,11 +96,7 @@ def main() -> None:
                 assert landed(run, run["v"]) == want[1 if r % 2 == 0 else 0], run["variant"]
                 if r:
                     run["times"].append(d.total_seconds)
-        print("load average", os.getloadavg())
-        for run in runs:
-            times = run["times"]
-            print(run["variant"], f"median {statistics.median(times):.4f}",
-                  [round(x, 3) for x in times], flush=True)  # fmt: skip
+        report(runs)
     finally:
         for run in runs:
             if "tr" in run:
