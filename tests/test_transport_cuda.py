@@ -23,7 +23,6 @@ class CudaKit(TransportKit):
     """Regions are device allocations; with two GPUs the nodes use different ones."""
 
     name = "cuda"
-    knows_removed = False  # a write to a deregistered region: unknown_region still
 
     def __init__(self) -> None:
         self.drv = driver()

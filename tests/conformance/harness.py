@@ -30,7 +30,6 @@ class TransportKit(abc.ABC):
     name: str
     precise_codes = True  # refusals carry the exact ErrorCode (tcp), not only TransferError
     admits_before_landing = True  # set_admission's check runs before a write lands (not verbs)
-    knows_removed = True  # a write to a deregistered region fails peer_lost (not cuda yet)
 
     async def pausable(self, pair: Pair) -> Pausable | None:
         """Route a -> b through something that can hold a's bytes back mid-write (a writer

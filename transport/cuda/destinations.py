@@ -49,24 +49,31 @@ class Destinations:
         owner = neighbours.get(node)
         return owner.region(region_id) if owner is not None else None
 
+    def _missing(self, node: str, region_id: int) -> RegionError | PeerLostError:
+        """The refusal of a write into a region of `node` (a transport of this process)
+        that is not registered: `gone` if it was (`RemovedRegions`), else unknown_region."""
+        if node == self.node:
+            return self._regions.missing(region_id, node)
+        owner = neighbours.get(node)
+        if owner is None:
+            return PeerLostError(f"not connected to node {node}")
+        return owner.missing(region_id)
+
     def _destination(self, dst: RegionDescriptor, dst_offset: int, length: int) -> tuple[int, int]:
         """(device pointer, device ordinal) of the write's first destination byte."""
-        assert self.drv is not None
         if dst.node != self.node and dst.node not in self._peers:
             raise PeerLostError(f"not connected to node {dst.node}")
         if dst.node == self.node or neighbours.get(dst.node) is not None:
             local = self._region(dst.node, dst.id)
-            if local is None:
-                raise RegionError(
-                    f"unknown region {dst.id} of {dst.node}", code=ErrorCode.UNKNOWN_REGION
-                )
+            if local is None:  # peer_lost when its rank left (deregistered): retryable
+                raise self._missing(dst.node, dst.id)
             local.region.check(dst_offset, length, "write")
             assert local.region.device is not None
             return local.region.address + dst_offset, local.region.device
         key = dst.keys.cuda
         if key is None or key.host_id != self.host:
             raise RegionError(f"region {dst.id} of {dst.node} is not reachable by cuda")
-        assert self.ipc is not None
+        assert self.drv is not None and self.ipc is not None
         base, size = self.ipc.opened(key.ipc_handle, self.drv.ordinal_of(key.device_uuid))
         if key.offset + dst.length > size:
             raise RegionError(

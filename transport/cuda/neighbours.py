@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 from typing import Protocol
 
+from weightwire.protocol.errors import PeerLostError, RegionError
+
 from .regions import Local
 
 
@@ -16,6 +18,11 @@ class Neighbour(Protocol):
 
     def region(self, region_id: int) -> Local | None:
         """Its registered region `region_id`, if any."""
+        ...
+
+    def missing(self, region_id: int) -> RegionError | PeerLostError:
+        """Why a write into its region `region_id`, not registered, is refused: peer_lost
+        when it was deregistered (its rank left or released it), else unknown_region."""
         ...
 
     def admits(self, source: str, imm: int) -> bool:

@@ -4,14 +4,16 @@ mapped), host regions pinned once for faster copies out of them."""
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 
 import structlog
 
 from weightwire.memory.cudadrv import CudaError, Driver
-from weightwire.protocol.errors import ErrorCode, RegionError
+from weightwire.protocol.errors import ErrorCode, PeerLostError, RegionError
 from weightwire.protocol.regions import CudaKey, RegionKeys
 from weightwire.transport.base import LocalRegion
+from weightwire.transport.removed import RemovedRegions, unknown
 
 from .prepared import Epoch
 
@@ -33,9 +35,17 @@ class CudaRegions:
         self.host = host
         self._local: dict[int, Local] = {}
         self.pinned: dict[int, int] = {}  # host regions pinned here: id -> address
+        self._removed = RemovedRegions()  # a write into one: peer_lost, not unknown_region
+        self._lock = threading.Lock()  # registration runs on worker threads in the daemon
 
     def get(self, region_id: int) -> Local | None:
         return self._local.get(region_id)
+
+    def missing(self, region_id: int, node: str) -> RegionError | PeerLostError:
+        """The refusal of a write into region `region_id` (of `node`), not registered here:
+        peer_lost (retryable) when it was deregistered, unknown_region when it never was."""
+        with self._lock:
+            return unknown(region_id, self._removed, f" of {node}")
 
     def pinned_at(self, region_id: int, address: int) -> bool:
         """Whether host region `region_id` is pinned, at `address`."""
@@ -63,8 +73,7 @@ class CudaRegions:
         if isinstance(region.extra.get("vmm_base"), int) and isinstance(offset, int):
             # VMM memory the daemon mapped from the rank's fds, reachable by every device:
             # written here, by this daemon's lanes; no key another process could open
-            self._local[region.id] = Local(region, b"", offset)
-            Epoch.bump()
+            self._add(Local(region, b"", offset))
             return RegionKeys()
         handle = region.extra.get("ipc_handle")
         if (
@@ -75,14 +84,21 @@ class CudaRegions:
             raise RegionError(
                 f"gpu region {region.id} has no CUDA IPC handle", code=ErrorCode.INVALID
             )
-        self._local[region.id] = Local(region, handle, offset)
-        Epoch.bump()
+        self._add(Local(region, handle, offset))
         return RegionKeys(
             cuda=CudaKey(host_id=self.host, device_uuid=uuid, ipc_handle=handle, offset=offset)
         )
 
+    def _add(self, local: Local) -> None:
+        with self._lock:
+            self._local[local.region.id] = local
+            self._removed.discard(local.region.id)  # registered again (a remap keeps its id)
+        Epoch.bump()
+
     def deregister(self, drv: Driver | None, region_id: int) -> None:
-        self._local.pop(region_id, None)
+        with self._lock:
+            if self._local.pop(region_id, None) is not None:
+                self._removed.add(region_id)
         address = self.pinned.pop(region_id, None)
         Epoch.bump()
         if address is not None and drv is not None:

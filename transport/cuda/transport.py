@@ -148,6 +148,9 @@ class CudaTransport(Transport):
     def region(self, region_id: int) -> Local | None:
         return self._regions.get(region_id)
 
+    def missing(self, region_id: int) -> RegionError | PeerLostError:
+        return self._regions.missing(region_id, self.node)
+
     def admits(self, source: str, imm: int) -> bool:
         return self._admit is None or self._admit(source, imm)
 
