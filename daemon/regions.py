@@ -6,6 +6,7 @@ import contextlib
 import itertools
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,11 @@ from weightwire.protocol.regions import RegionDescriptor, RegionKeys
 from weightwire.transport.base import LocalRegion, Transport
 
 log = structlog.get_logger("weightwire.daemon.regions")
+
+# How long a gpu region's mapping is kept after it left the transports, for the copies
+# already issued into it to finish (a cuda lane's, `transport/cuda/inflight.py`); past it,
+# it is unmapped all the same (an error line): a rank's memory is not held for ever.
+UNMAP_WAIT_S = 10.0
 
 
 @dataclass(eq=False)
@@ -44,6 +50,9 @@ class RegionRegistry:
     # the descriptors a rank passed under a token (the local server's fd inbox)
     claim_fds: Callable[[bytes], list[int]] | None = None
     _vmm: Any = None  # memory.vmm.Imports, made on first use
+    # gpu regions removed while copies into them were in flight: unmapped by `reap` once
+    # done, or at the deadline (monotonic)
+    _draining: list[tuple[LocalRegion, float]] = field(default_factory=list)
 
     def add_shared(self, path: str, length: int, purpose: str, session: str, owner: str) -> Region:
         file = open_shared(path, length, self.directory)
@@ -192,7 +201,16 @@ class RegionRegistry:
 
         old = region.local
         if not region.released:
-            driver().synchronize_all()  # copies issued before `detach` may still be running
+            # copies issued before `detach` may still be running: the transports' first
+            # (bounded), then whatever else of this process (tcp's bounce copies)
+            if self._drained(old.id, UNMAP_WAIT_S):
+                driver().synchronize_all()
+            else:
+                log.error(
+                    "copies into a released region still in flight: unmapped all the same",
+                    region=old.id,
+                    waited_s=UNMAP_WAIT_S,
+                )
             self._unmap(old)
             region.released = True
         if info is None:
@@ -286,14 +304,37 @@ class RegionRegistry:
                 t.deregister(region_id)
         if region.file is not None:
             self._closing.append(region.file)
-        if region.local.kind == "gpu" and not region.released:
-            self._unmap(region.local)
+        if region.local.kind == "gpu" and not region.released:  # once no copy is into it
+            self._draining.append((region.local, time.monotonic() + UNMAP_WAIT_S))
         self.reap()
         log.info("region released", region=region_id, owner=region.local.owner)
 
-    def reap(self) -> None:
-        """Unmap released regions once no receive is still writing into them."""
+    def reap(self, force: bool = False) -> None:
+        """Unmap released regions once no receive is still writing into them (on the
+        loop: nothing waits). `force`: every gpu region now (the transports are closed)."""
         self._closing = [f for f in self._closing if not f.close()]
+        now, waiting = time.monotonic(), []
+        for local, deadline in self._draining:
+            if force or self._drained(local.id, 0.0):
+                self._unmap(local)
+            elif now >= deadline:
+                log.error(
+                    "copies into a removed region still in flight: unmapped all the same",
+                    region=local.id,
+                    waited_s=UNMAP_WAIT_S,
+                )
+                self._unmap(local)
+            else:
+                waiting.append((local, deadline))
+        self._draining = waiting
+
+    def _drained(self, region_id: int, timeout_s: float) -> bool:
+        """Whether no transport may still be writing into a deregistered region, waiting
+        up to `timeout_s` in all (0: answer at once)."""
+        deadline = time.monotonic() + timeout_s
+        return all(
+            t.drained(region_id, max(0.0, deadline - time.monotonic())) for t in self.transports
+        )
 
     def of_session(self, session: str) -> list[Region]:
         return [r for r in self.regions.values() if r.session == session]
@@ -301,5 +342,6 @@ class RegionRegistry:
     def close(self) -> None:
         for region_id in list(self.regions):
             self.remove(region_id)
+        self.reap(force=True)
         if self._vmm is not None:
             self._vmm.close_all()

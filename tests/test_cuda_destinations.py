@@ -52,7 +52,7 @@ def resolved(d: Destinations, r: WriteRequest) -> tuple[int, BaseException | Non
 
 
 def test_a_deregistered_region_is_refused_peer_lost_and_taken_again_once_registered() -> None:
-    regions = CudaRegions("host")
+    regions = CudaRegions("node-b", "host")
     d = Destinations("node-b", "host", regions, {})
     regions.register(None, gpu_region(2))
     assert resolved(d, write_into("node-b", 2)) == (BASE + 4096, None)
@@ -84,7 +84,7 @@ def neighbour() -> Iterator[CudaTransport]:
 
 def test_a_neighbours_deregistered_region_is_refused_peer_lost(neighbour: CudaTransport) -> None:
     """The destination is another cuda transport of this process (its own removed ids)."""
-    d = Destinations("node-b", "host", CudaRegions("host"), {"node-c": "unused"})
+    d = Destinations("node-b", "host", CudaRegions("node-b", "host"), {"node-c": "unused"})
     neighbour.register(gpu_region(3))
     assert resolved(d, write_into("node-c", 3)) == (BASE + 4096, None)
     neighbour.deregister(3)

@@ -301,3 +301,73 @@ def test_gated_post_waits_on_the_gpu_for_the_pack_counter(
             drv.free(word)
 
     run(kit, body)  # noqa: F405
+
+
+def test_a_region_deregistered_under_a_large_write_is_drained_and_the_write_fails(
+    kit: TransportKit, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 64 MiB write issued and held on the GPU (gated), smaller writes into the same
+    region behind it on the lane (a budget of 4 operations: one issued, the rest queued),
+    and the region is deregistered (its rank left). The region is not drained while the
+    large copy waits (at once, nor after 0.2 s: a bounded no); once the gate opens it is.
+    Every write fails peer_lost, none with an immediate: the issued ones went into memory
+    now gone, the queued ones are never issued (their bytes stay zero). The lane's budget
+    is all back and the transport keeps serving: a write into another region lands."""
+    _small_budget(monkeypatch)
+    n, small = 64 * MiB, 8  # noqa: F405
+
+    async def body(p: Pair) -> None:
+        size = n + small * CHUNK
+        src, _ = p.region(p.a, 1, size)
+        dst, desc = p.region(p.b, 2, size)
+        data = rand(size, 17)  # noqa: F405
+        p.kit.fill(src, 0, data)
+        p.kit.fill(dst, 0, bytes(size))
+        assert src.device is not None
+        drv = p.kit.drv  # type: ignore[attr-defined]
+        drv.use(src.device)
+        word, s = drv.alloc(4), drv.stream()
+        try:
+            drv.write_value32(s, word, 0)
+            drv.synchronize(s)
+            t = p.a.transport
+            big = asyncio.ensure_future(
+                t.post_gated(  # type: ignore[attr-defined]
+                    t.prepare([WriteRequest(src, 0, desc, 0, n, None)]),
+                    [1],
+                    Gate(src.device, word, 1),
+                )
+            )
+            rest = [
+                asyncio.ensure_future(
+                    t.write(WriteRequest(src, n + i * CHUNK, desc, n + i * CHUNK, CHUNK, 10 + i))
+                )
+                for i in range(small)
+            ]
+            await asyncio.sleep(0.2)
+            assert not big.done() and not any(r.done() for r in rest), "the gate did not hold"
+            p.b.transport.deregister(2)
+            assert not p.b.transport.drained(2, 0.0)
+            assert not await asyncio.to_thread(p.b.transport.drained, 2, 0.2)
+            drv.use(src.device)
+            drv.write_value32(s, word, 1)  # the copies run now
+            drv.synchronize(s)
+            assert await asyncio.to_thread(p.b.transport.drained, 2, 30)
+            [outcome] = await asyncio.wait_for(big, 30)
+            assert isinstance(outcome, PeerLostError) and "region 2 is gone" in outcome.message
+            outcomes = await asyncio.wait_for(asyncio.gather(*rest, return_exceptions=True), 30)
+            assert all(isinstance(o, PeerLostError) for o in outcomes), outcomes
+            assert p.b.imms == []
+            for i in range(2, small):  # queued when it went: never issued
+                assert p.kit.read(dst, n + i * CHUNK, CHUNK) == bytes(CHUNK), i
+            (lane,) = _lanes(t)
+            assert lane.budget.used == 0
+            other, other_desc = p.region(p.b, 3, CHUNK)
+            await t.write(WriteRequest(src, 0, other_desc, 0, CHUNK, 5))
+            assert p.kit.read(other, 0, CHUNK) == data[:CHUNK]
+            assert p.b.imms == [(5, "node-a")]
+        finally:
+            drv.use(src.device)
+            drv.free(word)
+
+    run(kit, body)  # noqa: F405

@@ -195,6 +195,14 @@ class Transport(abc.ABC):
     def deregister(self, region_id: int) -> None:
         """Stop accepting writes to the region and release what registration held."""
 
+    def drained(self, region_id: int, timeout_s: float) -> bool:
+        """After `deregister`: whether no write this transport began into the region may
+        still be landing, waiting up to `timeout_s` for it (0: answer at once, as on the
+        loop). The owner unmaps the region's memory only then. Transports whose writes are
+        done when they are refused or acknowledged say True (the default); cuda counts the
+        copies its lanes issued into the region and waits for their events."""
+        return True
+
     def authorize(  # noqa: B027 - optional hook
         self, region_id: int, writers: frozenset[str], scope: str = ""
     ) -> None:

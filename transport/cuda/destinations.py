@@ -59,8 +59,11 @@ class Destinations:
             return PeerLostError(f"not connected to node {node}")
         return owner.missing(region_id)
 
-    def _destination(self, dst: RegionDescriptor, dst_offset: int, length: int) -> tuple[int, int]:
-        """(device pointer, device ordinal) of the write's first destination byte."""
+    def _destination(
+        self, dst: RegionDescriptor, dst_offset: int, length: int
+    ) -> tuple[int, int, int]:
+        """(device pointer, device ordinal) of the write's first destination byte, and the
+        registration it was resolved against when the region is of this process (else 0)."""
         if dst.node != self.node and dst.node not in self._peers:
             raise PeerLostError(f"not connected to node {dst.node}")
         if dst.node == self.node or neighbours.get(dst.node) is not None:
@@ -69,7 +72,7 @@ class Destinations:
                 raise self._missing(dst.node, dst.id)
             local.region.check(dst_offset, length, "write")
             assert local.region.device is not None
-            return local.region.address + dst_offset, local.region.device
+            return local.region.address + dst_offset, local.region.device, local.token
         key = dst.keys.cuda
         if key is None or key.host_id != self.host:
             raise RegionError(f"region {dst.id} of {dst.node} is not reachable by cuda")
@@ -81,7 +84,7 @@ class Destinations:
                 f"of a {size}-byte allocation",
                 code=ErrorCode.OUT_OF_BOUNDS,
             )
-        return base + key.offset + dst_offset, self.drv.ordinal_of(key.device_uuid)
+        return base + key.offset + dst_offset, self.drv.ordinal_of(key.device_uuid), 0
 
     def _mapped(self, dst: RegionDescriptor, ptr: int, dst_dev: int, device: int) -> int:
         """`ptr` (in `dst`, on GPU dst_dev) as the copying device sees it: the destination's
@@ -109,7 +112,7 @@ class Destinations:
         for i, r in enumerate(requests):
             try:
                 check_write(r)
-                dst_ptr, dst_dev = self._destination(
+                dst_ptr, dst_dev, token = self._destination(
                     r.dst, r.dst_offset, span(r.length, r.count, r.dst_stride)
                 )
             except WeightwireError as exc:
@@ -132,6 +135,8 @@ class Destinations:
                 count=r.count,
                 src_stride=r.src_stride,
                 dst_stride=r.dst_stride,
+                dst_region=r.dst.id,
+                token=token,
             )
             key = (device, dst_dev)
             by_lane.setdefault(key, []).append(copy)

@@ -16,7 +16,9 @@ A chunk that alone needs more than the budget, or whose source is pageable host 
 (the driver may wait for such a copy), is issued on a thread, and nothing after it is
 issued before it. A writer cancelled before its chunks were issued takes them off the
 queue; chunks already issued finish on their own. A closing lane refuses new posts,
-fails those still queued, and completes those already issued.
+fails those still queued, and completes those already issued. Copies into regions of
+this process are counted from issue to landing (`inflight.py`): one whose region was
+deregistered since it was resolved is refused, one issued before fails once it lands.
 
 A post may be gated (a trainer rank's pack counter, `daemon/packgate.py`): the stream
 waits on the GPU for a 32-bit word to reach a value before the post's first copy, so the
@@ -41,6 +43,7 @@ from weightwire.protocol.errors import PeerLostError
 from weightwire.transport.base import POST_STAMPS
 
 from .budget import OpBudget
+from .inflight import REGIONS, Key
 
 # About 1000 copy calls queue on an H200 stream before the next one waits (measured).
 MAX_OPS_IN_FLIGHT = 512
@@ -66,6 +69,8 @@ class Copy:
     count: int = 1  # blocks of `nbytes` (a strided write), one 2-D copy
     src_stride: int = 0
     dst_stride: int = 0
+    dst_region: int = -1  # the destination's region id
+    token: int = 0  # its registration, when it is a region of this process (`inflight`)
 
     @property
     def as_2d(self) -> bool:
@@ -94,6 +99,7 @@ class Chunk:
     ops: int  # driver calls, the event's included
     nbytes: int
     node: str  # the node every copy writes to; "" when they differ
+    regions: tuple[tuple[Key, int], ...] = ()  # regions of this process it writes: tokens
 
 
 def chunks(copies: Sequence[Copy]) -> list[Chunk]:
@@ -112,7 +118,8 @@ def chunks(copies: Sequence[Copy]) -> list[Chunk]:
     for cut, ops, nbytes in cuts:
         nodes = {c.dst_node for c in cut}
         node = nodes.pop() if len(nodes) == 1 else ""
-        out.append(Chunk(copies=tuple(cut), ops=ops + 1, nbytes=nbytes, node=node))
+        regions = tuple({((c.dst_node, c.dst_region), c.token) for c in cut if c.token})
+        out.append(Chunk(tuple(cut), ops + 1, nbytes, node, regions))
     return out
 
 
@@ -165,6 +172,7 @@ class Batch:
     taken: int = 0  # of the lane's budget
     event: int = 0
     failures: Failures = field(default_factory=dict)
+    entered: list[Key] = field(default_factory=list)  # regions it counts as written into
 
 
 class Lane:
@@ -286,7 +294,11 @@ class Lane:
                     post.gate_failed = exc
             if post.gate_failed is not None:
                 batch.failures = {c.index: post.gate_failed for c in batch.chunk.copies}
+            else:  # copies into a region deregistered since they were resolved: refused
+                batch.entered, batch.failures = REGIONS.enter(batch.chunk)
             for c in batch.chunk.copies if post.gate_failed is None else ():
+                if c.index in batch.failures:
+                    continue
                 try:
                     _issue(self._drv, c, self.device, self._stream)
                 except CudaError as exc:
@@ -301,6 +313,9 @@ class Lane:
                     fence.recorded = True
         except Exception as exc:  # a broken context, or a bug: none of it is reported landed
             batch.failures = {c.index: exc for c in batch.chunk.copies}
+            if batch.entered:  # no event to wait for: what was issued, before its regions go
+                with contextlib.suppress(CudaError):
+                    self._drv.synchronize(self._stream)
             if batch.event:
                 with contextlib.suppress(CudaError):
                     self._drv.destroy_event(batch.event)
@@ -321,6 +336,8 @@ class Lane:
             finally:
                 with contextlib.suppress(CudaError):
                     self._drv.destroy_event(batch.event)
+                REGIONS.leave(batch.entered)  # its copies are done: the regions may go
+                batch.entered = []
             try:
                 self._loop.call_soon_threadsafe(self._finish, batch)
             except RuntimeError:  # the loop is closed: nobody waits for it any more
@@ -335,6 +352,9 @@ class Lane:
             if not left and not fut.done():
                 fut.set_result(None)
         self._drains = [(left, fut) for left, fut in self._drains if left]
+        REGIONS.leave(batch.entered)  # never waited for (not issued): nothing copies
+        batch.entered = []
+        REGIONS.withdrawn(batch.chunk, batch.failures)  # its region went meanwhile
         try:
             self._on_landed(batch)
         finally:

@@ -15,6 +15,7 @@ from weightwire.protocol.regions import CudaKey, RegionKeys
 from weightwire.transport.base import LocalRegion
 from weightwire.transport.removed import RemovedRegions, unknown
 
+from .inflight import REGIONS
 from .prepared import Epoch
 
 log = structlog.get_logger("weightwire.transport.cuda")
@@ -25,14 +26,15 @@ class Local:
     region: LocalRegion
     handle: bytes  # its CUDA IPC handle; empty for VMM memory (mapped for every device)
     offset: int  # where the region starts in the handle's allocation
+    token: int = 0  # this registration's (`inflight.REGIONS`): copies resolved against it
 
 
 class CudaRegions:
     """Regions registered with one cuda transport; every change bumps `Epoch` (prepared
     writes resolve again)."""
 
-    def __init__(self, host: str) -> None:
-        self.host = host
+    def __init__(self, node: str, host: str) -> None:
+        self.node, self.host = node, host
         self._local: dict[int, Local] = {}
         self.pinned: dict[int, int] = {}  # host regions pinned here: id -> address
         self._removed = RemovedRegions()  # a write into one: peer_lost, not unknown_region
@@ -73,7 +75,7 @@ class CudaRegions:
         if isinstance(region.extra.get("vmm_base"), int) and isinstance(offset, int):
             # VMM memory the daemon mapped from the rank's fds, reachable by every device:
             # written here, by this daemon's lanes; no key another process could open
-            self._add(Local(region, b"", offset))
+            self._add(region, b"", offset)
             return RegionKeys()
         handle = region.extra.get("ipc_handle")
         if (
@@ -84,21 +86,23 @@ class CudaRegions:
             raise RegionError(
                 f"gpu region {region.id} has no CUDA IPC handle", code=ErrorCode.INVALID
             )
-        self._add(Local(region, handle, offset))
+        self._add(region, handle, offset)
         return RegionKeys(
             cuda=CudaKey(host_id=self.host, device_uuid=uuid, ipc_handle=handle, offset=offset)
         )
 
-    def _add(self, local: Local) -> None:
+    def _add(self, region: LocalRegion, handle: bytes, offset: int) -> None:
+        token = REGIONS.register((self.node, region.id))  # copies resolved before: refused
         with self._lock:
-            self._local[local.region.id] = local
-            self._removed.discard(local.region.id)  # registered again (a remap keeps its id)
+            self._local[region.id] = Local(region, handle, offset, token)
+            self._removed.discard(region.id)  # registered again (a remap keeps its id)
         Epoch.bump()
 
     def deregister(self, drv: Driver | None, region_id: int) -> None:
         with self._lock:
             if self._local.pop(region_id, None) is not None:
                 self._removed.add(region_id)
+        REGIONS.deregister((self.node, region_id))  # copies queued into it are refused
         address = self.pinned.pop(region_id, None)
         Epoch.bump()
         if address is not None and drv is not None:

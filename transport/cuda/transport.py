@@ -42,6 +42,7 @@ from . import lanes, neighbours
 from .channel import Channel
 from .delivery import Delivery
 from .destinations import Destinations
+from .inflight import REGIONS
 from .ipc import IpcMaps
 from .lanes import Fence, Lane
 from .prepared import CudaPrepared, Epoch
@@ -69,7 +70,7 @@ class CudaTransport(Transport):
         self._channel = Channel(channel_dir)
         self._drv: Driver | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._regions = CudaRegions(self.host)
+        self._regions = CudaRegions(node, self.host)
         self._peers: dict[str, str] = {}  # node -> its channel path
         self._ipc: IpcMaps | None = None
         self._lanes: dict[tuple[int, int], Lane] = {}  # by (copying device, destination's)
@@ -141,7 +142,12 @@ class CudaTransport(Transport):
         return self._regions.register(self._drv, region)
 
     def deregister(self, region_id: int) -> None:
+        """Copies into it not issued yet (queued on a lane of this process) are refused
+        `peer_lost`; those issued fail too once they finish (`inflight.py`)."""
         self._regions.deregister(self._drv, region_id)
+
+    def drained(self, region_id: int, timeout_s: float) -> bool:
+        return REGIONS.drained((self.node, region_id), timeout_s)
 
     # --- what other cuda transports of this process ask (`neighbours.Neighbour`) ----
 
