@@ -92,3 +92,29 @@ def test_a_neighbours_deregistered_region_is_refused_peer_lost(neighbour: CudaTr
     assert isinstance(err, PeerLostError) and "region 3 is gone" in err.message, err
     _, err = resolved(d, write_into("node-c", 4))
     assert isinstance(err, RegionError) and err.code is ErrorCode.UNKNOWN_REGION, err
+
+
+def test_an_allocation_is_let_go_once_no_region_in_it_is_left() -> None:
+    """Once a deregistered region is drained, the transport closes its own peer mappings
+    of the region's allocation (by its IPC handle), but only when no other region in the
+    same allocation is registered or still leaving; VMM regions have no handle."""
+    regions = CudaRegions("node-b", "host")
+    regions.register(None, gpu_region(2))
+    regions.register(None, gpu_region(3, BASE + MiB))  # the same allocation (handle)
+    vmm = gpu_region(4)
+    vmm.extra = {"vmm_base": BASE, "ipc_offset": 0, "device_uuid": "GPU-test"}
+    regions.register(None, vmm)
+    regions.deregister(None, 2)
+    assert regions.drained(2) == b""  # region 3 still uses it
+    regions.deregister(None, 3)
+    assert regions.drained(3) == bytes(range(64))
+    assert regions.drained(3) == b""  # once
+    regions.deregister(None, 4)
+    assert regions.drained(4) == b""
+
+    regions.register(None, gpu_region(5))
+    regions.register(None, gpu_region(6))
+    regions.deregister(None, 5)
+    regions.deregister(None, 6)
+    assert regions.drained(5) == b""  # region 6's copies may still go through it
+    assert regions.drained(6) == bytes(range(64))

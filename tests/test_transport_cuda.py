@@ -371,3 +371,34 @@ def test_a_region_deregistered_under_a_large_write_is_drained_and_the_write_fail
             drv.free(word)
 
     run(kit, body)  # noqa: F405
+
+
+def test_a_drained_region_leaves_no_peer_mapping_of_its_allocation(kit: TransportKit) -> None:
+    """Two GPUs: a write from one into a region of the same node on the other goes through
+    a peer mapping of the region's allocation (its IPC handle opened in the copying GPU's
+    context). Once the region is deregistered and drained, that mapping is closed (one left
+    open keeps the rank's memory allocated, and its release undefined); a region
+    registered after lands bitwise."""
+    if kit.devices < 2:  # type: ignore[attr-defined]
+        pytest.skip("needs two GPUs")
+
+    async def body(p: Pair) -> None:
+        t = p.a.transport
+        src, _ = p.region(p.a, 1, MiB)  # noqa: F405
+        dst, desc = p.region(p.a, 2, MiB)  # noqa: F405
+        assert src.device != dst.device
+        p.kit.fill(src, 0, rand(MiB, 23))  # noqa: F405
+        await t.write(WriteRequest(src, 0, desc, 0, MiB, 1))  # noqa: F405
+        assert p.kit.read(dst, 0, MiB) == rand(MiB, 23)  # noqa: F405
+        handle = dst.extra["ipc_handle"]
+        mapped = t._ipc._mapped  # type: ignore[attr-defined]
+        if not any(k[0] == handle and base for k, base in mapped.items()):
+            pytest.skip("no peer mapping made here (WEIGHTWIRE_CUDA_P2P, or no P2P)")
+        t.deregister(2)
+        assert await asyncio.to_thread(t.drained, 2, 10)
+        assert not any(k[0] == handle for k in t._ipc._mapped)  # type: ignore[attr-defined]
+        other, other_desc = p.region(p.a, 3, MiB)  # noqa: F405
+        await t.write(WriteRequest(src, 0, other_desc, 0, MiB, 2))  # noqa: F405
+        assert p.kit.read(other, 0, MiB) == rand(MiB, 23)  # noqa: F405
+
+    run(kit, body)  # noqa: F405

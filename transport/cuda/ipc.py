@@ -50,6 +50,20 @@ class IpcMaps:
                     found = self._mapped[key] = 0
         return found
 
+    def forget(self, handle: bytes) -> None:
+        """Close every mapping of `handle` made here: its allocation is no longer written
+        (an importer's mapping must be closed before the owner frees the memory)."""
+        with self._lock:
+            bases = [b for k, b in self._mapped.items() if k[0] == handle]
+            self._mapped = {k: b for k, b in self._mapped.items() if k[0] != handle}
+            opened = self._opened.pop(handle, None)
+        if opened is not None:
+            bases.append(opened[0])
+        for base in bases:
+            if base:
+                with contextlib.suppress(CudaError):
+                    self._drv.ipc_close(base)
+
     def close(self) -> None:
         with self._lock:
             bases = [*(b for b, _ in self._opened.values()), *self._mapped.values()]

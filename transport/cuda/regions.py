@@ -39,6 +39,7 @@ class CudaRegions:
         self.pinned: dict[int, int] = {}  # host regions pinned here: id -> address
         self._removed = RemovedRegions()  # a write into one: peer_lost, not unknown_region
         self._lock = threading.Lock()  # registration runs on worker threads in the daemon
+        self._leaving: dict[int, bytes] = {}  # deregistered, not drained yet: their handle
 
     def get(self, region_id: int) -> Local | None:
         return self._local.get(region_id)
@@ -48,6 +49,16 @@ class CudaRegions:
         peer_lost (retryable) when it was deregistered, unknown_region when it never was."""
         with self._lock:
             return unknown(region_id, self._removed, f" of {node}")
+
+    def drained(self, region_id: int) -> bytes:
+        """A deregistered region no longer written: its IPC handle if no other region of
+        this transport (registered, or leaving) is in the same allocation, else b""."""
+        with self._lock:
+            handle = self._leaving.pop(region_id, b"")
+            others = [local.handle for local in self._local.values()]
+            if handle in others or handle in self._leaving.values():
+                return b""
+        return handle
 
     def pinned_at(self, region_id: int, address: int) -> bool:
         """Whether host region `region_id` is pinned, at `address`."""
@@ -96,12 +107,16 @@ class CudaRegions:
         with self._lock:
             self._local[region.id] = Local(region, handle, offset, token)
             self._removed.discard(region.id)  # registered again (a remap keeps its id)
+            self._leaving.pop(region.id, None)
         Epoch.bump()
 
     def deregister(self, drv: Driver | None, region_id: int) -> None:
         with self._lock:
-            if self._local.pop(region_id, None) is not None:
+            local = self._local.pop(region_id, None)
+            if local is not None:
                 self._removed.add(region_id)
+                if local.handle:
+                    self._leaving[region_id] = local.handle
         REGIONS.deregister((self.node, region_id))  # copies queued into it are refused
         address = self.pinned.pop(region_id, None)
         Epoch.bump()

@@ -147,7 +147,14 @@ class CudaTransport(Transport):
         self._regions.deregister(self._drv, region_id)
 
     def drained(self, region_id: int, timeout_s: float) -> bool:
-        return REGIONS.drained((self.node, region_id), timeout_s)
+        """Once no copy is into it: the peer mappings made here of its allocation (a copy
+        from another GPU goes through one, `Destinations._mapped`) are closed too."""
+        if not REGIONS.drained((self.node, region_id), timeout_s):
+            return False
+        handle = self._regions.drained(region_id)
+        if handle and self._ipc is not None:
+            self._ipc.forget(handle)
+        return True
 
     # --- what other cuda transports of this process ask (`neighbours.Neighbour`) ----
 
