@@ -50,6 +50,13 @@ class CudaRegions:
         with self._lock:
             return unknown(region_id, self._removed, f" of {node}")
 
+    def close(self) -> None:
+        """The transport closed (its lanes done): its registrations leave `REGIONS`."""
+        with self._lock:
+            ids = list(self._local)
+        for region_id in ids:
+            REGIONS.deregister((self.node, region_id))
+
     def drained(self, region_id: int) -> bytes:
         """A deregistered region no longer written: its IPC handle if no other region of
         this transport (registered, or leaving) is in the same allocation, else b""."""

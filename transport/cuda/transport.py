@@ -131,6 +131,7 @@ class CudaTransport(Transport):
                 lane.join(10)
 
         await asyncio.to_thread(join)
+        self._regions.close()
         self._slot_events.close(self._drv)
         self._channel.close()
         if self._ipc is not None:
