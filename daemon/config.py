@@ -16,6 +16,7 @@ from weightwire.protocol.local import SOCKET_PATH
 
 DEFAULT_CONFIG = "/etc/weightwire/weightwired.toml"
 DEFAULT_SOCKET = SOCKET_PATH
+MiB = 1 << 20
 
 
 class ConfigError(WeightwireError):
@@ -110,6 +111,10 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # networks), "off" (plain: anyone who reaches the port and knows an rkey can write;
     # warns at start). Between two nodes the stronger setting wins. See "Trust model"
     tcp_security: Literal["auth", "encrypt", "off"] = "auth"
+    # pinned host memory each tcp stream may hold to move a GPU region's bytes (either end;
+    # a whole number of MiB, at least 1): larger writes go through it in pieces, so a
+    # peer's one large write cannot make this host pin (unswappable) memory of its size
+    tcp_bounce_bytes: int = 64 << 20
     # a data connection making no progress this long is failed (on tcp: a frame not whole
     # this long after its first byte)
     stall_timeout_s: float = 30.0
@@ -158,6 +163,11 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             )
         if self.tcp_streams < 0:
             raise ConfigError(f"tcp_streams {self.tcp_streams} must be 0 (by the cores) or more")
+        if self.tcp_bounce_bytes < MiB or self.tcp_bounce_bytes % MiB:
+            raise ConfigError(
+                f"tcp_bounce_bytes {self.tcp_bounce_bytes} must be a whole number of MiB "
+                f"({MiB} bytes), at least one (payloads move in 1 MiB records)"
+            )
         streams = self.tcp_streams or default_tcp_streams()
         return msgspec.structs.replace(
             self, node=node, advertise_host=advertise, tcp_streams=streams

@@ -43,6 +43,7 @@ def make_transports(cfg: DaemonConfig) -> list[Transport]:
         max_unauthenticated=cfg.tcp_max_unauthenticated,
         max_streams_per_peer=cfg.tcp_max_streams_per_peer,
         security=cfg.tcp_security,
+        bounce_bytes=cfg.tcp_bounce_bytes,
     )
     if cfg.tcp_security == "off":
         log.warning(

@@ -117,3 +117,13 @@ def test_tcp_streams_default_follows_the_cores(monkeypatch: pytest.MonkeyPatch) 
     assert _cfg(peer_bind="tcp://127.0.0.1:0", tcp_streams=8).resolved().tcp_streams == 8
     with pytest.raises(ConfigError, match="tcp_streams -1"):
         _cfg(peer_bind="tcp://127.0.0.1:0", tcp_streams=-1).resolved()
+
+
+def test_tcp_bounce_bytes_is_whole_mib() -> None:
+    """The pinned memory a tcp stream may hold for GPU regions: 64 MiB by default, a whole
+    number of MiB (pieces are whole 1 MiB records), at least one; anything else refused."""
+    assert _cfg(peer_bind="tcp://127.0.0.1:0").resolved().tcp_bounce_bytes == 64 << 20
+    assert _cfg(peer_bind="tcp://127.0.0.1:0", tcp_bounce_bytes=1 << 20).resolved()
+    for bad in (0, -1, (1 << 20) - 1, (8 << 20) + 1):
+        with pytest.raises(ConfigError, match=f"tcp_bounce_bytes {bad} "):
+            _cfg(peer_bind="tcp://127.0.0.1:0", tcp_bounce_bytes=bad).resolved()

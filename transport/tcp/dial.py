@@ -13,6 +13,7 @@ from weightwire.protocol.regions import TcpEndpoint
 from weightwire.transport.base import Signal
 
 from . import auth, handshake
+from .bounce import DEFAULT_CAP, Pinned
 from .streams import OutgoingStream, tune
 
 
@@ -56,9 +57,11 @@ async def open_stream(
     connect_timeout_s: float,
     stall_timeout_s: float,
     count_sent: Callable[[int], None],
+    bounce_bytes: int = DEFAULT_CAP,
+    pinned: Pinned | None = None,
 ) -> OutgoingStream:
     """One outgoing stream from `me` to `node`, started; it reports the bytes it sends to
-    `count_sent`."""
+    `count_sent`, and GPU sources go through at most `bounce_bytes` of pinned memory."""
     assert loop is not None
     infos = await loop.getaddrinfo(ep.host, ep.port, type=socket.SOCK_STREAM)
     family, _, _, _, addr = infos[0]
@@ -90,6 +93,9 @@ async def open_stream(
         sock.close()
         raise
     tune(sock, stall_timeout_s)
-    stream = OutgoingStream(node, sock, loop, stall_timeout_s, count_sent, channel=channel)
+    stream = OutgoingStream(
+        node, sock, loop, stall_timeout_s, count_sent,
+        channel=channel, bounce_bytes=bounce_bytes, pinned=pinned,
+    )  # fmt: skip
     stream.start()
     return stream

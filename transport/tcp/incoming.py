@@ -54,6 +54,7 @@ class IncomingStream:
     handshake_timeout_s: float = 10.0
     gate: Gate = field(default_factory=Gate)
     number: int = 0  # order of acceptance, for fences
+    release: Callable[[], None] | None = None  # once the thread has ended (the sink's bounce)
     _closed: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
     _accepted: float = field(default_factory=time.monotonic)
@@ -78,6 +79,8 @@ class IncomingStream:
         finally:
             shutdown_socket(self.sock)
             self.sock.close()  # the fd goes with the thread, whoever else holds the stream
+            if self.release is not None:  # nothing lands through the sink any more
+                self.release()
             self.gate.ended(self)
 
     def _serve(self) -> None:

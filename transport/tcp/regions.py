@@ -101,6 +101,10 @@ class RegionTable:
             raise RegionError(f"region {write.region} is not host memory")
         return region.view[write.offset : write.offset + write.length]
 
+    def piece(self, write: Write, done: int) -> memoryview:
+        """Never asked for: `target` gives a write's host memory whole."""
+        raise RegionError(f"region {write.region}: a write's host memory is given whole")
+
     def landed(self, write: Write) -> None:
         pass
 

@@ -1,5 +1,5 @@
-"""Where a tcp receive stream's writes land: host regions directly, GPU regions through a
-bounce buffer; a write of a version the node failed nowhere."""
+"""Where a tcp receive stream's writes land: host regions directly, GPU regions in pieces
+through a bounded bounce buffer; a write of a version the node failed nowhere."""
 
 from __future__ import annotations
 
@@ -7,19 +7,32 @@ from weightwire.protocol.errors import ErrorCode, RegionError
 from weightwire.transport.base import Admit, LocalRegion
 from weightwire.transport.tcp.data import Write
 
-from .bounce import Bounce
+from .bounce import DEFAULT_CAP, Bounce, Pinned
 from .regions import RegionTable
 
 
 class StreamSink:
-    """One receive stream's sink: host regions directly, GPU regions through a bounce.
-    A write whose tag (its immediate) the admission check refuses lands nowhere."""
+    """One receive stream's sink: host regions directly, GPU regions through a bounce of at
+    most `bounce_bytes`, piece by piece. A write whose tag (its immediate) the admission
+    check refuses lands nowhere."""
 
-    def __init__(self, table: RegionTable, admit: Admit | None = None) -> None:
+    def __init__(
+        self,
+        table: RegionTable,
+        admit: Admit | None = None,
+        bounce_bytes: int = DEFAULT_CAP,
+        copy_timeout_s: float = 30.0,
+        pinned: Pinned | None = None,
+    ) -> None:
         self.table = table
         self.admit = admit
+        self.bounce_bytes = bounce_bytes
+        self.copy_timeout_s = copy_timeout_s
+        self.pinned = pinned
         self.bounce: Bounce | None = None
-        self._gpu: LocalRegion | None = None
+        self._gpu: LocalRegion | None = None  # the GPU region the write under way lands in
+        self._host: memoryview | None = None  # or the host memory
+        self._at = 0  # the write's offset where the piece in the bounce begins
 
     def target(self, write: Write, peer: str) -> memoryview:
         # `peer` is the authenticated writer: a failed version's write is refused before any
@@ -30,16 +43,39 @@ class StreamSink:
                 code=ErrorCode.ABORTED,
             )
         region = self.table.lookup(write, peer)
+        self._gpu, self._host, self._at = None, None, 0
         if region.kind == "cpu":
-            self._gpu = None
-            return self.table.host_view(region, write)
-        self.bounce = self.bounce or Bounce()
+            self._host = self.table.host_view(region, write)
+            return self._host
+        if self.bounce is None:
+            self.bounce = Bounce(self.bounce_bytes, self.copy_timeout_s, self.pinned)
         self._gpu = region
         assert region.device is not None
-        return self.bounce.buffer(write.length, region.device)
+        return self.bounce.buffer(min(write.length, self.bounce.cap), region.device)
+
+    def piece(self, write: Write, done: int) -> memoryview:
+        """The first `done` bytes are in: the piece in the bounce goes to the GPU, and the
+        bounce takes the next."""
+        if self._gpu is None:  # host memory is given whole: the rest of it
+            assert self._host is not None
+            return self._host[done:]
+        assert self.bounce is not None and self._gpu.device is not None
+        self._flush(write, done)
+        self._at = done
+        return self.bounce.buffer(min(write.length - done, self.bounce.cap), self._gpu.device)
 
     def landed(self, write: Write) -> None:
-        if self._gpu is not None and self.bounce is not None:
-            assert self._gpu.device is not None
-            self.bounce.to_device(self._gpu.device, self._gpu.address + write.offset, write.length)
-            self._gpu = None
+        if self._gpu is not None:
+            self._flush(write, write.length)
+        self._gpu, self._host = None, None
+
+    def _flush(self, write: Write, done: int) -> None:
+        """The bounce's bytes (the write's from `_at` to `done`) to the GPU region."""
+        assert self._gpu is not None and self._gpu.device is not None and self.bounce
+        dst = self._gpu.address + write.offset + self._at
+        self.bounce.to_device(self._gpu.device, dst, done - self._at)
+
+    def close(self) -> None:
+        """Gives the bounce's pinned memory back (the stream's thread has ended)."""
+        if self.bounce is not None:
+            self.bounce.close()

@@ -4,7 +4,8 @@ end: `incoming.py`).
 Sockets are blocking with kernel timeouts (SO_SNDTIMEO/SO_RCVTIMEO), so payloads move
 with `os.sendfile` from the source region's file and `recv_into` the destination
 region: the kernel does all the copying and the GIL is released while it does.
-Completions go back to the event loop with `call_soon_threadsafe`.
+Completions go back to the event loop with `call_soon_threadsafe`. A GPU source goes
+through a bounded pinned buffer, piece by piece (bounce.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import structlog
@@ -33,7 +34,7 @@ from weightwire.transport.base import LocalRegion
 from weightwire.transport.tcp.data import MAX_HEADER, PREFIX, Ack, Refused
 
 from . import auth, wire
-from .bounce import Bounce
+from .bounce import DEFAULT_CAP, Bounce, Pinned, pieces
 
 log = structlog.get_logger("weightwire.transport.tcp")
 
@@ -81,6 +82,8 @@ class OutgoingStream:
     _last_progress: float = field(default_factory=time.monotonic)
     _threads: list[threading.Thread] = field(default_factory=list)
     _bounce: Bounce | None = None  # pinned host memory for GPU sources (made on first use)
+    bounce_bytes: int = DEFAULT_CAP  # the most it holds; larger writes go in pieces
+    pinned: Pinned | None = None  # the transport's count of pinned bytes
     _running: int = 0
     channel: auth.Channel | None = None  # the authenticated connection's keys (None: plain)
     _scratch: memoryview | None = None  # one encrypted record (made on first use)
@@ -106,6 +109,8 @@ class OutgoingStream:
                 if self.dead is None:
                     self.fail(PeerLostError(f"connection to {self.node} ended"))
                 self.sock.close()
+                if self._bounce is not None:  # no thread copies through it any more
+                    self._bounce.close()
 
     def submit(self, pending: Pending) -> None:
         with self._lock:
@@ -146,7 +151,8 @@ class OutgoingStream:
     def _send_plain(self, p: Pending) -> None:
         self.sock.sendall(p.header, socket.MSG_MORE)
         if p.src.kind == "gpu":
-            self.sock.sendall(self._from_gpu(p))
+            for start, piece in self._from_gpu(p):
+                self.sock.sendall(piece, socket.MSG_MORE if start + len(piece) < p.length else 0)
         elif p.src.fd is not None:
             self._sendfile(p.src.fd, p.src_offset, p.length)
         else:
@@ -160,14 +166,19 @@ class OutgoingStream:
         if p.length == 0:
             return
         if p.src.kind == "gpu":
-            view = self._from_gpu(p)
+            for start, piece in self._from_gpu(p):  # whole records: the same records
+                self._send_records(piece, start, p.length, sealer)
         elif p.src.view is not None:
             view = p.src.view[p.src_offset : p.src_offset + p.length]
+            self._send_records(view, 0, p.length, sealer)
         else:
             raise TransferError(f"region {p.src.id} has no host view to authenticate from")
-        for start in range(0, p.length, auth.RECORD):
+
+    def _send_records(self, view: memoryview, at: int, length: int, sealer: auth.Sealer) -> None:
+        """`view` (the payload's bytes from `at` on, of `length` in all) record by record."""
+        for start in range(0, len(view), auth.RECORD):
             record = view[start : start + auth.RECORD]
-            more = socket.MSG_MORE if start + auth.RECORD < p.length else 0
+            more = socket.MSG_MORE if at + start + auth.RECORD < length else 0
             if sealer.encrypts:
                 if self._scratch is None:
                     self._scratch = memoryview(bytearray(auth.RECORD + auth.TAG))
@@ -178,11 +189,15 @@ class OutgoingStream:
             self.sock.sendall(record, socket.MSG_MORE)
             self.sock.sendall(sealer.record_tag(record), more)
 
-    def _from_gpu(self, p: Pending) -> memoryview:
+    def _from_gpu(self, p: Pending) -> Iterator[tuple[int, memoryview]]:
+        """The payload piece by piece through the bounce: (offset, bytes), each good until
+        the next is asked for."""
         assert p.src.device is not None
         if self._bounce is None:
-            self._bounce = Bounce()
-        return self._bounce.from_device(p.src.device, p.src.address + p.src_offset, p.length)
+            self._bounce = Bounce(self.bounce_bytes, self.stall_timeout_s, self.pinned)
+        src = p.src.address + p.src_offset
+        for start, n in pieces(p.length, self._bounce.cap):
+            yield start, self._bounce.from_device(p.src.device, src + start, n)
 
     def _sendfile(self, src_fd: int, off: int, left: int) -> None:
         fd = self.sock.fileno()

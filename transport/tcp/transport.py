@@ -7,7 +7,8 @@ region and its key, carry the tag (immediate) of a version this node has not fai
 (`set_admission`), and stay inside the region, or it is refused, logged, and its
 connection closed.
 Connections are authenticated (and optionally encrypted) as auth.py describes, with
-tickets that the destination issues over the control channel (`on_signal`).
+tickets that the destination issues over the control channel (`on_signal`). GPU regions,
+on either end, go through at most `bounce_bytes` of pinned memory per stream (bounce.py).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from weightwire.transport.tcp.data import (
 
 from . import auth, dial, handshake, wire
 from .admission import Admission, Backoff
+from .bounce import DEFAULT_CAP, Pinned
 from .incoming import IncomingStream
 from .regions import RegionTable
 from .sink import StreamSink
@@ -78,6 +80,7 @@ class TcpTransport(Transport):
         max_unauthenticated: int = 64,
         max_streams_per_peer: int = 64,
         security: str | auth.Mode = auth.Mode.AUTH,
+        bounce_bytes: int = DEFAULT_CAP,
     ) -> None:
         self.node = node
         self.mode = auth.Mode.parse(security)
@@ -89,6 +92,8 @@ class TcpTransport(Transport):
         self.stall_timeout_s = stall_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.handshake_timeout_s = handshake_timeout_s
+        self.bounce_bytes = bounce_bytes
+        self._pinned = Pinned()  # what the streams' bounce buffers hold
         self._table = RegionTable()
         self._peers: dict[str, list[OutgoingStream]] = {}
         self._connecting: dict[str, asyncio.Lock] = {}
@@ -203,7 +208,9 @@ class TcpTransport(Transport):
             conn.close()
             return
         tune(conn, self.stall_timeout_s)
-        sink = StreamSink(self._table, self._admit)
+        sink = StreamSink(
+            self._table, self._admit, self.bounce_bytes, self.stall_timeout_s, self._pinned
+        )
         stream = IncomingStream(
             sock=conn,
             address=address,
@@ -218,6 +225,7 @@ class TcpTransport(Transport):
             handshake_timeout_s=self.handshake_timeout_s,
             gate=self._incoming,
             number=number,
+            release=sink.close,
         )
         self._incoming.add(stream)
         try:
@@ -301,6 +309,7 @@ class TcpTransport(Transport):
                     stream = await dial.open_stream(
                         self._loop, self.node, node, ep, ticket,
                         self.connect_timeout_s, self.stall_timeout_s, self._count_sent,
+                        self.bounce_bytes, self._pinned,
                     )  # fmt: skip
                     streams.append(stream)
             except BaseException:
@@ -366,4 +375,6 @@ class TcpTransport(Transport):
             out = dict(self._stats)
         out["connections_refused"] = self._incoming.refused
         out["accept_errors"] = self._backoff.failures
+        out["bounce_bytes"] = self._pinned.now  # pinned for GPU regions, every stream
+        out["bounce_largest_bytes"] = self._pinned.largest  # one stream's most
         return out

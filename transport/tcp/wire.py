@@ -5,6 +5,9 @@ the buffer to fill next (`buffer()`), receives into it, and reports how many byt
 arrived (`received(n)`). Payloads are received straight into the destination
 memory that `WriteSink.target` returns, so there is no intermediate copy (encrypted
 records are decrypted from a record-sized buffer into it: the one pass decryption needs).
+A sink may give a write's memory in pieces (a GPU region's, through a bounded bounce
+buffer): the machine asks for the next piece (`WriteSink.piece`) once every byte of the
+one before is in and checked.
 """
 
 from __future__ import annotations
@@ -61,9 +64,15 @@ def decode_header(kind: int, header: bytes | memoryview) -> DataMessage:
 
 class WriteSink(Protocol):
     """Where incoming writes land. `target` raises a WeightwireError for a write it refuses
-    (`peer` is the authenticated writer); `landed` once every byte is there and checked."""
+    (`peer` is the authenticated writer), and gives the memory the write's first bytes land
+    in: all of them, or a first piece. Every piece but a write's last is a whole number of
+    `auth.RECORD`s (no sealed record straddles two). `piece` gives the next once the
+    first `done` bytes are in and checked; `landed` once every byte is there and checked.
+    Either raises a WeightwireError for memory it failed to give or fill (the write fails)."""
 
     def target(self, write: Write, peer: str) -> memoryview: ...
+
+    def piece(self, write: Write, done: int) -> memoryview: ...
 
     def landed(self, write: Write) -> None: ...
 
@@ -127,7 +136,8 @@ class ReceiveMachine:
         self._kind = 0
         self._hlen = 0
         self._filled = 0
-        self._payload: memoryview | None = None  # the whole write's destination
+        self._payload: memoryview | None = None  # the write's destination (piece) now
+        self._base = 0  # the payload offset where `_payload` begins
         self._record: memoryview | None = None  # what the current record is received into
         self._done = 0  # payload bytes received and checked
         self._scratch: memoryview | None = None  # encrypted records land here first
@@ -219,11 +229,8 @@ class ReceiveMachine:
                     target = self._sink.target(msg, self.peer)
                 except WeightwireError as exc:
                     raise FrameViolation(exc, msg.seq) from None
-                if len(target) != msg.length:
-                    raise FrameViolation(
-                        WeightwireError(f"sink gave {len(target)} bytes for {msg.length}"), msg.seq
-                    )
-                self._write, self._payload, self._done = msg, target, 0
+                self._write, self._done = msg, 0
+                self._take(target)
                 if msg.length == 0:
                     return self._finish_write()
                 self._next_record()
@@ -251,31 +258,45 @@ class ReceiveMachine:
         self.peer = hello.node
         return HelloReceived(hello)
 
+    def _take(self, piece: memoryview) -> None:
+        """`piece` as where the payload's bytes from `_done` on land: all the rest, or a
+        part of it that leaves no sealed record straddling two pieces."""
+        assert self._write is not None
+        left = self._write.length - self._done
+        n = len(piece)
+        if not (0 < n <= left or n == left == 0) or (n < left and n % auth.RECORD):
+            raise FrameViolation(
+                WeightwireError(f"sink gave {n} bytes for {left} at byte {self._done}"),
+                self._write.seq,
+            )
+        self._payload, self._base = piece, self._done
+
     def _next_record(self) -> None:
-        """Point the payload stage at the next record (the whole payload without a channel)."""
+        """Point the payload stage at the next record (the whole piece without a channel)."""
         assert self._payload is not None
-        left = len(self._payload) - self._done
+        at = self._done - self._base
+        left = len(self._payload) - at
         ch = self.channel
         if ch is None:
-            self._record = self._payload[self._done :]
+            self._record = self._payload[at:]
         elif ch.mode is auth.Mode.ENCRYPT:
             if self._scratch is None:
                 self._scratch = memoryview(bytearray(auth.RECORD + auth.TAG))
             self._record = self._scratch[: min(left, auth.RECORD) + auth.TAG]
         else:
-            n = min(left, auth.RECORD)
-            self._record = self._payload[self._done : self._done + n]
+            self._record = self._payload[at : at + min(left, auth.RECORD)]
         self._stage, self._filled = _Stage.PAYLOAD, 0
 
     def _on_record(self) -> Event | None:
         assert self._record is not None and self._payload is not None
         ch = self.channel
         if ch is None:
-            self._done = len(self._payload)
+            self._done = self._base + len(self._payload)
         elif ch.mode is auth.Mode.ENCRYPT:
             n = len(self._record) - auth.TAG
+            at = self._done - self._base
             try:
-                ch.receive.decrypt_record(self._record, self._payload[self._done : self._done + n])
+                ch.receive.decrypt_record(self._record, self._payload[at : at + n])
             except WeightwireError as exc:
                 raise FrameViolation(exc, self._seq()) from None
             self._done += n
@@ -294,8 +315,14 @@ class ReceiveMachine:
         return self._after_record()
 
     def _after_record(self) -> Event | None:
-        assert self._payload is not None
-        if self._done < len(self._payload):
+        assert self._payload is not None and self._write is not None
+        if self._done < self._write.length:
+            if self._done == self._base + len(self._payload):  # the piece is full: the next
+                try:
+                    piece = self._sink.piece(self._write, self._done)
+                except WeightwireError as exc:
+                    raise FrameViolation(exc, self._write.seq) from None
+                self._take(piece)
             self._next_record()
             return None
         return self._finish_write()
@@ -306,7 +333,10 @@ class ReceiveMachine:
     def _finish_write(self) -> Landed:
         write = self._write
         assert write is not None
-        self._sink.landed(write)
+        try:
+            self._sink.landed(write)
+        except WeightwireError as exc:  # its last bytes never reached the memory: refused
+            raise FrameViolation(exc, write.seq) from None
         self.bytes_landed += write.length
         self._write, self._payload, self._record = None, None, None
         self._stage, self._filled = _Stage.PREFIX, 0
