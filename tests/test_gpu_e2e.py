@@ -42,6 +42,7 @@ if OK and not torch.cuda.is_available():
     OK, WHY = False, "torch sees no CUDA device (a CPU build of torch?)"
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not OK, reason=f"no GPU here: {WHY}")]
 
+BOUNCE = 1 << 20  # gpu_cluster's tcp_bounce_bytes (the least there is)
 CFG = CONFIGS["qwen3-moe-fp8"]  # Qwen3-MoE whose FSDP-2 and TP-2 slices are whole FP8 tiles
 
 
@@ -65,8 +66,9 @@ def gpu_cluster() -> Iterator[LocalCluster]:
     c = LocalCluster(hosts=2, extra=FAST)
     for host in range(2):
         c.keys(f"host{host}")
-    c.start_daemon(0, coordinator=True, flags={"cuda": "on"})
-    c.start_daemon(1, flags={"cuda": "off"})
+    bounce = {"tcp-bounce-bytes": str(BOUNCE)}
+    c.start_daemon(0, coordinator=True, flags={"cuda": "on", **bounce})
+    c.start_daemon(1, flags={"cuda": "off", **bounce})
     c.wait_joined()
     yield c
     codes = c.stop()
@@ -468,6 +470,10 @@ def test_cpu_replica_over_tcp_into_gpu(gpu_cluster: LocalCluster, dest: str) -> 
     got = sync(gpu_cluster, f"replica-tcp-{dest or 'bf16'}", dest, "cpu", trainer_host=1)
     assert got["tcp1"] == got["bytes"] > 0, got  # the trainers' daemon sent it all over tcp
     assert got["cuda"] == 0, got
+    # the engines' daemon landed it through bounces of at most tcp_bounce_bytes (the
+    # pieces of writes larger than that: tests/test_tcp_gpu.py)
+    largest = moved(gpu_cluster, 0, "tcp", "bounce_largest_bytes")
+    assert 0 < largest <= BOUNCE, largest
 
 
 def test_release_parameters_frees_an_offloaded_modules_gpu_memory(

@@ -19,15 +19,17 @@ from weightwire.transport.tcp import TcpTransport
 class TcpKit(TransportKit):
     name = "tcp"
 
-    def __init__(self, security: str = "auth") -> None:
+    def __init__(self, security: str = "auth", bounce_bytes: int = 64 << 20) -> None:
         self.security = security
+        self.bounce_bytes = bounce_bytes  # pinned memory per stream for GPU regions
         self._files: dict[int, SharedFile] = {}
         self.nodes: dict[str, TcpTransport] = {}
 
     def make(self, node: str) -> Transport:
         t = TcpTransport(
-            node, bind_host="127.0.0.1", streams=3, stall_timeout_s=10, security=self.security
-        )
+            node, bind_host="127.0.0.1", streams=3, stall_timeout_s=10, security=self.security,
+            bounce_bytes=self.bounce_bytes,
+        )  # fmt: skip
         self.nodes[node] = t
 
         async def signal(peer: str, payload: bytes) -> bytes:

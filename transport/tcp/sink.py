@@ -3,36 +3,30 @@ through a bounded bounce buffer; a write of a version the node failed nowhere.""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 from weightwire.protocol.errors import ErrorCode, RegionError
 from weightwire.transport.base import Admit, LocalRegion
 from weightwire.transport.tcp.data import Write
 
-from .bounce import DEFAULT_CAP, Bounce, Pinned
+from .bounce import Bounce
 from .regions import RegionTable
 
 
+@dataclass(eq=False)
 class StreamSink:
-    """One receive stream's sink: host regions directly, GPU regions through a bounce of at
-    most `bounce_bytes`, piece by piece. A write whose tag (its immediate) the admission
-    check refuses lands nowhere."""
+    """One receive stream's sink: host regions directly, GPU regions piece by piece through
+    a bounce (`new_bounce` makes it, bounded, at the first GPU write). A write whose tag
+    (its immediate) the admission check refuses lands nowhere."""
 
-    def __init__(
-        self,
-        table: RegionTable,
-        admit: Admit | None = None,
-        bounce_bytes: int = DEFAULT_CAP,
-        copy_timeout_s: float = 30.0,
-        pinned: Pinned | None = None,
-    ) -> None:
-        self.table = table
-        self.admit = admit
-        self.bounce_bytes = bounce_bytes
-        self.copy_timeout_s = copy_timeout_s
-        self.pinned = pinned
-        self.bounce: Bounce | None = None
-        self._gpu: LocalRegion | None = None  # the GPU region the write under way lands in
-        self._host: memoryview | None = None  # or the host memory
-        self._at = 0  # the write's offset where the piece in the bounce begins
+    table: RegionTable
+    admit: Admit | None = None
+    new_bounce: Callable[[], Bounce] = Bounce
+    bounce: Bounce | None = None
+    _gpu: LocalRegion | None = None  # the GPU region the write under way lands in
+    _host: memoryview | None = None  # or the host memory
+    _at: int = 0  # the write's offset where the piece in the bounce begins
 
     def target(self, write: Write, peer: str) -> memoryview:
         # `peer` is the authenticated writer: a failed version's write is refused before any
@@ -48,7 +42,7 @@ class StreamSink:
             self._host = self.table.host_view(region, write)
             return self._host
         if self.bounce is None:
-            self.bounce = Bounce(self.bounce_bytes, self.copy_timeout_s, self.pinned)
+            self.bounce = self.new_bounce()
         self._gpu = region
         assert region.device is not None
         return self.bounce.buffer(min(write.length, self.bounce.cap), region.device)

@@ -52,7 +52,7 @@ from weightwire.transport.tcp.data import (
 
 from . import auth, dial, handshake, wire
 from .admission import Admission, Backoff
-from .bounce import DEFAULT_CAP, Pinned
+from .bounce import DEFAULT_CAP, Bounce, Pinned
 from .incoming import IncomingStream
 from .regions import RegionTable
 from .sink import StreamSink
@@ -208,9 +208,7 @@ class TcpTransport(Transport):
             conn.close()
             return
         tune(conn, self.stall_timeout_s)
-        sink = StreamSink(
-            self._table, self._admit, self.bounce_bytes, self.stall_timeout_s, self._pinned
-        )
+        sink = StreamSink(self._table, self._admit, self._new_bounce)
         stream = IncomingStream(
             sock=conn,
             address=address,
@@ -238,6 +236,9 @@ class TcpTransport(Transport):
             self._pause(exc)
             return
         self._backoff.ok()  # only now: accepts that work while threads fail pause all the same
+
+    def _new_bounce(self) -> Bounce:
+        return Bounce(self.bounce_bytes, self.stall_timeout_s, self._pinned)
 
     def _pause(self, exc: Exception) -> None:
         """Stop accepting for a while after `exc` (backing off), with one line a while."""
