@@ -80,6 +80,7 @@ class Bounce:
         self._size = 0
         self._device: int | None = None
         self._stream = 0
+        self._streams: dict[int, int] = {}  # a copy stream per device, made once
         self._lost = False  # a copy timed out: the device may still use the buffer
 
     @property
@@ -105,10 +106,13 @@ class Bounce:
         return self._view[:nbytes]
 
     def _on(self, device: int) -> None:
+        """`device`'s context current in this thread, and its copy stream."""
         if self._device != device:
             drv = driver()
             drv.use(device)
-            self._stream = drv.stream()
+            if device not in self._streams:
+                self._streams[device] = drv.stream()
+            self._stream = self._streams[device]
             self._device = device
 
     def to_device(self, device: int, dst: int, nbytes: int) -> None:
@@ -153,6 +157,15 @@ class Bounce:
             self._address, self._view, self._size = 0, None, 0
 
     def close(self) -> None:
-        """Gives the pinned memory back (not after a copy timed out: see `_wait`)."""
-        if not self._lost:
+        """Gives the pinned memory back (not after a copy timed out: see `_wait`). Never
+        raises: it runs as a stream's thread ends."""
+        if self._lost:
+            return
+        try:
             self._release()
+            for stream in self._streams.values():
+                driver().call("cuStreamDestroy_v2", ctypes.c_void_p(stream))
+        except CudaError as exc:
+            log.error("tcp bounce not freed", error=exc.message)
+        self._streams.clear()
+        self._device = None
