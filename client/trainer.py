@@ -165,7 +165,7 @@ class Trainer(RankClient):
         self._sources.register(
             tensors_of(tensors, "register"), layout, global_shapes, zero_copy=zero_copy
         )
-        self._start.forget_plan()
+        self._start.forget_plan(declared=True)
 
     def register_module(
         self, module: torch.nn.Module, rename: Rename | None = None, *, zero_copy: bool = False
@@ -180,7 +180,7 @@ class Trainer(RankClient):
         is registered then. Returns {HF name: (offsets, sizes)} of what was registered.
         """
         boxes = self._sources.add_module(module_shards(module, rename), zero_copy=zero_copy)
-        self._start.forget_plan()
+        self._start.forget_plan(declared=True)
         return boxes
 
     def register_megatron(
@@ -204,7 +204,7 @@ class Trainer(RankClient):
 
         source = MegatronSource(model, config, ranks, skip)
         boxes = self._sources.add_megatron(source, zero_copy=zero_copy)
-        self._start.forget_plan()
+        self._start.forget_plan(declared=True)
         return boxes
 
     def release_parameters(self) -> None:

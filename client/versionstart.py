@@ -62,15 +62,23 @@ class VersionStart:
     ) -> None:
         self._conn, self._stage, self._device, self._slots = conn, stage, device, slots
         self._plan: RankPlan | None = None
+        self._outdated = ""  # a plan hash the next plan must differ from ("": any)
 
     def plan(self, timeout_s: float) -> RankPlan:
         if self._plan is None:
             t = timeout_s
-            reply = expect(self._conn.request(GetPlan(timeout_s=t), t + 5), PlanReply)
-            self._plan = reply.plan
+            ask = GetPlan(timeout_s=t, after_plan=self._outdated)
+            self._plan = expect(self._conn.request(ask, t + 5), PlanReply).plan
+            self._outdated = ""
         return self._plan
 
-    def forget_plan(self) -> None:
+    def forget_plan(self, declared: bool = False) -> None:
+        """The plan is asked for again at the next version; `declared`: this rank declared
+        tensors, so the plan it had (which does not know them) will not do: the daemon
+        answers with a newer one (before, a version could begin on the old plan, the
+        coordinator not having replanned yet, and leave the new tensors out)."""
+        if declared and self._plan is not None:
+            self._outdated = self._plan.plan_hash
         self._plan = None
 
     def begin(

@@ -238,7 +238,7 @@ class LocalServer:
                 d.declare_destinations(session, msg)
                 self.send(identity, Ok(req=msg.req, detail=f"{len(tensors)} tensors"))
             case GetPlan(timeout_s=timeout_s):
-                plan = d.plan_for(session, msg.req, timeout_s)
+                plan = d.plan_for(session, msg.req, timeout_s, msg.after_plan)
                 self._spawn(identity, msg.req, plan, only_waits=True)
             case BeginVersion(version=version, plan_hash=plan_hash, staging_buckets=slots):
                 fence = (msg.fence_offset, msg.fence_base, msg.gate_offset)

@@ -38,7 +38,9 @@ class Requests(Protocol):
 
     async def remap(self, session: Session, msg: RemapRegion) -> Ok: ...
 
-    async def plan_for(self, session: Session, req: int, timeout_s: float) -> PlanReply: ...
+    async def plan_for(
+        self, session: Session, req: int, timeout_s: float, after_plan: str = ""
+    ) -> PlanReply: ...
 
     async def begin_version(
         self,

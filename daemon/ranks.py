@@ -105,7 +105,11 @@ class Ranks:
 
     # --- trainer ranks -------------------------------------------------------
 
-    async def plan_for(self, session: Session, req: int, timeout_s: float) -> PlanReply:
+    async def plan_for(
+        self, session: Session, req: int, timeout_s: float, after_plan: str = ""
+    ) -> PlanReply:
+        """The rank's plan once there is one (other than `after_plan`, which predates
+        tensors the rank declared since: a version on it would leave them out)."""
         if session.role != "trainer":
             raise WeightwireError(
                 f"a {session.role} session has no send plan", code=ErrorCode.INVALID
@@ -116,7 +120,7 @@ class Ranks:
         while True:
             self._plans.check(session.job)
             rp = self._plans.rank_plan(session.job, session.rank)
-            if rp is not None:
+            if rp is not None and not (after_plan and rp.plan_hash == after_plan):
                 self._publishing.publisher(session).served = rp.regions
                 return PlanReply(req=req, plan=rp)
             left = deadline - time.monotonic()
@@ -124,6 +128,12 @@ class Ranks:
                 why = self._plans.waiting(
                     session.job, timeout_s, self._joining.waiting_for(session.job)
                 )
+                if rp is not None:
+                    why = (
+                        f"no plan of job {session.job!r} knows the tensors this rank declared "
+                        f"after plan {after_plan} within {timeout_s:g} s (has every rank "
+                        "that shares them declared its side?)"
+                    )
                 raise PlanError(why, code=ErrorCode.NOT_READY)
             await self._plans.changed(session.job, left)
 

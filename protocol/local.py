@@ -145,9 +145,12 @@ class Error(LocalMsg, frozen=True, tag="error"):
 
 
 class GetPlan(LocalMsg, frozen=True, tag="get_plan"):
-    """Reply when this rank's plan exists (or with NOT_READY after `timeout_s`)."""
+    """Reply when this rank's plan exists (or with NOT_READY after `timeout_s`); with
+    `after_plan`, a plan other than that one (the rank declared tensors since it got it,
+    and the plan it had does not know them)."""
 
     timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 60.0
+    after_plan: Annotated[str, msgspec.Meta(max_length=128)] = ""
 
 
 class PlanReply(LocalMsg, frozen=True, tag="plan"):
