@@ -87,7 +87,6 @@ class Staging:
             self._pinned = False
         if self.shared is not None:
             del self.tensor
-            self.shared.unlink()
-            if not self.shared.close():  # a view of it lives on: its memory goes with it
-                self.shared.detach()
+            self.shared.detach()  # a view of it may live on: its memory goes with it
+            self.shared.close()
             self.shared = None

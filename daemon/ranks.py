@@ -125,15 +125,15 @@ class Ranks:
                 return PlanReply(req=req, plan=rp)
             left = deadline - time.monotonic()
             if left <= 0:
-                why = self._plans.waiting(
-                    session.job, timeout_s, self._joining.waiting_for(session.job)
-                )
-                if rp is not None:
+                if rp is not None:  # only the plan it declared tensors after
                     why = (
                         f"no plan of job {session.job!r} knows the tensors this rank declared "
                         f"after plan {after_plan} within {timeout_s:g} s (has every rank "
                         "that shares them declared its side?)"
                     )
+                else:
+                    waiting = self._joining.waiting_for(session.job)
+                    why = self._plans.waiting(session.job, timeout_s, waiting)
                 raise PlanError(why, code=ErrorCode.NOT_READY)
             await self._plans.changed(session.job, left)
 
