@@ -124,8 +124,10 @@ def test_unchanged_and_all_changed_versions(pair: Pair) -> None:
     total = sum(t.numel() * t.element_size() for t in pair.w.values())
     assert stats.nbytes >= total and bitwise(pair.dst, pair.w)
     # not sampled (the last version went delta far inside its limits): each compare stops
-    # at its limit, so the density counts what it found by then, a lower bound
-    assert pair.tr.delta.sampled == 0 and stats.density > 0.4  # BLOCK16 fits 1/8 here
+    # at its limit, so the density counts what it found by then, a lower bound. The area
+    # is 1/4 of the bytes; a changed byte costs 3 there, and both bytes of every element
+    # changed: a compare finds at least 1/12 of the elements before it stops
+    assert pair.tr.delta.sampled == 0 and stats.density > 1 / 12
 
 
 def fails_checksum(pair: Pair, v: int) -> None:
@@ -440,3 +442,38 @@ def test_sampling_skipped_only_after_a_delta_well_inside_its_limit(pair: Pair) -
     assert s6[0] == slots and s6[1] < 0.15  # after dense: sampled again
     assert s7[0] == 0 and s7[1] < 0.5  # 12 %: fits, but more than half of what fits
     assert s8[0] == slots  # came close: sampled
+
+
+def flip(w: dict[str, torch.Tensor], bits: int, density: float, seed: int) -> int:
+    """XOR `bits` into about `density` of every bf16 tensor's elements; how many."""
+    g = torch.Generator().manual_seed(seed)
+    changed = 0
+    for t in w.values():
+        if t.dtype == torch.bfloat16:
+            flat = t.view(-1).view(torch.int16)
+            mask = torch.rand(flat.numel(), generator=g) < density
+            flat[mask] ^= bits
+            changed += int(mask.sum())
+    return changed
+
+
+def test_host_deltas_are_bytes_for_small_steps_and_elements_for_large(pair: Pair) -> None:
+    """A bf16 element that moved an ULP changed its low byte only: it costs 3 bytes on the
+    wire (2 of position, 1 of value), not 4. One that changed both bytes costs 6 as bytes,
+    4 as an element. Each compare counts what the other unit would have cost, and the
+    bucket's next compare uses the cheaper. The density counts elements, exactly."""
+    pair.tr.publish(0)
+    pair.eng.wait(0)
+    elements = sum(t.numel() * t.element_size() for t in pair.w.values()) // 2
+    per_change = []
+    for v, bits in enumerate((0x0001, 0x0101, 0x0101, 0x0001, 0x0001), start=1):
+        k = flip(pair.w, bits, 0.03, v)
+        stats = pair.tr.publish(v)
+        pair.eng.wait(v)
+        assert bitwise(pair.dst, pair.w), f"version {v} differs"
+        assert stats.density == pytest.approx(k / elements, abs=1e-12)
+        per_change.append(stats.delta_bytes / k)
+    low, both_as_bytes, both, low_as_elements, low_again = per_change
+    assert 3 <= low < 3.1 and 3 <= low_again < 3.1  # bytes
+    assert 6 <= both_as_bytes < 6.1  # bytes: the last compare said they cost less
+    assert 4 <= both < 4.1 and 4 <= low_as_elements < 4.1  # elements, after that

@@ -190,3 +190,53 @@ def test_changes_reuse_spare_buffers(first: int, then: int) -> None:
     assert reused.values.tobytes() == fresh.values.tobytes()
     big = scan.Changes(1 << 20, then, 1 << 20, spare=spare)  # needs more room than spare has
     assert not np.shares_memory(big.low, spare.low)
+
+
+@pytest.mark.parametrize("step", _steps())
+@pytest.mark.parametrize("width", [1, 2])
+@pytest.mark.parametrize(
+    ("n", "pos0", "density"),
+    [(1, 0, 1.0), (77, 2 * 999, 0.5), (5000, BLOCK - 1000, 0.042), (3 * BLOCK + 5, 2, 0.3)],
+)
+def test_pairs_count_the_elements_changed_in_both_bytes(
+    step: str, width: int, n: int, pos0: int, density: float
+) -> None:
+    """bf16 elements compared as bytes (from an even position) or as elements: the loop
+    counts the elements that changed in both bytes, exactly, whichever bytes changed
+    (low only, high only, both), across vector, scalar and tail steps and block edges."""
+    rng = np.random.default_rng(n)
+    old16 = rng.integers(0, 1 << 16, n, dtype=np.uint16)
+    new16 = old16.copy()
+    hit = rng.random(n) < density
+    flips = rng.choice(np.array([0x0001, 0x0100, 0x0101, 0x8080], np.uint16), int(hit.sum()))
+    new16[hit] ^= flips
+    new, old = new16.view(DTYPES[width]), old16.copy().view(DTYPES[width])
+    room = 2 * n + scankernel.SPARE
+    low, val = np.zeros(room, np.uint16), np.zeros(room, new.dtype)
+    counts = np.zeros(max(1, -(-(pos0 + new.size) // BLOCK)), np.uint32)
+    pairs = np.zeros(1, np.int64)
+    k, done = scankernel.run(new, old, low, val, counts, 0, new.size, pos0, step == "vector", pairs)
+    assert done == new.size and np.array_equal(new, old)
+    both = int(np.isin(flips, [0x0101, 0x8080]).sum())
+    assert int(pairs[0]) == both
+    changed_bytes = int(np.count_nonzero(new16.view(np.uint8) != old16.view(np.uint8)))
+    assert k == (changed_bytes if width == 1 else int(hit.sum()))
+
+
+@pytest.mark.parametrize("width", [1, 2])
+def test_pairs_of_the_numpy_compare_match_the_kernel(
+    monkeypatch: pytest.MonkeyPatch, width: int
+) -> None:
+    """The compare without numba counts the same pairs (scan's numpy path)."""
+    new16 = np.arange(40000, dtype=np.uint16)
+    old16 = new16.copy()
+    old16[::7] ^= 0x0101  # both bytes
+    old16[3::7] ^= 0x0001  # the low byte only
+    got = []
+    for kernel in (scan._kernel, None):
+        monkeypatch.setattr(scan, "_kernel", kernel)
+        acc = scan.Changes(80000 // width, width, 80000 // width)
+        assert scan.scan(new16.view(np.uint8), old16.view(np.uint8).copy(), acc, 0, None)
+        got.append((acc.k, int(acc.pairs[0])))
+    both, low = len(old16[::7]), len(old16[3::7])
+    assert got[0] == got[1] == ((2 * both + low) if width == 1 else both + low, both)

@@ -86,7 +86,8 @@ class Job:
 
 @dataclass
 class Pass:
-    """Counts and seconds of one bucket's pass."""
+    """Counts and seconds of one bucket's pass: elements (of each slot's width, however
+    they were compared) changed and compared."""
 
     changed: int = 0
     compared: int = 0
@@ -155,19 +156,22 @@ def run(
         first, base = need[0]
         if len(need) == 1 and direct[id(first)]:
             acc = first.changes
-            k0 = acc.k
+            k0, p0 = acc.k, int(acc.pairs[0])
             fits = _scan_split(a, old, acc, base, feed)
-            stats.changed += min(acc.k, acc.limit + 1) - k0
+            found, pairs = min(acc.k, acc.limit + 1) - k0, int(acc.pairs[0]) - p0
             if not fits:
                 first.give_up()
         else:
             room = max(j.changes.limit - j.changes.k for j, _ in need)
             seg = scan.Changes(a.size // first.changes.width, first.changes.width, room)
             fits = scan.scan(a, old, seg, 0, feed)
-            stats.changed += min(seg.k, seg.limit + 1)
+            found, pairs = min(seg.k, seg.limit + 1), int(seg.pairs[0])
             for job, at in need:
                 _take(job, seg, at, fits, direct[id(job)])
-        stats.compared += a.size // first.changes.width
+        element = first.slot.width  # the stats count the slot's elements, not compare units
+        paired = element == 2 and first.changes.width == 1
+        stats.changed += found - pairs if paired else found
+        stats.compared += a.size // (element if paired else first.changes.width)
         stats.scan_s += time.perf_counter() - t0
     for job in jobs:
         job.finish()
@@ -215,3 +219,4 @@ def _take(job: Job, seg: scan.Changes, at: int, fits: bool, direct: bool) -> Non
         acc.extend(seg, at)
     else:
         job.pieces.append((at, seg.positions + at, seg.val[: seg.k]))
+        acc.pairs += seg.pairs

@@ -45,7 +45,9 @@ class Changes:
     BLOCK16 form: `counts` per block of BLOCK elements of the stream (`blocks` of them),
     each change's low 16 position bits (`low`) and value (`val`); room for `limit` of
     them (of at most `elements`) and the spare entries the compare loop writes past it.
-    `k` past `limit` means they did not fit (what is kept then is not all of them)."""
+    `k` past `limit` means they did not fit (what is kept then is not all of them).
+    Where the stream is 2-byte elements, `pairs[0]` counts those whose both bytes changed:
+    compared as bytes, k - pairs[0] elements changed; as elements, k + pairs[0] bytes."""
 
     def __init__(
         self,
@@ -59,6 +61,7 @@ class Changes:
         enough (fresh memory costs a page fault per page the loop first writes)."""
         room = max(0, min(limit, elements)) + scankernel.SPARE
         self.width, self.limit, self.k = width, limit, 0
+        self.pairs = np.zeros(1, np.int64)  # 2-byte elements changed in both bytes
         nblocks = -(-elements // BLOCK) if blocks is None else blocks
         self.counts = np.zeros(max(1, nblocks), dtype=np.uint32)
         if spare is not None and spare.low.size >= room and spare.val.nbytes >= room * width:
@@ -101,6 +104,7 @@ class Changes:
 
     def extend(self, other: Changes, shift: int) -> None:
         """`other`'s changes (after every one held), their positions moved by `shift`."""
+        self.pairs += other.pairs
         if shift % BLOCK or other.counts.size + shift // BLOCK > self.counts.size:
             self.append(other.positions + shift, other.val[: other.k])
             return
@@ -175,9 +179,16 @@ def _scan_chunk(a: np.ndarray, b: np.ndarray, acc: Changes, base: int) -> int:
     width, limit = acc.width, acc.limit
     ea, eb = a.view(NP_INT[width]), b.view(NP_INT[width])
     if _kernel is not None:
-        acc.k, done = _kernel(ea, eb, acc.low, acc.val, acc.counts, acc.k, limit, base)
+        acc.k, done = _kernel(
+            ea, eb, acc.low, acc.val, acc.counts, acc.k, limit, base, pairs=acc.pairs
+        )
         return done * width
     hit = np.flatnonzero(ea != eb)
+    if width == 1 and hit.size > 1:
+        acc.pairs += np.count_nonzero((np.diff(hit) == 1) & ((hit[1:] + base) % 2 == 1))
+    elif width == 2:
+        d = ea[hit] ^ eb[hit]
+        acc.pairs += np.count_nonzero((d & 0xFF != 0) & (d >> 8 != 0))
     if acc.k + hit.size > limit:
         acc.k += hit.size  # past the limit: the caller sees it go dense
     else:

@@ -70,6 +70,8 @@ def simd_available() -> bool:
 
 _vector_step: Any = None
 _tz: Any = None
+_pc: Any = None
+_EVEN = 0x5555555555555555  # bit 0 of every pair of mask bits
 if numba is not None:
 
     def _vector_step_typer(
@@ -77,7 +79,9 @@ if numba is not None:
     ) -> Any:
         """Compare a[i:i+L] with b[i:i+L], b[i:i+L] = a[i:i+L]; the changed lanes' values
         to val[k:] and (first + lane) to low[k:], compressed (whole vectors stored).
-        Returns the number of changed lanes."""
+        Returns the number of changed lanes, plus 2**32 times the number of byte pairs
+        (0, 1), (2, 3).. of the step that both changed (1- and 2-byte lanes; see
+        `_run_py`'s `pairs`)."""
         sig = types.int64(a, b, types.intp, low, val, types.intp, types.intp)
 
         def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
@@ -120,7 +124,20 @@ if numba is not None:
                 builder.module, ir.FunctionType(word, [word]), f"llvm.ctpop.i{n}"
             )
             count = builder.call(popcount, [builder.bitcast(mask, word)])
-            return builder.zext(count, ir.IntType(64))
+            i64 = ir.IntType(64)
+            if bits > 16:  # pairs are counted for 1- and 2-byte elements only
+                return builder.zext(count, i64)
+            nb = n * bits // 8  # bytes in the step
+            bt, bw = ir.VectorType(ir.IntType(8), nb), ir.IntType(nb)
+            bytes_changed = builder.icmp_unsigned(
+                "!=", builder.bitcast(x, bt), builder.bitcast(y, bt)
+            )
+            changed = builder.bitcast(bytes_changed, bw)
+            even = ir.Constant(bw, sum(1 << j for j in range(0, nb, 2)))
+            after = builder.lshr(changed, ir.Constant(bw, 1))
+            pairs = builder.ctpop(builder.and_(builder.and_(changed, after), even))
+            high = builder.shl(builder.zext(pairs, i64), ir.Constant(i64, 32))
+            return builder.or_(builder.zext(count, i64), high)
 
         return sig, codegen
 
@@ -132,20 +149,53 @@ if numba is not None:
 
         return types.uint64(types.uint64), codegen
 
+    def _pc_typer(typingctx: Any, x: Any) -> Any:
+        """Set bits of a uint64."""
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            return builder.ctpop(args[0])
+
+        return types.uint64(types.uint64), codegen
+
     _vector_step, _tz = intrinsic(_vector_step_typer), intrinsic(_tz_typer)
+    _pc = intrinsic(_pc_typer)
+
+
+def _both_bytes_py(x: Any, y: Any) -> int:
+    """1 where 2-byte elements x and y differ in both bytes, else 0."""
+    d = x ^ y
+    return 1 if d & 0xFF and d >> 8 else 0
+
+
+_both_bytes: Any = (
+    numba.njit(cache=True, inline="always")(_both_bytes_py) if numba is not None else None
+)
 
 
 def _run_py(
-    a: Any, b: Any, low: Any, val: Any, counts: Any, k: int, limit: int, pos0: int, simd: bool
+    a: Any,
+    b: Any,
+    low: Any,
+    val: Any,
+    counts: Any,
+    k: int,
+    limit: int,
+    pos0: int,
+    simd: bool,
+    pairs: Any,
 ) -> Any:
     """Elements a (new) against b (the shadow, left equal to a), a and b of one integer
     dtype and size, the first at position `pos0` of the payload's stream: each changed
     element's low 16 position bits into low[k], its value into val[k], one more into
     counts[its position >> 16]. Stops after the step that takes k past `limit`.
-    Returns (k, elements done); b equals a over the elements done."""
+    pairs[0] grows by the pairs of bytes (2j, 2j+1) of the stream (pos0 even) that both
+    changed, for 1- and 2-byte elements: compared as bytes, the changes that are not one
+    more changed 2-byte element; compared as 2-byte elements, the changes that are two
+    changed bytes. Returns (k, elements done); b equals a over the elements done."""
     n = a.size
     step = min(32, 64 // a.itemsize)
     i = 0
+    both: Any = 0
     while i < n:
         p = pos0 + i
         blk = p >> BLOCK_BITS
@@ -153,13 +203,20 @@ def _run_py(
         k0 = k
         if simd:
             while i + step <= end and k <= limit:
-                k += _vector_step(a, b, i, low, val, k, (pos0 + i) & 0xFFFF)
+                got = _vector_step(a, b, i, low, val, k, (pos0 + i) & 0xFFFF)
+                k += got & 0xFFFFFFFF
+                both += got >> 32
                 i += step
         while i + GROUP <= end and k <= limit:
             ag, bg = a[i : i + GROUP], b[i : i + GROUP]
             m = np.uint64(0)
             for e in range(GROUP):
                 m |= np.uint64(ag[e] != bg[e]) << np.uint64(e)
+            if a.itemsize == 1:
+                both += np.int64(_pc(m & (m >> np.uint64(1)) & np.uint64(_EVEN)))
+            elif a.itemsize == 2 and m:
+                for e in range(GROUP):
+                    both += _both_bytes(ag[e], bg[e])
             for e in range(GROUP):
                 bg[e] = ag[e]
             first = (pos0 + i) & 0xFFFF
@@ -170,16 +227,26 @@ def _run_py(
                 k += 1
                 m &= m - np.uint64(1)
             i += GROUP
+        before = False
         while i < end and k <= limit:
             x = a[i]
             low[k] = (pos0 + i) & 0xFFFF
             val[k] = x
-            k += x != b[i]
+            changed = x != b[i]
+            if a.itemsize == 1:
+                if changed and before and (pos0 + i) & 1:
+                    both += 1
+            elif a.itemsize == 2:
+                both += _both_bytes(x, b[i])
+            before = changed
+            k += changed
             b[i] = x
             i += 1
         counts[blk] += k - k0
         if k > limit:
+            pairs[0] += both
             return k, i
+    pairs[0] += both
     return k, n
 
 
@@ -201,9 +268,10 @@ def run(
     limit: int,
     pos0: int,
     simd: bool | None = None,
+    pairs: np.ndarray | None = None,
 ) -> tuple[int, int]:
     """`_run_py` compiled, with its bounds checked here (the compiled loop checks none):
-    (k, elements done)."""
+    (k, elements done). `pairs` (int64, at least one): pairs[0] grows as `_run_py` says."""
     assert _run is not None, "numba is not installed"
     n = a.size
     if b.size != n or b.dtype != a.dtype or val.dtype != a.dtype or a.ndim != 1 or b.ndim != 1:
@@ -213,7 +281,11 @@ def run(
     room = min(low.size, val.size)
     if k < 0 or room < min(limit, k + n) + SPARE:
         raise ValueError(f"room for {room} changes, {min(limit, k + n) + SPARE} needed")
-    got, done = _run(a, b, low, val, counts, k, limit, pos0, SIMD if simd is None else simd)
+    if pairs is None:
+        pairs = np.zeros(1, np.int64)
+    elif pairs.dtype != np.int64 or pairs.size < 1:
+        raise ValueError("pairs is an int64 array of at least one")
+    got, done = _run(a, b, low, val, counts, k, limit, pos0, SIMD if simd is None else simd, pairs)
     return int(got), int(done)
 
 
