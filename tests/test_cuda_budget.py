@@ -29,13 +29,13 @@ def test_more_than_the_limit_takes_the_whole_budget_once_it_is_free() -> None:
 
 
 def test_chunks_cut_by_operations_and_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
-    from weightwire.transport.cuda import lanes
+    from weightwire.transport.cuda import copies
 
-    monkeypatch.setattr(lanes, "BATCH_OPS", 4)
-    monkeypatch.setattr(lanes, "BATCH_BYTES", 1000)
+    monkeypatch.setattr(copies, "BATCH_OPS", 4)
+    monkeypatch.setattr(copies, "BATCH_BYTES", 1000)
 
-    def copy(i: int, nbytes: int, count: int = 1, node: str = "n") -> lanes.Copy:
-        return lanes.Copy(
+    def copy(i: int, nbytes: int, count: int = 1, node: str = "n") -> copies.Copy:
+        return copies.Copy(
             i, 0, 0, nbytes, node, dst_device=0, count=count, src_stride=nbytes,
             dst_stride=nbytes,
         )  # fmt: skip
@@ -49,12 +49,12 @@ def test_chunks_cut_by_operations_and_bytes(monkeypatch: pytest.MonkeyPatch) -> 
         copy(5, 5000),
         copy(6, 10),
     ]
-    got = lanes.chunks(cs)
+    got = copies.chunks(cs)
     # ops 1, 1, 2 (a peer copy of two rows) fill the first; 100 + 901 bytes are too many
     assert [[c.index for c in ch.copies] for ch in got] == [[0, 1, 2], [3], [4], [5], [6]]
     assert [ch.ops for ch in got] == [5, 2, 2, 2, 2]  # the event included
     assert [ch.nbytes for ch in got] == [400, 100, 901, 5000, 10]
     assert [ch.node for ch in got] == ["n", "m", "n", "n", "n"]
-    mixed = lanes.chunks([copy(0, 10), copy(1, 10, node="m")])
+    mixed = copies.chunks([copy(0, 10), copy(1, 10, node="m")])
     assert len(mixed) == 1 and mixed[0].node == ""  # its copies write to two nodes
-    assert lanes.chunks([]) == []
+    assert copies.chunks([]) == []

@@ -11,8 +11,8 @@ import threading
 import time
 
 from weightwire.protocol.errors import ErrorCode, PeerLostError, retryable
+from weightwire.transport.cuda.copies import Chunk, Copy, chunks
 from weightwire.transport.cuda.inflight import InFlight
-from weightwire.transport.cuda.lanes import Chunk, Copy, chunks
 
 KEY = ("node-b", 2)
 

@@ -15,9 +15,9 @@ from weightwire.protocol.plan import span
 from weightwire.protocol.regions import RegionDescriptor
 from weightwire.transport.base import check_write
 
-from . import lanes, neighbours
+from . import copies, neighbours
+from .copies import Copy
 from .ipc import IpcMaps
-from .lanes import Copy
 from .prepared import CudaPrepared, Epoch
 from .regions import CudaRegions, Local
 
@@ -143,4 +143,4 @@ class Destinations:
             if r.src.kind != "gpu" and not self._regions.pinned_at(r.src.id, r.src.address):
                 pageable.add(key)
         prepared.epoch, prepared.failed = epoch, failed
-        prepared.lanes = [(key, lanes.chunks(cs), key in pageable) for key, cs in by_lane.items()]
+        prepared.lanes = [(key, copies.chunks(cs), key in pageable) for key, cs in by_lane.items()]

@@ -26,7 +26,7 @@ Key = tuple[str, int]  # (node, region id)
 
 
 class Resolved(Protocol):
-    """A copy as a lane issues it (`lanes.Copy`)."""
+    """A copy as a lane issues it (`copies.Copy`)."""
 
     @property
     def index(self) -> int: ...
@@ -42,7 +42,7 @@ class Resolved(Protocol):
 
 
 class Batch(Protocol):
-    """Copies issued together (`lanes.Chunk`), with the distinct regions of this process
+    """Copies issued together (`copies.Chunk`), with the distinct regions of this process
     they write into and the registration each was resolved against (cut once)."""
 
     @property

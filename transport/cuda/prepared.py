@@ -9,7 +9,7 @@ from typing import Any
 
 from weightwire.transport.base import Prepared, WriteRequest
 
-from .lanes import Chunk
+from .copies import Chunk
 
 
 class Epoch:
