@@ -201,8 +201,8 @@ class RegionRegistry:
 
         old = region.local
         if not region.released:
-            # copies issued before `detach` may still be running: the transports' first
-            # (bounded), then whatever else of this process (tcp's bounce copies)
+            # copies issued before `detach` may still be running: the transports' (bounded:
+            # cuda lanes' copies, tcp writes going through a bounce), then the device's
             if self._drained(old.id, UNMAP_WAIT_S):
                 driver().synchronize_all()
             else:

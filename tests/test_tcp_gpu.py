@@ -168,3 +168,49 @@ def test_bounce_holds_at_most_its_cap() -> None:
         bounce.close()
         gpu.release(region)
     assert bounce.size == 0 and pinned.now == 0
+
+
+def test_a_write_whose_region_goes_mid_write_stops_there() -> None:
+    """A write of three bounces into a GPU region, through a real receive sink and bounce:
+    its first piece lands (bitwise), then the region is deregistered (its rank left). The
+    daemon may not unmap it while the write is counted; the next piece's copy is refused
+    `peer_lost`, nothing of it lands, and once the stream ends the region is drained. A
+    write that begins after is refused at once. (Fails on the old code: the table had no
+    count, `drained` said True at once, and the second piece was copied into the region.)"""
+    from weightwire.protocol.errors import ErrorCode, PeerLostError
+    from weightwire.transport.tcp import auth
+    from weightwire.transport.tcp.data import Write
+    from weightwire.transport.tcp.regions import RegionTable
+    from weightwire.transport.tcp.sink import StreamSink
+
+    gpu = CudaKit()
+    region = gpu.region(9, 3 * MiB)
+    gpu.fill(region, 0, bytes(3 * MiB))
+    table = RegionTable(grant_wait_s=0.0)
+    table.add(region, 7)
+    table.grant(9, frozenset({"trainer"}), "")
+    sink = StreamSink(table, new_bounce=lambda: Bounce(MiB, timeout_s=10))
+    data = rand(3 * MiB, 9)
+    write = Write(seq=1, region=9, rkey=auth.plan_rkey(7, ""), offset=0, length=3 * MiB)
+    try:
+        piece = sink.target(write, "trainer")
+        assert len(piece) == MiB
+        piece[:] = data[:MiB]
+        piece = sink.piece(write, MiB)  # the first piece goes to the device
+        assert gpu.read(region, 0, MiB) == data[:MiB]
+        piece[:] = data[MiB : 2 * MiB]
+        table.remove(9)  # the rank left: the daemon deregisters, then waits to unmap
+        assert not table.drained(9, 0.0)
+        with pytest.raises(PeerLostError) as err:
+            sink.piece(write, 2 * MiB)
+        assert err.value.code is ErrorCode.PEER_LOST
+        assert gpu.read(region, MiB, 2 * MiB) == bytes(2 * MiB)  # nothing more landed
+        assert not table.drained(9, 0.0)  # until the stream's thread ends (it closes)
+        sink.close()
+        assert table.drained(9, 0.0)
+        with pytest.raises(PeerLostError):
+            sink.target(write, "trainer")
+        assert table.drained(9, 0.0)
+    finally:
+        sink.close()
+        gpu.release(region)

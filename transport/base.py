@@ -200,7 +200,8 @@ class Transport(abc.ABC):
         still be landing, waiting up to `timeout_s` for it (0: answer at once, as on the
         loop). The owner unmaps the region's memory only then. Transports whose writes are
         done when they are refused or acknowledged say True (the default); cuda counts the
-        copies its lanes issued into the region and waits for their events."""
+        copies its lanes issued into the region and waits for their events; tcp counts the
+        writes its receive streams copy into a GPU region through their bounce."""
         return True
 
     def authorize(  # noqa: B027 - optional hook

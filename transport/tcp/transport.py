@@ -176,6 +176,11 @@ class TcpTransport(Transport):
     def deregister(self, region_id: int) -> None:
         self._table.remove(region_id)
 
+    def drained(self, region_id: int, timeout_s: float) -> bool:
+        """A receive stream copying a write into a GPU region through its bounce counts it
+        from the write's lookup to its last copy (`RegionTable.writing`)."""
+        return self._table.drained(region_id, timeout_s)
+
     def authorize(self, region_id: int, writers: frozenset[str], scope: str = "") -> None:
         self._table.grant(region_id, writers, scope)
 
