@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import msgspec
@@ -67,6 +67,11 @@ class DataPlane:
     def authorize(self, region_id: int, writers: frozenset[str], scope: str = "") -> None:
         for t in self.transports:
             t.authorize(region_id, writers, scope)
+
+    def peer_regions(self, regions: Collection[RegionDescriptor]) -> None:
+        """Every transport hears which regions of other nodes the installed plans name."""
+        for t in self.transports:
+            t.peer_regions(regions)
 
     def stats(self) -> dict[str, Any]:
         return {t.name: t.stats() for t in self.transports}

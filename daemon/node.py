@@ -181,6 +181,7 @@ class Daemon:
             self.dataplane.authorize,
             installed,
             cfg.max_message_bytes,
+            self.dataplane.peer_regions,
         )
         self.ranks = Ranks(
             self.registry,

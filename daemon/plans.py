@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 import msgspec
 import structlog
@@ -46,6 +46,7 @@ class PlanBook:
         authorize: Authorize,
         plans: dict[str, NodePlan],
         max_bytes: int = 0,
+        peer_regions: Callable[[Collection[RegionDescriptor]], None] | None = None,
     ) -> None:
         self.node = node
         self.incarnation = incarnation
@@ -60,6 +61,8 @@ class PlanBook:
         self._authorize = authorize
         self.plans = plans  # installed, by job (Publishing reads them)
         self.max_bytes = max_bytes  # the largest advert a daemon takes (0: unchecked)
+        # told the regions of other nodes the plans name, whenever the plans change
+        self._peer_regions = peer_regions
         self._too_large: set[str] = set()  # jobs whose advert did not fit: their problem
         self.problems: dict[str, PlanError] = {}
         self.withdrawn: dict[str, str] = {}  # jobs whose plan the coordinator withdrew: why
@@ -239,7 +242,9 @@ class PlanBook:
     def grant_writers(self) -> None:
         """Tell the transports who may write into each region of this node: an engine
         rank's regions the nodes its job's plan names as the rank's sources, with the
-        plan's keys; every other region (staging, no plan) nobody."""
+        plan's keys; every other region (staging, no plan) nobody. And which regions of
+        other nodes the plans name (`named`)."""
+        self.named()
         sessions = {s.id: s for s in self._sessions.values()}
         for region in self._registry.regions.values():
             writers: frozenset[str] = frozenset()
@@ -253,6 +258,17 @@ class PlanBook:
                         writers, scope = frozenset(e.sources), e.plan_hash or plan.plan_hash
             self._authorize(region.local.id, writers, scope)
 
+    def named(self) -> None:
+        """Tell the transports which regions of other nodes the installed plans name: a
+        region that left them (its rank left, or released its memory: the coordinator
+        withdrew the plan, or planned again without the region's CUDA key) is let go by a
+        transport that mapped its memory by its keys (cuda: writes into it refused
+        peer_lost, its IPC mapping closed once its copies are done)."""
+        if self._peer_regions is None:
+            return
+        named = [r for plan in self.plans.values() for rp in plan.sends for r in rp.regions]
+        self._peer_regions(named)
+
     def forget(self, job: str) -> None:
         """The last rank of `job` here left: its plan and any plan problem go with it (status
         showed them long after). A rank that comes back advertises and gets a plan again."""
@@ -262,6 +278,8 @@ class PlanBook:
         self._too_large.discard(job)
         self.rank_problems = {k: v for k, v in self.rank_problems.items() if k[0] != job}
         self._completions.drop_job(job, "every rank of the job here left")
+        if plan is not None:
+            self.named()
         if plan is not None or problem is not None:
             log.info("job left this node", job=job, plan=plan.plan_hash if plan else None)
 

@@ -88,8 +88,13 @@ class Ranks:
         memory saver): writes into it stop now, on the loop; the old mapping is dropped
         and the new one made off it; peers learn the region's new keys."""
         region = self._registry.detach(msg.region, session.id)
+        keyed = region.descriptor.keys.cuda is not None
         await asyncio.to_thread(self._registry.remap_cuda, region, msg.cuda)
         if msg.cuda is None:
+            if keyed and session.role == "engine" and session.destinations:
+                # advertised without its CUDA key now (`remap_cuda`): planned again, and a
+                # daemon of this host that opened the memory by the key lets it go
+                self._plans.advertise(session.job)
             return Ok(req=msg.req, detail=f"region {msg.region} released")
         self._region_added(session, region)
         return Ok(req=msg.req, detail=f"region {msg.region} remapped")

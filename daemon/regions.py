@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import structlog
 
 from weightwire.memory.hostmem import SHM_DIR, SharedFile, open_shared
@@ -214,6 +215,11 @@ class RegionRegistry:
             self._unmap(old)
             region.released = True
         if info is None:
+            # its CUDA key opens memory that is no more: advertised without it, so that a
+            # daemon of this host that opened it lets it go (`transport/cuda/remote.py`)
+            if region.descriptor.keys.cuda is not None:
+                keys = msgspec.structs.replace(region.descriptor.keys, cuda=None)
+                region.descriptor = msgspec.structs.replace(region.descriptor, keys=keys)
             log.info("region released by its rank", region=old.id, owner=old.owner)
             return
         local = self._map_cuda(info, old.length, old.id, old.owner)

@@ -41,7 +41,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextvars
-from collections.abc import Awaitable, Callable, Hashable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, Protocol, final, runtime_checkable
 
@@ -203,6 +203,11 @@ class Transport(abc.ABC):
         copies its lanes issued into the region and waits for their events; tcp counts the
         writes its receive streams copy into a GPU region through their bounce."""
         return True
+
+    def peer_regions(self, regions: Collection[RegionDescriptor]) -> None:  # noqa: B027
+        """The regions of other nodes that this daemon's installed plans name now (called
+        whenever they change): a transport that maps another node's memory by its keys
+        (cuda, by CUDA IPC handle) lets go of the regions named no more. Optional hook."""
 
     def authorize(  # noqa: B027 - optional hook
         self, region_id: int, writers: frozenset[str], scope: str = ""

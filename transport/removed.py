@@ -10,6 +10,7 @@ the last `keep` ids removed. An id registered again (a remap keeps its id) is fo
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Hashable
 
 from weightwire.protocol.errors import ErrorCode, PeerLostError, RegionError
 
@@ -17,19 +18,20 @@ KEEP = 4096  # ids remembered; ~100 bytes each
 
 
 class RemovedRegions:
-    """The last `keep` region ids deregistered here (callers hold their own lock)."""
+    """The last `keep` region ids deregistered here (callers hold their own lock). An id
+    is any hashable: a writer's view of another node's region is (node, id, handle)."""
 
     def __init__(self, keep: int = KEEP) -> None:
-        self._ids: OrderedDict[int, None] = OrderedDict()
+        self._ids: OrderedDict[Hashable, None] = OrderedDict()
         self.keep = keep
 
-    def add(self, region_id: int) -> None:
+    def add(self, region_id: Hashable) -> None:
         self._ids[region_id] = None
         self._ids.move_to_end(region_id)
         while len(self._ids) > self.keep:
             self._ids.popitem(last=False)
 
-    def discard(self, region_id: int) -> None:
+    def discard(self, region_id: Hashable) -> None:
         self._ids.pop(region_id, None)
 
     def __contains__(self, region_id: object) -> bool:

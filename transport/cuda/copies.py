@@ -32,7 +32,15 @@ class Copy:
     src_stride: int = 0
     dst_stride: int = 0
     dst_region: int = -1  # the destination's region id
-    token: int = 0  # its registration, when it is a region of this process (`inflight`)
+    token: int = 0  # its registration, when it is counted (`inflight`), else 0
+    # where it is counted, when not as (dst_node, dst_region): a region of another process
+    # opened by its IPC handle is counted per writer and handle (`remote.py`)
+    via: str = ""
+
+    @property
+    def key(self) -> Key:
+        """Where its copies are counted in flight (`inflight.REGIONS`)."""
+        return (self.via or self.dst_node, self.dst_region)
 
     @property
     def as_2d(self) -> bool:
@@ -61,7 +69,7 @@ class Chunk:
     ops: int  # driver calls, the event's included
     nbytes: int
     node: str  # the node every copy writes to; "" when they differ
-    regions: tuple[tuple[Key, int], ...] = ()  # regions of this process it writes: tokens
+    regions: tuple[tuple[Key, int], ...] = ()  # counted regions it writes: their tokens
 
 
 def chunks(copies: Sequence[Copy]) -> list[Chunk]:
@@ -80,7 +88,7 @@ def chunks(copies: Sequence[Copy]) -> list[Chunk]:
     for cut, ops, nbytes in cuts:
         nodes = {c.dst_node for c in cut}
         node = nodes.pop() if len(nodes) == 1 else ""
-        regions = tuple({((c.dst_node, c.dst_region), c.token) for c in cut if c.token})
+        regions = tuple({(c.key, c.token) for c in cut if c.token})
         out.append(Chunk(tuple(cut), ops + 1, nbytes, node, regions))
     return out
 

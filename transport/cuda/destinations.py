@@ -20,6 +20,7 @@ from .copies import Copy
 from .ipc import IpcMaps
 from .prepared import CudaPrepared, Epoch
 from .regions import CudaRegions, Local
+from .remote import RemoteRegions
 
 # How a copy between two GPUs is issued: "map" opens the destination's IPC handle in the
 # copying device's context (peer mapping), "peer" names both contexts (cuMemcpyPeerAsync),
@@ -31,10 +32,16 @@ class Destinations:
     """Resolves one cuda transport's writes (its driver and IPC maps set by `start`)."""
 
     def __init__(
-        self, node: str, host: str, regions: CudaRegions, peers: Mapping[str, str]
+        self,
+        node: str,
+        host: str,
+        regions: CudaRegions,
+        peers: Mapping[str, str],
+        remote: RemoteRegions | None = None,
     ) -> None:
         self.node, self.host = node, host
         self._regions = regions
+        self.remote = remote or RemoteRegions(node)  # other daemons' regions written into
         self._peers = peers  # connected same-host nodes (node -> channel path)
         self.drv: Driver | None = None
         self.ipc: IpcMaps | None = None
@@ -61,9 +68,11 @@ class Destinations:
 
     def _destination(
         self, dst: RegionDescriptor, dst_offset: int, length: int
-    ) -> tuple[int, int, int]:
-        """(device pointer, device ordinal) of the write's first destination byte, and the
-        registration it was resolved against when the region is of this process (else 0)."""
+    ) -> tuple[int, int, int, str]:
+        """(device pointer, device ordinal) of the write's first destination byte, the
+        registration it was resolved against and where its copies are counted (`Copy.via`;
+        "" for a region of this process). A region of another daemon that the plans no
+        longer name is refused peer_lost before its handle is opened (`remote.py`)."""
         if dst.node != self.node and dst.node not in self._peers:
             raise PeerLostError(f"not connected to node {dst.node}")
         if dst.node == self.node or neighbours.get(dst.node) is not None:
@@ -72,10 +81,11 @@ class Destinations:
                 raise self._missing(dst.node, dst.id)
             local.region.check(dst_offset, length, "write")
             assert local.region.device is not None
-            return local.region.address + dst_offset, local.region.device, local.token
+            return local.region.address + dst_offset, local.region.device, local.token, ""
         key = dst.keys.cuda
         if key is None or key.host_id != self.host:
             raise RegionError(f"region {dst.id} of {dst.node} is not reachable by cuda")
+        token, via = self.remote.resolve(dst.node, dst.id, key.ipc_handle)
         assert self.drv is not None and self.ipc is not None
         base, size = self.ipc.opened(key.ipc_handle, self.drv.ordinal_of(key.device_uuid))
         if key.offset + dst.length > size:
@@ -84,7 +94,7 @@ class Destinations:
                 f"of a {size}-byte allocation",
                 code=ErrorCode.OUT_OF_BOUNDS,
             )
-        return base + key.offset + dst_offset, self.drv.ordinal_of(key.device_uuid), 0
+        return base + key.offset + dst_offset, self.drv.ordinal_of(key.device_uuid), token, via
 
     def _mapped(self, dst: RegionDescriptor, ptr: int, dst_dev: int, device: int) -> int:
         """`ptr` (in `dst`, on GPU dst_dev) as the copying device sees it: the destination's
@@ -112,7 +122,7 @@ class Destinations:
         for i, r in enumerate(requests):
             try:
                 check_write(r)
-                dst_ptr, dst_dev, token = self._destination(
+                dst_ptr, dst_dev, token, via = self._destination(
                     r.dst, r.dst_offset, span(r.length, r.count, r.dst_stride)
                 )
             except WeightwireError as exc:
@@ -137,6 +147,7 @@ class Destinations:
                 dst_stride=r.dst_stride,
                 dst_region=r.dst.id,
                 token=token,
+                via=via,
             )
             key = (device, dst_dev)
             by_lane.setdefault(key, []).append(copy)

@@ -10,7 +10,9 @@ refused `peer_lost` instead. One issued before fails too once it finishes (its b
 have landed in memory now gone): no immediate, and its write is not reported landed.
 `drained` says when the issued ones are done: the daemon unmaps the region only then (or
 after a timeout; `daemon/regions.py`). Copies into another process's memory (a region of
-another daemon, by its IPC handle) are not counted here: that daemon cannot see them.
+another daemon, opened by its IPC handle) are counted too, under a key of the writer's
+(`remote.py`): that daemon cannot see them, and the writer closes its mapping of the
+memory only once they are done, after the plans stopped naming the region.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ class Resolved(Protocol):
     @property
     def token(self) -> int: ...
 
+    @property
+    def key(self) -> Key: ...
+
 
 class Batch(Protocol):
     """Copies issued together (`copies.Chunk`), with the distinct regions of this process
@@ -54,7 +59,7 @@ class Batch(Protocol):
 
 def _gone(copies: Sequence[Resolved], keys: set[Key], failures: dict[int, BaseException]) -> None:
     for c in copies:
-        if c.token and (c.dst_node, c.dst_region) in keys:
+        if c.token and c.key in keys:
             failures.setdefault(c.index, gone(c.dst_region))
 
 

@@ -50,6 +50,11 @@ class IpcMaps:
                     found = self._mapped[key] = 0
         return found
 
+    def held(self) -> int:
+        """Allocations (by handle) with a mapping open here: opened, or per device."""
+        with self._lock:
+            return len({*self._opened, *(h for (h, _), b in self._mapped.items() if b)})
+
     def forget(self, handle: bytes) -> None:
         """Close every mapping of `handle` made here: its allocation is no longer written
         (an importer's mapping must be closed before the owner frees the memory)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Sequence
 from typing import ClassVar
 
 import structlog
@@ -47,6 +47,7 @@ from .ipc import IpcMaps
 from .lanes import Fence, Lane
 from .prepared import CudaPrepared, Epoch
 from .regions import CudaRegions, Local
+from .remote import RemoteRegions
 from .slotevents import SlotEvents
 
 log = structlog.get_logger("weightwire.transport.cuda")
@@ -77,7 +78,9 @@ class CudaTransport(Transport):
         self._closing = False
         self._admit: Admit | None = None
         self._delivery = Delivery(node, self._channel, self._peers.get)
-        self._destinations = Destinations(node, self.host, self._regions, self._peers)
+        self._remote = RemoteRegions(node)  # other daemons' regions it writes into
+        self._letting_go: set[asyncio.Task[None]] = set()  # their mappings, once drained
+        self._destinations = Destinations(node, self.host, self._regions, self._peers, self._remote)
         self.peers_enabled: list[tuple[int, int]] = []
         self._slot_events = SlotEvents()  # interprocess events fencing ring slots on lanes
 
@@ -121,6 +124,9 @@ class CudaTransport(Transport):
                 other.peer_gone(self.node)
             else:
                 self._channel.send_bye(path, self.node)
+        for task in list(self._letting_go):  # every mapping is closed below
+            task.cancel()
+        await asyncio.gather(*self._letting_go, return_exceptions=True)
         stopping = list(self._lanes.values())
         self._lanes.clear()
         for lane in stopping:
@@ -132,6 +138,7 @@ class CudaTransport(Transport):
 
         await asyncio.to_thread(join)
         self._regions.close()
+        self._remote.close()
         self._slot_events.close(self._drv)
         self._channel.close()
         if self._ipc is not None:
@@ -156,6 +163,20 @@ class CudaTransport(Transport):
         if handle and self._ipc is not None:
             self._ipc.forget(handle)
         return True
+
+    def peer_regions(self, regions: Collection[RegionDescriptor]) -> None:
+        """The regions of other nodes this daemon's plans name now: one of another daemon
+        written into through its IPC handle and named no more is let go (`remote.py`):
+        writes into it refused peer_lost, its mapping closed once its copies are done."""
+        changed, closing = self._remote.keep(regions)
+        if changed:
+            Epoch.bump()  # prepared writes resolve again: into a region let go, refused
+        if self._ipc is None or self._loop is None:
+            return
+        for handle, keys in closing.items():
+            task = self._loop.create_task(self._remote.let_go(handle, keys, self._ipc))
+            self._letting_go.add(task)
+            task.add_done_callback(self._letting_go.discard)
 
     # --- what other cuda transports of this process ask (`neighbours.Neighbour`) ----
 
@@ -354,4 +375,7 @@ class CudaTransport(Transport):
             Epoch.bump()
 
     def stats(self) -> dict[str, int]:
-        return self._delivery.stats()
+        """The delivery's counters, and `ipc_mappings`: allocations mapped here by their
+        IPC handle now (another daemon's regions written into; this one's, per device)."""
+        held = self._ipc.held() if self._ipc is not None else 0
+        return {**self._delivery.stats(), "ipc_mappings": held}
