@@ -11,10 +11,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable
+from typing import TypeVar
 
 from weightwire.protocol.errors import ErrorCode, PeerLostError, RegionError
 
 KEEP = 4096  # ids remembered; ~100 bytes each
+
+K = TypeVar("K", bound=Hashable)
 
 
 class RemovedRegions:
@@ -41,6 +44,17 @@ class RemovedRegions:
         return len(self._ids)
 
 
+def count_down(counts: dict[K, int], key: K) -> bool:
+    """One fewer write in flight into `key` (its memory is unmapped only once none is):
+    whether none is left (its entry then goes). Callers hold their own lock."""
+    left = counts.get(key, 0) - 1
+    if left > 0:
+        counts[key] = left
+        return False
+    counts.pop(key, None)
+    return True
+
+
 def gone(region_id: int) -> PeerLostError:
     """The refusal of a write to a region deregistered here."""
     return PeerLostError(
@@ -56,4 +70,4 @@ def unknown(region_id: int, removed: RemovedRegions, what: str = "") -> RegionEr
     return RegionError(f"unknown region {region_id}{what}", code=ErrorCode.UNKNOWN_REGION)
 
 
-__all__ = ["KEEP", "RemovedRegions", "gone", "unknown"]
+__all__ = ["KEEP", "RemovedRegions", "count_down", "gone", "unknown"]

@@ -22,7 +22,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
-from weightwire.transport.removed import gone
+from weightwire.transport.removed import count_down, gone
 
 Key = tuple[str, int]  # (node, region id)
 
@@ -108,11 +108,7 @@ class InFlight:
         """The copies `enter` counted have finished (their event seen) or never ran."""
         with self._changed:
             for key in entered:
-                left = self._issued.get(key, 0) - 1
-                if left > 0:
-                    self._issued[key] = left
-                else:
-                    self._issued.pop(key, None)
+                if count_down(self._issued, key):
                     self._changed.notify_all()
 
     def withdrawn(self, batch: Batch, failures: dict[int, BaseException]) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 from weightwire.protocol.errors import ErrorCode, RegionError
 from weightwire.transport.base import LocalRegion
-from weightwire.transport.removed import RemovedRegions, gone, unknown
+from weightwire.transport.removed import RemovedRegions, count_down, gone, unknown
 from weightwire.transport.tcp.data import Write
 
 from . import auth
@@ -104,11 +104,7 @@ class RegionTable:
     def done(self, region_id: int) -> None:
         """A write `writing` counted has no copy into the region left (landed, or failed)."""
         with self._changed:
-            left = self._writing.get(region_id, 0) - 1
-            if left > 0:
-                self._writing[region_id] = left
-            else:
-                self._writing.pop(region_id, None)
+            if count_down(self._writing, region_id):
                 self._changed.notify_all()
 
     def drained(self, region_id: int, timeout_s: float) -> bool:
