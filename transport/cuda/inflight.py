@@ -24,7 +24,7 @@ from typing import Protocol
 
 from weightwire.transport.removed import count_down, gone
 
-Key = tuple[str, int]  # (node, region id)
+Key = tuple[str, int]  # (node, region id); another daemon's region: (Copy.via, id)
 
 
 class Resolved(Protocol):
