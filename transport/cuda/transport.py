@@ -8,6 +8,8 @@ only issued each version (`post`; where each write goes: `destinations.py`).
 Only once a copy has landed is its immediate delivered (`delivery.py`): to this daemon's
 own handler when the destination is local, to another transport in this process directly
 (`neighbours.py`), or over a Unix datagram channel to another daemon of the same host.
+Another daemon's regions it writes into (by their IPC handles) are let go once this
+daemon's plans no longer name them (`remote.py`).
 """
 
 from __future__ import annotations
