@@ -9,9 +9,12 @@ owns, through its CUDA IPC handle, and letting it go once its plans no longer na
 - Two daemons with cuda on, an engine rank on one, a trainer rank on the other (both on
   GPU 0): a version lands bitwise through the trainer daemon's mapping of the engine's
   memory; the engine rank leaves, and the trainer's daemon closes that mapping; a new
-  engine rank gets the next version bitwise.
+  engine rank gets the next version bitwise. Or the engine rank releases its memory: the
+  trainer's daemon closes its mapping too, a version meanwhile fails, and after the
+  resume the next lands bitwise.
 
-Both fail on the old code: no `peer_regions` (the daemon never closed its mapping).
+All fail on the old code: the transport had no `peer_regions`, and a daemon never closed
+its mapping of another's memory (its cuda status had no `ipc_mappings` either).
 Needs a GPU: run by scripts/gpu-suite.sh (SUITE_TEST_FILES=tests/test_cuda_remote_gpu.py);
 skipped elsewhere, saying why. The bookkeeping without a GPU: tests/test_cuda_remote.py.
 """
@@ -30,8 +33,9 @@ from pathlib import Path
 
 import pytest
 
+from weightwire.harness.localcluster import LocalCluster
 from weightwire.memory.cudadrv import available, driver
-from weightwire.protocol.errors import ErrorCode, PeerLostError
+from weightwire.protocol.errors import ErrorCode, PeerLostError, WeightwireError
 from weightwire.protocol.regions import (
     CudaEndpoint,
     CudaKey,
@@ -42,6 +46,16 @@ from weightwire.protocol.regions import (
 from weightwire.transport.base import LocalRegion, WriteRequest
 
 OK, WHY = available()
+if OK:
+    import torch
+
+    from weightwire.client import Engine, Trainer
+    from weightwire.client.status import fetch
+
+    from .conftest import FAST
+
+    if not torch.cuda.is_available():
+        OK, WHY = False, "torch sees no CUDA device (a CPU build of torch?)"
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not OK, reason=f"no GPU here: {WHY}")]
 
 MiB = 1 << 20
@@ -208,66 +222,104 @@ def test_a_region_let_go_is_refused_and_its_mapping_closed_once_drained(
     assert owner.close() == 0  # the owner frees its memory, nobody maps it
 
 
-def test_two_daemons_the_engine_leaves_and_the_other_daemon_closes_its_mapping() -> None:
-    import torch
-
-    from weightwire.client import Engine, Trainer
-    from weightwire.client.status import fetch
-    from weightwire.harness.localcluster import LocalCluster
-
-    from .conftest import FAST
-
-    if not torch.cuda.is_available():
-        pytest.skip("torch sees no CUDA device (a CPU build of torch?)")
+@pytest.fixture(scope="module")
+def two_daemons() -> Iterator[LocalCluster]:
+    """Two daemons of this host, cuda on in both (host0 coordinates)."""
     c = LocalCluster(hosts=2, extra=FAST)
     for host in range(2):
         c.keys(f"host{host}")
     c.start_daemon(0, coordinator=True, flags={"cuda": "on"})
     c.start_daemon(1, flags={"cuda": "on"})
     c.wait_joined()
+    yield c
+    codes = c.stop()
+    assert codes == [0, 0], f"daemons exited with {codes}; logs in {c.workdir}"
 
-    def cuda_stats(host: int) -> dict[str, int]:
-        return dict(fetch(c.daemons[host].socket)["transports"]["cuda"])
 
-    def mappings_become(host: int, want: int, timeout_s: float = 20.0) -> int:
-        deadline = time.monotonic() + timeout_s
-        while (got := cuda_stats(host)["ipc_mappings"]) != want and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return got
+def cuda_stats(c: LocalCluster, host: int) -> dict[str, int]:
+    return dict(fetch(c.daemons[host].socket)["transports"]["cuda"])
 
+
+def mappings_become(c: LocalCluster, host: int, want: int, timeout_s: float = 20.0) -> int:
+    """`ipc_mappings` of `host`'s cuda transport once it is `want` (or at the timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while (got := cuda_stats(c, host)["ipc_mappings"]) != want and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return got
+
+
+def published(
+    c: LocalCluster, job: str, seed: int
+) -> tuple[Engine, Trainer, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """An engine rank on host0 and a trainer rank on host1 (both on GPU 0), version 1
+    landed bitwise through host1's cuda transport, by its mapping of the engine's memory."""
+    dst = {"w": torch.zeros(4 * MiB, device="cuda:0")}  # its own allocation: CUDA IPC
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    src = {"w": torch.randn(4 * MiB, device="cuda:0", generator=g)}
+    eng = Engine(0, 1, socket=c.daemons[0].socket, job=job, timeout_s=60, device=0)
+    eng.register(dst)
+    tr = Trainer(0, 1, socket=c.daemons[1].socket, job=job, timeout_s=60, device=0)
+    tr.register(src)
+    sent = cuda_stats(c, 1)["bytes_sent"]
+    tr.publish(1)
+    eng.wait(1, timeout_s=60)
+    assert torch.equal(dst["w"], src["w"])
+    assert cuda_stats(c, 1)["bytes_sent"] > sent  # the trainer's daemon copied it by cuda
+    assert cuda_stats(c, 1)["ipc_mappings"] >= 1  # through its mapping of the engine's memory
+    return eng, tr, dst, src
+
+
+def test_two_daemons_the_engine_leaves_and_the_other_daemon_closes_its_mapping(
+    two_daemons: LocalCluster,
+) -> None:
+    c = two_daemons
     clients: list[Engine | Trainer] = []
     try:
-        g = torch.Generator(device="cuda").manual_seed(7)
-        src = {"w": torch.randn(4 * MiB, device="cuda:0", generator=g)}
-        dst = {"w": torch.zeros(4 * MiB, device="cuda:0")}  # its own allocation: CUDA IPC
-        eng = Engine(0, 1, socket=c.daemons[0].socket, job="remote", timeout_s=60, device=0)
-        clients.append(eng)
-        eng.register(dst)
-        tr = Trainer(0, 1, socket=c.daemons[1].socket, job="remote", timeout_s=60, device=0)
-        clients.append(tr)
-        tr.register(src)
-        sent = cuda_stats(1)["bytes_sent"]
-        tr.publish(1)
-        eng.wait(1, timeout_s=60)
-        assert torch.equal(dst["w"], src["w"])
-        assert cuda_stats(1)["bytes_sent"] > sent  # the trainer's daemon copied it by cuda
-        assert cuda_stats(1)["ipc_mappings"] >= 1  # through its mapping of the engine's memory
-
+        eng, tr, _, src = published(c, "leaves", 7)
+        clients += [eng, tr]
         eng.close()  # the engine rank leaves: its daemon removes (and unmaps) its region
         clients.remove(eng)
-        assert mappings_become(1, 0) == 0  # the trainer's daemon let it go too
+        assert mappings_become(c, 1, 0) == 0  # the trainer's daemon let it go too
 
         dst2 = {"w": torch.zeros(4 * MiB, device="cuda:0")}  # a new engine rank
-        eng2 = Engine(0, 1, socket=c.daemons[0].socket, job="remote", timeout_s=60, device=0)
+        eng2 = Engine(0, 1, socket=c.daemons[0].socket, job="leaves", timeout_s=60, device=0)
         clients.append(eng2)
         eng2.register(dst2)
         src["w"].mul_(3)
         tr.publish(2)  # waits for the next plan
         eng2.wait(2, timeout_s=60)
         assert torch.equal(dst2["w"], src["w"])
-        assert cuda_stats(1)["ipc_mappings"] >= 1
+        assert cuda_stats(c, 1)["ipc_mappings"] >= 1
     finally:
         for client in clients:
             client.close()
-        codes = c.stop()
-    assert codes == [0, 0], f"daemons exited with {codes}; logs in {c.workdir}"
+    assert mappings_become(c, 1, 0) == 0
+
+
+def test_two_daemons_the_engine_releases_and_the_other_daemon_lets_go_until_resumed(
+    two_daemons: LocalCluster,
+) -> None:
+    """The release is advertised without the region's CUDA key: the job is planned again
+    and the trainer's daemon closes its mapping (which kept the memory allocated); a
+    version meanwhile fails, none reported complete; after the resume one lands bitwise."""
+    c = two_daemons
+    clients: list[Engine | Trainer] = []
+    try:
+        eng, tr, dst, src = published(c, "releases", 8)
+        clients += [eng, tr]
+        eng.release_gpu_memory()
+        assert mappings_become(c, 1, 0) == 0
+        with pytest.raises(WeightwireError) as err:
+            tr.publish(2)
+        print(json.dumps({"published_while_released": err.value.code.value}))
+        dst["w"].zero_()
+        eng.resume_gpu_memory()
+        src["w"].mul_(5)
+        torch.cuda.synchronize()
+        tr.publish(3)
+        eng.wait(3, timeout_s=60)
+        assert torch.equal(dst["w"], src["w"])
+        assert cuda_stats(c, 1)["ipc_mappings"] >= 1
+    finally:
+        for client in clients:
+            client.close()
