@@ -146,6 +146,31 @@ def test_let_go_closes_the_mapping_only_once_the_copies_are_done() -> None:
     asyncio.run(body())
 
 
+def test_let_go_waits_a_bounded_time_then_closes_all_the_same() -> None:
+    """A copy that never finishes (a hung GPU) does not hold the owner's memory for ever."""
+    from weightwire.transport.cuda.ipc import IpcMaps
+
+    forgotten: list[bytes] = []
+
+    class Maps(IpcMaps):
+        def forget(self, handle: bytes) -> None:
+            forgotten.append(handle)
+
+    async def body() -> None:
+        remote = RemoteRegions("trainer-g")
+        token, via = remote.resolve("engine", 9, H1)
+        entered, _ = REGIONS.enter(chunks([_copy(0, 9, token, via)])[0])
+        _, closing = remote.keep([])
+        maps = Maps(None)  # type: ignore[arg-type]
+        started = asyncio.get_running_loop().time()
+        await asyncio.wait_for(remote.let_go(H1, closing[H1], maps, timeout_s=0.3), 10.0)
+        assert forgotten == [H1]
+        assert asyncio.get_running_loop().time() - started >= 0.3
+        REGIONS.leave(entered)
+
+    asyncio.run(body())
+
+
 def test_a_write_into_a_region_let_go_is_refused_before_its_handle_is_opened() -> None:
     """Through the transport's resolution: no driver is needed, since nothing is opened."""
     d = Destinations("trainer-f", "host", CudaRegions("trainer-f", "host"), {"engine": "ch"})

@@ -131,14 +131,16 @@ class RemoteRegions:
         """Close this process's mappings of `handle`'s allocation once the copies counted
         under `keys` are done (at most `timeout_s`): on the loop, where writes resolve,
         unless a plan named a region in it again meanwhile."""
-        if not await asyncio.to_thread(self.drained, keys, timeout_s):
+        drained = await asyncio.to_thread(self.drained, keys, timeout_s)
+        if self.in_use(handle):
+            return
+        if not drained:
             log.error(
                 "copies into another daemon's region still in flight: its mapping closed "
                 "all the same",
                 waited_s=timeout_s,
             )
-        if not self.in_use(handle):
-            ipc.forget(handle)
+        ipc.forget(handle)
 
     def close(self) -> None:
         """The transport closed: its registrations leave `REGIONS`."""
