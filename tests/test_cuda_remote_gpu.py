@@ -22,6 +22,7 @@ skipped elsewhere, saying why. The bookkeeping without a GPU: tests/test_cuda_re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import json
 import subprocess
@@ -248,8 +249,19 @@ def mappings_become(c: LocalCluster, host: int, want: int, timeout_s: float = 20
     return got
 
 
+@contextlib.contextmanager
+def closing_all() -> Iterator[list[Engine | Trainer]]:
+    """The clients put in the list are closed at the end, whatever happens."""
+    clients: list[Engine | Trainer] = []
+    try:
+        yield clients
+    finally:
+        for client in clients:
+            client.close()
+
+
 def published(
-    c: LocalCluster, job: str, seed: int
+    c: LocalCluster, job: str, seed: int, clients: list[Engine | Trainer]
 ) -> tuple[Engine, Trainer, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """An engine rank on host0 and a trainer rank on host1 (both on GPU 0), version 1
     landed bitwise through host1's cuda transport, by its mapping of the engine's memory."""
@@ -257,8 +269,10 @@ def published(
     g = torch.Generator(device="cuda").manual_seed(seed)
     src = {"w": torch.randn(4 * MiB, device="cuda:0", generator=g)}
     eng = Engine(0, 1, socket=c.daemons[0].socket, job=job, timeout_s=60, device=0)
+    clients.append(eng)
     eng.register(dst)
     tr = Trainer(0, 1, socket=c.daemons[1].socket, job=job, timeout_s=60, device=0)
+    clients.append(tr)
     tr.register(src)
     sent = cuda_stats(c, 1)["bytes_sent"]
     tr.publish(1)
@@ -273,10 +287,8 @@ def test_two_daemons_the_engine_leaves_and_the_other_daemon_closes_its_mapping(
     two_daemons: LocalCluster,
 ) -> None:
     c = two_daemons
-    clients: list[Engine | Trainer] = []
-    try:
-        eng, tr, _, src = published(c, "leaves", 7)
-        clients += [eng, tr]
+    with closing_all() as clients:
+        eng, tr, _, src = published(c, "leaves", 7, clients)
         eng.close()  # the engine rank leaves: its daemon removes (and unmaps) its region
         clients.remove(eng)
         assert mappings_become(c, 1, 0) == 0  # the trainer's daemon let it go too
@@ -290,9 +302,6 @@ def test_two_daemons_the_engine_leaves_and_the_other_daemon_closes_its_mapping(
         eng2.wait(2, timeout_s=60)
         assert torch.equal(dst2["w"], src["w"])
         assert cuda_stats(c, 1)["ipc_mappings"] >= 1
-    finally:
-        for client in clients:
-            client.close()
     assert mappings_become(c, 1, 0) == 0
 
 
@@ -303,10 +312,8 @@ def test_two_daemons_the_engine_releases_and_the_other_daemon_lets_go_until_resu
     and the trainer's daemon closes its mapping (which kept the memory allocated); a
     version meanwhile fails, none reported complete; after the resume one lands bitwise."""
     c = two_daemons
-    clients: list[Engine | Trainer] = []
-    try:
-        eng, tr, dst, src = published(c, "releases", 8)
-        clients += [eng, tr]
+    with closing_all() as clients:
+        eng, tr, dst, src = published(c, "releases", 8, clients)
         eng.release_gpu_memory()
         assert mappings_become(c, 1, 0) == 0
         with pytest.raises(WeightwireError) as err:
@@ -320,6 +327,3 @@ def test_two_daemons_the_engine_releases_and_the_other_daemon_lets_go_until_resu
         eng.wait(3, timeout_s=60)
         assert torch.equal(dst["w"], src["w"])
         assert cuda_stats(c, 1)["ipc_mappings"] >= 1
-    finally:
-        for client in clients:
-            client.close()
