@@ -61,7 +61,9 @@ class Compact:
         for e in self.engines:
             if id(e.tensors) not in encoded:
                 encoded[id(e.tensors)] = hashlib.sha256(enc.encode(e.tensors)).digest()
-            regions = [(r.id, r.length) for r in e.regions]
+            # the CUDA key too: a rank that released its memory is advertised without it,
+            # and writers must get a new plan that lets their mapping of it go
+            regions = [(r.id, r.length, r.keys.cuda) for r in e.regions]
             h.update(enc.encode([e.node, e.rank, e.lanes, self.slots[e.rank], regions]))
             h.update(encoded[id(e.tensors)])
         p, w = self.packs, self.writes

@@ -179,3 +179,31 @@ def test_kimi_k2_plans() -> None:
     rp = plans["trainer-17"].sends[0]
     assert rp.write_count == int((c.packs.b_trainer[c.writes.bucket] == 17).sum()) > 0
     assert rp.staging_bytes == sum(b.nbytes for b in rp.buckets)
+
+
+def test_the_hash_follows_the_engines_cuda_keys() -> None:
+    """An engine rank that released its GPU memory is advertised without its CUDA key, and
+    with a new one once resumed: each is a new plan, so that a writer on another daemon
+    lets its mapping of the old memory go (the same hash kept it writing there)."""
+    from weightwire.protocol.regions import CudaKey, RegionKeys
+
+    cfg = CONFIGS["qwen3"]
+    ts = trainer_ranks(cfg, 2)
+    engines = engine_ranks(cfg, Topology(2, 2, 2, 1, 100.0), "bfloat16", range(2))
+
+    def keyed(handle: bytes | None) -> list[EngineRank]:
+        out = []
+        for e in engines:
+            cuda = (
+                None
+                if handle is None
+                else CudaKey(host_id="h", device_uuid="GPU-0", ipc_handle=handle)
+            )
+            regions = tuple(
+                msgspec.structs.replace(r, keys=RegionKeys(cuda=cuda)) for r in e.regions
+            )
+            out.append(replace(e, regions=regions))
+        return out
+
+    hashes = [plan("job", ts, keyed(h)).plan_hash for h in (b"a" * 64, None, b"b" * 64, b"b" * 64)]
+    assert hashes[0] != hashes[1] != hashes[2] and hashes[2] == hashes[3]
