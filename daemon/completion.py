@@ -179,16 +179,24 @@ class RankCompletion:
 
     def on_bucket(self, note: BucketLanded, part: LandedPart) -> None:
         """A source says every write of one bucket landed here: the engine applies and
-        checksums it now (only for a version not settled here; whether the version
-        completes is still decided by the immediates and the trailers' checksums)."""
+        checksums it now (only for a version in progress here, which that source rank
+        started: its `VersionStart` came first on the same connection; whether the version
+        completes is still decided by the immediates and the trailers' checksums).
+
+        A note of a version nobody started here (an insider's, with its node's valid key)
+        once reached the engine, which stops holding a verified version at a version's first
+        bucket: the next real delta version failed as against a stale base. A dropped note
+        costs nothing but time: `ApplyVersion` does what no note covered."""
         version = note.version
         if not self.verified or self.apply_bucket is None:
             return
         if version in self.failed or self._completed(version) or version < self.last_complete:
             return
         st = self.current.get(version_low(version))
-        if st is not None and (st.applying or st.version not in (None, version)):
-            return  # being applied already (the note came late), or another version
+        if st is None or st.version != version or st.applying:
+            return  # not started here, another version, or being applied already (late)
+        if (note.source_node, note.source_rank) not in st.began:
+            return  # a source rank that did not start it
         self.apply_bucket(self, note, part)
 
     def _landed(self, st: _InProgress) -> None:

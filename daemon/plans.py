@@ -170,11 +170,28 @@ class PlanBook:
             raise self.rank_problems[(job, rank)]
 
     async def changed(self, job: str, timeout_s: float) -> None:
-        """Wait (at most `timeout_s`) for the job's plan to be installed or withdrawn."""
+        """Wait (at most `timeout_s`) for the job's plan to be installed or withdrawn.
+
+        A wait that ends otherwise (its time up, its session gone) takes its future out:
+        they stayed until the job's plan next changed, which in a steady job is never, so
+        a rank asking again and again (`GetPlan` with `after_plan` the plan it has, a
+        short timeout, in a loop) grew the daemon by a future a request."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.setdefault(job, []).append(fut)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(fut, timeout_s)
+        waiting = self._waiters.setdefault(job, [])
+        waiting.append(fut)
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(fut, timeout_s)
+        finally:
+            if self._waiters.get(job) is waiting:  # not popped by a change meanwhile
+                with contextlib.suppress(ValueError):
+                    waiting.remove(fut)
+                if not waiting:
+                    del self._waiters[job]
+
+    def waits(self) -> int:
+        """Waits for a plan change now, of every job (the status document's `plan_waits`)."""
+        return sum(len(w) for w in self._waiters.values())
 
     def install(self, plan: NodePlan) -> None:
         plan = _scoped(plan)

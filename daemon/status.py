@@ -110,6 +110,7 @@ class StatusReport:
             ],
             "plans": {job: p.plan_hash for job, p in self.plans.plans.items()},
             "plan_problems": {job: e.message for job, e in self.plans.problems.items()},
+            "plan_waits": self.plans.waits(),  # requests waiting for a plan to change
             "plans_withdrawn": dict(self.plans.withdrawn),  # ranks of the job left: why
             "rank_problems": {  # engine ranks refused alone (an elastic replica's claimant)
                 f"{job} engine rank {rank}": e.message
