@@ -13,6 +13,7 @@ of a version its source rank did not start is dropped, `test_delta_notes_insider
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -65,6 +66,29 @@ def forge(c: LocalCluster, msgs: list[PeerMsg]) -> None:
     assert json.loads(out.stdout.splitlines()[0])["event"] == "sent", out.stdout
 
 
+@contextlib.contextmanager
+def delta_pair(
+    c: LocalCluster, job: str, trainer_timeout_s: float = 30
+) -> Iterator[tuple[Trainer, Engine, torch.Tensor]]:
+    """A trainer rank on host0 and an engine rank on host1 (its tensor `dst`), delta on,
+    versions 0 and 1 landed bitwise: the engine holds version 1, verified."""
+    dst = torch.zeros(N)
+    eng = Engine(0, 1, socket=c.daemons[1].socket, job=job, timeout_s=30, delta_area=0.5)
+    tr = Trainer(0, 1, socket=c.daemons[0].socket, job=job, timeout_s=trainer_timeout_s, delta="on")
+    try:
+        eng.register({"w": dst})
+        tr.register({"w": weights(0)})
+        for version in (0, 1):
+            tr.publish(version, {"w": weights(version)})
+            eng.wait(version)
+            assert torch.equal(dst, weights(version)), version
+        assert eng.delta is not None and eng.delta.held == 1
+        yield tr, eng, dst
+    finally:
+        tr.close()
+        eng.close()
+
+
 def weights(version: int) -> torch.Tensor:
     w = torch.arange(N, dtype=torch.float32)
     w[version::97] += version  # a sparse change each version: a delta
@@ -91,18 +115,7 @@ def test_forged_bucket_ranges_fail_the_version_and_the_next_lands(
     hosts: LocalCluster, lie: str
 ) -> None:
     job = f"forged-ranges-{lie}"
-    dst = torch.zeros(N)
-    eng = Engine(0, 1, socket=hosts.daemons[1].socket, job=job, timeout_s=30, delta_area=0.5)
-    tr = Trainer(0, 1, socket=hosts.daemons[0].socket, job=job, timeout_s=30, delta="on")
-    try:
-        eng.register({"w": dst})
-        tr.register({"w": weights(0)})
-        tr.publish(0, {"w": weights(0)})
-        eng.wait(0)
-        assert torch.equal(dst, weights(0))
-        tr.publish(1, {"w": weights(1)})
-        eng.wait(1)
-        assert torch.equal(dst, weights(1)) and eng.delta is not None and eng.delta.held == 1
+    with delta_pair(hosts, job) as (tr, eng, dst):
         region = eng._declared[0][1][0].region  # the engine's weight region
         make, needle = RANGES[lie]
         ranges = make(region, N * 4)
@@ -126,6 +139,3 @@ def test_forged_bucket_ranges_fail_the_version_and_the_next_lands(
             tr.publish(version, {"w": weights(version)})
             eng.wait(version)
             assert torch.equal(dst, weights(version)), version
-    finally:
-        tr.close()
-        eng.close()
