@@ -58,7 +58,7 @@ class PieceSink:
         self.largest = max(self.largest, len(self.staging))
         return memoryview(self.staging)[:n]
 
-    def target(self, w: Write, peer: str) -> memoryview:
+    def target(self, w: Write, peer: str, private: bool = False) -> memoryview:
         self._dst, self._at = self.table.target(w, peer), 0
         return self._stage(min(w.length, self.cap))
 

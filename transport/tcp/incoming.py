@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import socket
 import threading
 import time
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from weightwire.protocol.errors import WeightwireError
+from weightwire.protocol.errors import ErrorCode, RegionError, WeightwireError
 from weightwire.transport.tcp.data import Write
 
 from . import wire
@@ -119,6 +120,19 @@ class IncomingStream:
                     if not m.mid_frame:
                         frame_started = time.monotonic()
                     continue
+                except OSError as exc:
+                    w = m.write
+                    if exc.errno != errno.EFAULT or w is None:
+                        raise
+                    # the kernel found no page where the write lands: its region's file
+                    # was shrunk under the mapping (a store here would have been a SIGBUS)
+                    why = RegionError(
+                        f"write {w.seq} into region {w.region}: its memory is gone (the "
+                        "rank's file shrank under the daemon's mapping)",
+                        code=ErrorCode.OUT_OF_BOUNDS,
+                    )
+                    self._refuse(wire.FrameViolation(why, w.seq))
+                    return
                 if n == 0:
                     return
                 if not m.mid_frame:
@@ -130,17 +144,7 @@ class IncomingStream:
                         if refusal is not None:
                             raise wire.FrameViolation(refusal, 0)
                 except wire.FrameViolation as v:
-                    self.on_refused()
-                    self.gate.warn(
-                        self,
-                        "tcp write refused; closing connection",
-                        peer=self.peer,
-                        code=v.code.value,
-                        error=v.message,
-                        seq=v.seq,
-                    )
-                    self.sock.sendall(m.reply(wire.refused(v.seq, v)))
-                    self._linger()
+                    self._refuse(v)
                     return
                 if isinstance(event, wire.Reply):
                     self.sock.sendall(event.data)
@@ -155,6 +159,20 @@ class IncomingStream:
                 log.info("tcp receive stream ended", peer=self.peer, error=str(exc))
         except RuntimeError:  # loop closed during shutdown
             pass
+
+    def _refuse(self, v: wire.FrameViolation) -> None:
+        """Tell the peer why (its `Refused` frame), then close the connection."""
+        self.on_refused()
+        self.gate.warn(
+            self,
+            "tcp write refused; closing connection",
+            peer=self.peer,
+            code=v.code.value,
+            error=v.message,
+            seq=v.seq,
+        )
+        self.sock.sendall(self.machine.reply(wire.refused(v.seq, v)))
+        self._linger()
 
     def _linger(self, limit_s: float = 2.0) -> None:
         """Half-close and discard what the peer still sends until it closes too.

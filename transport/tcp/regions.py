@@ -139,7 +139,9 @@ class RegionTable:
                 self._writing[write.region] = self._writing.get(write.region, 0) + 1
         return reg
 
-    def target(self, write: Write, peer: str) -> memoryview:
+    def target(self, write: Write, peer: str, private: bool = False) -> memoryview:
+        """The region's memory itself, `private` or not: a sink of tests, over memory of
+        their own (the transport's is `StreamSink`)."""
         return self.host_view(self.lookup(write, peer), write)
 
     @staticmethod

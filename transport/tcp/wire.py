@@ -68,9 +68,11 @@ class WriteSink(Protocol):
     in: all of them, or a first piece. Every piece but a write's last is a whole number of
     `auth.RECORD`s (no sealed record straddles two). `piece` gives the next once the
     first `done` bytes are in and checked; `landed` once every byte is there and checked.
-    Either raises a WeightwireError for memory it failed to give or fill (the write fails)."""
+    Either raises a WeightwireError for memory it failed to give or fill (the write fails).
+    `private`: the stream's own code stores the bytes (it decrypts them): the memory must be
+    the sink's own, never a mapping another process can shrink (`sink.py`)."""
 
-    def target(self, write: Write, peer: str) -> memoryview: ...
+    def target(self, write: Write, peer: str, private: bool = False) -> memoryview: ...
 
     def piece(self, write: Write, done: int) -> memoryview: ...
 
@@ -225,8 +227,9 @@ class ReceiveMachine:
                     raise FrameViolation(
                         auth.AuthError("write before the connection was authenticated"), msg.seq
                     )
+                private = self.channel is not None and self.channel.mode is auth.Mode.ENCRYPT
                 try:
-                    target = self._sink.target(msg, self.peer)
+                    target = self._sink.target(msg, self.peer, private)
                 except WeightwireError as exc:
                     raise FrameViolation(exc, msg.seq) from None
                 self._write, self._done = msg, 0
@@ -329,6 +332,11 @@ class ReceiveMachine:
 
     def _seq(self) -> int:
         return self._write.seq if self._write is not None else 0
+
+    @property
+    def write(self) -> Write | None:
+        """The write whose payload is under way, if any."""
+        return self._write if self._stage in (_Stage.PAYLOAD, _Stage.TAG) else None
 
     def _finish_write(self) -> Landed:
         write = self._write
