@@ -121,17 +121,17 @@ class IncomingStream:
                         frame_started = time.monotonic()
                     continue
                 except OSError as exc:
-                    w = m.write
-                    if exc.errno != errno.EFAULT or w is None:
+                    under = m.write
+                    if exc.errno != errno.EFAULT or under is None:
                         raise
                     # the kernel found no page where the write lands: its region's file
                     # was shrunk under the mapping (a store here would have been a SIGBUS)
                     why = RegionError(
-                        f"write {w.seq} into region {w.region}: its memory is gone (the "
-                        "rank's file shrank under the daemon's mapping)",
+                        f"write {under.seq} into region {under.region}: its memory is gone "
+                        "(the rank's file shrank under the daemon's mapping)",
                         code=ErrorCode.OUT_OF_BOUNDS,
                     )
-                    self._refuse(wire.FrameViolation(why, w.seq))
+                    self._refuse(wire.FrameViolation(why, under.seq))
                     return
                 if n == 0:
                     return
