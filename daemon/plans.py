@@ -68,7 +68,8 @@ class PlanBook:
         self.withdrawn: dict[str, str] = {}  # jobs whose plan the coordinator withdrew: why
         self.rank_problems: dict[tuple[str, int], PlanError] = {}  # (job, engine rank) refused
         self.related_since: dict[str, float] = {}  # nodes of this node's plans: since when
-        self._waiters: dict[str, list[asyncio.Future[None]]] = {}
+        # waits for a job's plan to change (a dict: one that ends leaves in O(1))
+        self._waiters: dict[str, dict[asyncio.Future[None], None]] = {}
         self._slots: dict[tuple[str, int], int] = {}  # engine ranks' immediate counters
         self._advert_seq = 0
 
@@ -177,15 +178,14 @@ class PlanBook:
         a rank asking again and again (`GetPlan` with `after_plan` the plan it has, a
         short timeout, in a loop) grew the daemon by a future a request."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        waiting = self._waiters.setdefault(job, [])
-        waiting.append(fut)
+        waiting = self._waiters.setdefault(job, {})
+        waiting[fut] = None
         try:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(fut, timeout_s)
         finally:
             if self._waiters.get(job) is waiting:  # not popped by a change meanwhile
-                with contextlib.suppress(ValueError):
-                    waiting.remove(fut)
+                waiting.pop(fut, None)
                 if not waiting:
                     del self._waiters[job]
 
@@ -219,7 +219,7 @@ class PlanBook:
                 engine_ranks=[e.rank for e in plan.expects],
                 heap_settle_s=round(heap.settle(), 4),
             )
-        for fut in self._waiters.pop(plan.job, []):
+        for fut in self._waiters.pop(plan.job, {}):
             if not fut.done():
                 fut.set_result(None)
 
@@ -242,7 +242,7 @@ class PlanBook:
                 self.rank_problems[(job, rank)] = err
                 self._completions.end_rank(job, rank, err.message, err.code)
             log.warning("engine ranks refused", job=job, ranks=list(ranks), error=err.message)
-            for fut in self._waiters.pop(job, []):  # waits for a plan look again
+            for fut in self._waiters.pop(job, {}):  # waits for a plan look again
                 if not fut.done():
                     fut.set_result(None)
             return
@@ -252,7 +252,7 @@ class PlanBook:
         self._completions.drop_job(job, err.message, err.code)
         self.grant_writers()
         self._users.plan_problem(job, err)
-        for fut in self._waiters.pop(job, []):
+        for fut in self._waiters.pop(job, {}):
             if not fut.done():
                 fut.set_exception(err)
 
