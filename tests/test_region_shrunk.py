@@ -33,6 +33,14 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
     yield from serve(LocalCluster(hosts=2, use_netns=NETNS, extra=extra))
 
 
+def still_serving(cluster: LocalCluster, job: str) -> None:
+    """No daemon died; each answers, and a good job lands bitwise after."""
+    for d in cluster.daemons:
+        assert d.proc.poll() is None, f"daemon died: {d.proc.returncode}"
+        fetch(d.socket)
+    healthy_sync(cluster, f"after-{job}")
+
+
 @pytest.mark.parametrize("role", ["engine", "trainer"])
 @pytest.mark.parametrize("trainer_host", [0, 1])
 def test_a_region_file_shrunk_after_registration(
@@ -70,13 +78,10 @@ def test_a_region_file_shrunk_after_registration(
             # the trainer's daemon fails the version (it died of SIGBUS when encrypting)
             with pytest.raises(WeightwireError):
                 eng.wait(0, timeout_s=10)
-        for d in cluster.daemons:
-            assert d.proc.poll() is None, f"daemon died: {d.proc.returncode}"
-            fetch(d.socket)
     finally:
         tr.close()
         eng.close()
-    healthy_sync(cluster, f"after-{job}")
+    still_serving(cluster, job)
 
 
 def test_a_region_file_shrunk_and_grown_while_versions_land(cluster: LocalCluster) -> None:
@@ -126,11 +131,8 @@ def test_a_region_file_shrunk_and_grown_while_versions_land(cluster: LocalCluste
         stop.set()
         t.join()
         print("outcomes:", outcomes)
-        for d in cluster.daemons:
-            assert d.proc.poll() is None, f"daemon died: {d.proc.returncode}"
-            fetch(d.socket)
     finally:
         stop.set()
         tr.close()
         eng.close()
-    healthy_sync(cluster, f"after-{job}")
+    still_serving(cluster, job)
