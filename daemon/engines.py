@@ -27,18 +27,27 @@ class EngineOutbox:
 
     def apply(self, rc: RankCompletion, version: int) -> None:
         """Every write of `version` landed at an engine rank with a delta area: it applies
-        the payloads and checks the trailers, then answers with `Applied`."""
+        the payloads and checks the trailers (against what the plan routes from each of
+        their senders to it), then answers with `Applied`."""
         msg = ApplyVersion(
             rank=rc.rank,
             version=version,
             region=rc.expect.delta_region,
             trailers=rc.expect.trailers,
+            plan=rc.plan_hash,
+            senders=rc.expect.senders,
+            planned=rc.expect.planned,
         )
         self._link.push(rc.job, "engine", rc.rank, msg)
 
     def apply_bucket(self, rc: RankCompletion, note: BucketLanded, part: LandedPart) -> None:
         """A bucket of a version in progress landed at an engine rank: it applies its
-        payloads and checksums its ranges now, while later buckets travel."""
+        payloads and checksums its ranges now, while later buckets travel. A note from a
+        node under a trainer rank the plan does not have it write here is dropped (a
+        dropped note costs nothing but time: `ApplyVersion` does what no note covered)."""
+        senders = rc.expect.senders
+        if senders and (note.source_node, note.source_rank) not in senders:
+            return
         msg = ApplyBucket(
             rank=rc.rank,
             version=note.version,
@@ -47,6 +56,7 @@ class EngineOutbox:
             bucket=note.bucket,
             ranges=part.ranges,
             payloads=part.payloads,
+            plan=rc.plan_hash,
         )
         self._link.push(rc.job, "engine", rc.rank, msg)
 

@@ -12,7 +12,10 @@ that writes to it gets:
 Each sender gets a delta-out region of the same sizes (its payloads and trailers are
 encoded there first), and keeps a shadow of its whole send (`RankPlan.shadow_bytes`).
 Writes from zero-copy sources always go dense (no shadow to compare with).
-The plan hash changes with the delta layout.
+The engine rank's `Expect` names, per trailer, its sender rank and the ranges the plan
+routes from that rank there (`Expect.planned`): its engine refuses a trailer that claims
+others, or a payload into them. The plan hash changes with the delta layout (the ranges
+follow from the plan's writes, already hashed).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from weightwire.protocol.plan import (
     DeltaSlot,
     Expect,
     NodePlan,
+    Range,
     RankPlan,
     Trailer,
     WriteOp,
@@ -125,9 +129,10 @@ def add_delta(
     if not area_of:
         return DeltaPlans(plans)
     senders = [(node, rp) for node, np_ in sorted(plans.items()) for rp in np_.sends]
-    # per destination: (sender key, bucket, write indices) of delta-able writes; ranges per sender
+    # per destination: (sender key, bucket, write indices) of delta-able writes; and the
+    # ranges each sender writes there, in plan order (what its trailer says)
     dense: dict[Dst, list[tuple[tuple[str, int], int, list[int]]]] = defaultdict(list)
-    ranges: dict[Dst, dict[tuple[str, int], int]] = defaultdict(dict)
+    ranges: dict[Dst, dict[tuple[str, int], list[Range]]] = defaultdict(dict)
     for node, rp in senders:
         key = (node, rp.rank)
         for b in rp.buckets:
@@ -136,7 +141,9 @@ def add_delta(
                 dst = (w.dst_node, w.slot)
                 if dst not in area_of:
                     continue
-                ranges[dst][key] = ranges[dst].get(key, 0) + 1
+                ranges[dst].setdefault(key, []).append(
+                    (w.dst_region, w.dst_offset, w.length, w.count, w.dst_stride)
+                )
                 if w.src_region < 0:
                     by_dst[dst].append(i)
             for dst, idx in by_dst.items():
@@ -153,7 +160,7 @@ def add_delta(
             n_deltas[key] += 1
         at = 0
         for key in sorted(ranges[dst]):
-            cap = trailer_capacity(ranges[dst][key], n_deltas[key])
+            cap = trailer_capacity(len(ranges[dst][key]), n_deltas[key])
             trailer_at[(dst, key)] = (at, cap)
             at = _align(at + cap)
         if at > area.length:
@@ -176,9 +183,13 @@ def add_delta(
     out: dict[str, NodePlan] = {}
     extra: dict[Dst, int] = defaultdict(int)
     trailers_of: dict[Dst, list[tuple[int, int]]] = defaultdict(list)
-    for (dst, _), spot in sorted(trailer_at.items()):
+    senders_of: dict[Dst, list[tuple[str, int]]] = defaultdict(list)
+    planned_of: dict[Dst, list[tuple[Range, ...]]] = defaultdict(list)
+    for (dst, key), spot in sorted(trailer_at.items()):
         extra[dst] += 1
         trailers_of[dst].append(spot)
+        senders_of[dst].append(key)
+        planned_of[dst].append(tuple(ranges[dst][key]))
     sends_of: dict[str, list[RankPlan]] = defaultdict(list)
     for node, rp in senders:
         sends_of[node].append(_rank_plan(node, rp, area_of, rank_of, trailer_at, slot_at))
@@ -189,7 +200,8 @@ def add_delta(
         plan_hash = hashlib.sha256(np_.plan_hash.encode() + layout).hexdigest()[:16]
         expects = tuple(
             _expect(e, area_of.get((node, e.slot)), extra[(node, e.slot)],
-                    trailers_of[(node, e.slot)])
+                    trailers_of[(node, e.slot)], senders_of[(node, e.slot)],
+                    planned_of[(node, e.slot)])
             for e in np_.expects
         )  # fmt: skip
         sends = tuple(
@@ -202,12 +214,22 @@ def add_delta(
 
 
 def _expect(
-    e: Expect, area: RegionDescriptor | None, extra: int, trailers: list[tuple[int, int]]
+    e: Expect,
+    area: RegionDescriptor | None,
+    extra: int,
+    trailers: list[tuple[int, int]],
+    senders: list[tuple[str, int]],
+    planned: list[tuple[Range, ...]],
 ) -> Expect:
     if area is None:
         return e
     return msgspec.structs.replace(
-        e, count=e.count + extra, delta_region=area.id, trailers=tuple(trailers)
+        e,
+        count=e.count + extra,
+        delta_region=area.id,
+        trailers=tuple(trailers),
+        senders=tuple(senders),
+        planned=tuple(planned),
     )
 
 
@@ -262,7 +284,7 @@ def _rank_plan(
     )
 
 
-def trailer_ranges(rp: RankPlan, t: Trailer) -> list[tuple[int, int, int, int, int]]:
+def trailer_ranges(rp: RankPlan, t: Trailer) -> list[Range]:
     """(region, offset, length, count, stride) of every write of `rp` to `t`'s engine rank,
     in plan order: what the trailer's checksum covers."""
     return [

@@ -8,6 +8,7 @@ from typing import Annotated
 import msgspec
 
 from .localbase import LocalMsg, Version
+from .plan import Range
 from .tensors import NonNeg
 
 
@@ -39,6 +40,11 @@ class ApplyVersion(LocalMsg, frozen=True, tag="apply_version"):
     version: Version
     region: NonNeg
     trailers: tuple[tuple[NonNeg, NonNeg], ...]
+    # the plan's (`Expect`): per trailer, the trainer rank that writes it and the ranges
+    # routed from it here; a trailer or payload outside them fails the version
+    plan: str = ""
+    senders: tuple[tuple[str, NonNeg], ...] = ()  # (node, trainer rank)
+    planned: tuple[tuple[Range, ...], ...] = ()
 
 
 class ApplyBucket(LocalMsg, frozen=True, tag="apply_bucket"):
@@ -56,6 +62,7 @@ class ApplyBucket(LocalMsg, frozen=True, tag="apply_bucket"):
     bucket: NonNeg
     ranges: tuple[tuple[NonNeg, NonNeg, NonNeg, NonNeg, NonNeg], ...] = ()
     payloads: tuple[tuple[NonNeg, NonNeg], ...] = ()
+    plan: str = ""  # the plan it is of: checked against what its last `ApplyVersion` said
 
 
 class Applied(LocalMsg, frozen=True, tag="applied"):

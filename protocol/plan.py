@@ -32,6 +32,10 @@ def decode_imm(imm: int) -> tuple[int, int]:
     return version_low(imm >> IMM_SLOT_BITS), imm & (MAX_SLOTS - 1)
 
 
+Range = tuple[NonNeg, NonNeg, NonNeg, NonNeg, NonNeg]
+"""(region, offset, length, count, stride) of a write at its destination."""
+
+
 class PackOp(msgspec.Struct, frozen=True, kw_only=True):
     """Fill `nbytes` of staging at `staging_offset` from `box` (in the rank's local tensor).
 
@@ -195,6 +199,10 @@ class Expect(msgspec.Struct, frozen=True, kw_only=True):
     delta_region: int = -1  # its delta area (>= 0: every version is applied and verified)
     trailers: tuple[tuple[NonNeg, NonNeg], ...] = ()  # (offset, capacity) in the delta area
     plan_hash: str = ""  # elastic jobs: its replica's plan (else the node plan's)
+    # per trailer (same order): the trainer rank that writes it, and the ranges the plan
+    # routes from that rank to this one (what its trailer must say; its payloads' blocks)
+    senders: tuple[tuple[str, NonNeg], ...] = ()  # (node, trainer rank)
+    planned: tuple[tuple[Range, ...], ...] = ()
 
 
 class NodePlan(msgspec.Struct, frozen=True, kw_only=True):
