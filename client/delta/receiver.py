@@ -18,13 +18,10 @@ bytes as they were once its bucket landed and was applied: a byte changed there 
 weightwire's back later is caught by the next version's check (every version checksums
 every range it writes, changed or not), as a change after the version's end always was.
 
-What each sender may write here is the plan's, not its own word: `ApplyVersion` names,
-per trailer, the trainer rank that writes it and the ranges the plan routes from that
-rank here (`Expect.planned`). A trailer must name exactly those (any order), and a
-bucket's ranges must be among its sender's, so a payload (its blocks among its trailer's
-or bucket's ranges) never writes into another rank's bytes: one that claims them fails
-the version (`unauthorized`) before anything of it is applied. A bucket of a plan this
-rank was not yet told of (`ApplyVersion` of it came) is left to the version's end.
+What each sender may write here is the plan's, not its own word (`planned.py`): a trailer
+or bucket that claims another rank's ranges fails the version (`unauthorized`) before
+anything of it is applied. A bucket of a plan this rank was not yet told of (no
+`ApplyVersion` of it came yet) is left to the version's end.
 """
 
 from __future__ import annotations
@@ -43,6 +40,7 @@ from weightwire.protocol.local import Applied, ApplyBucket, ApplyVersion
 from weightwire.protocol.plan import check_blocks, span
 
 from . import codec, decodeloop, digest, frames, hostapply
+from .planned import Planned, PlanRefused
 
 
 @dataclass(frozen=True)
@@ -70,17 +68,6 @@ class _Early:
     lock: threading.Lock = field(default_factory=threading.Lock)  # its fields, two appliers
 
 
-@dataclass(frozen=True)
-class _Planned:
-    """What one plan routes here: per trailer its sender rank, per sender rank its ranges
-    (as a set) and how many (a trailer names each once)."""
-
-    plan: str
-    senders: tuple[tuple[str, int], ...]
-    ranges: dict[int, frozenset[frames.Range]]
-    counts: dict[int, int]
-
-
 class ApplyError(Exception):
     def __init__(self, message: str, code: ErrorCode = ErrorCode.CHECKSUM) -> None:
         super().__init__(message)
@@ -99,7 +86,7 @@ class DeltaReceiver:
         self._holds = 0  # registered bytes: what one version's ranges can cover at most
         self._early: _Early | None = None
         self._settled = -1  # the last version `apply` answered for
-        self._planned: _Planned | None = None  # the last `ApplyVersion`'s plan
+        self._planned: Planned | None = None  # what the last `ApplyVersion`'s plan routes here
         self.early_s = 0.0  # seconds spent on buckets of the last version before its end
         self.early_ranges = 0  # ranges of the last version checksummed as their bucket landed
         self.tail_ranges = 0  # and those checksummed at its end (`ApplyVersion`)
@@ -186,13 +173,13 @@ class DeltaReceiver:
         else:  # the helper is busy with the bucket before: this one beside it, here
             self._apply_bucket(early, msg, planned)
 
-    def _apply_bucket(self, early: _Early, msg: ApplyBucket, planned: _Planned | None) -> None:
+    def _apply_bucket(self, early: _Early, msg: ApplyBucket, planned: Planned | None) -> None:
         t0 = time.perf_counter()
         try:
             with early.lock:
                 early.checked = self._check_ranges(msg.ranges, early.checked)
             if msg.plan and planned is not None:
-                self._check_planned(planned, msg.sender, msg.ranges, f"bucket {msg.bucket}")
+                planned.check(msg.sender, msg.ranges, f"bucket {msg.bucket}")
             ranges = set(msg.ranges)
             hashed = self._host(ranges)
             taken: dict[frames.Range, list[int]] = {}
@@ -239,7 +226,7 @@ class DeltaReceiver:
             nbytes = self._apply(msg, base, early)
         except Exception as exc:  # whatever it was, the version is not verified here
             self.held = -1
-            if isinstance(exc, ApplyError):
+            if isinstance(exc, ApplyError | PlanRefused):
                 code = exc.code
             elif isinstance(exc, ValueError):  # FrameError and malformed bodies
                 code = ErrorCode.CHECKSUM
@@ -265,25 +252,10 @@ class DeltaReceiver:
         return self.area[offset : offset + length].cpu().numpy().tobytes()
 
     def _apply(self, msg: ApplyVersion, held: int, early: _Early | None) -> int:
-        planned = self._learn(msg)
+        planned = self._planned = Planned.told(msg, self._planned)
         trailers = [frames.read_trailer(self._area_bytes(o, c)) for o, c in msg.trailers]
-        if planned is not None:
-            for (_, rank), tr in zip(planned.senders, trailers, strict=True):
-                if tr.sender != rank:
-                    raise ApplyError(
-                        f"the trailer of trainer rank {rank} says it is of sender rank {tr.sender}",
-                        ErrorCode.UNAUTHORIZED,
-                    )
-                self._check_planned(planned, rank, tr.ranges, "trailer")
-                if len(tr.ranges) != planned.counts[rank] or len(set(tr.ranges)) != len(
-                    planned.ranges[rank]
-                ):
-                    raise ApplyError(
-                        f"sender rank {rank}'s trailer names {len(tr.ranges)} ranges, not the "
-                        f"{planned.counts[rank]} the plan routes from it to engine rank "
-                        f"{self.rank}",
-                        ErrorCode.UNAUTHORIZED,
-                    )
+        if planned is not None:  # before a byte of them is applied
+            planned.check_trailers(trailers)
         self._check_ranges([r for tr in trailers for r in tr.ranges], 0)
         for tr in trailers:
             if tr.version != msg.version:
@@ -325,48 +297,6 @@ class DeltaReceiver:
                     f"({len(tr.ranges)} ranges) are not what it wrote"
                 )
         return nbytes
-
-    def _learn(self, msg: ApplyVersion) -> _Planned | None:
-        """What `msg`'s plan routes here (kept for the buckets of the versions after it);
-        None from a daemon that does not say."""
-        if not msg.senders and not msg.planned:
-            return None
-        if not len(msg.senders) == len(msg.planned) == len(msg.trailers):
-            raise ApplyError(
-                f"{len(msg.trailers)} trailers, {len(msg.senders)} senders and "
-                f"{len(msg.planned)} planned range lists: they go in pairs",
-                ErrorCode.INVALID,
-            )
-        kept = self._planned
-        if kept is None or not msg.plan or kept.plan != msg.plan or kept.senders != msg.senders:
-            ranks = [rank for _, rank in msg.senders]
-            kept = self._planned = _Planned(
-                msg.plan,
-                msg.senders,
-                {rank: frozenset(r) for rank, r in zip(ranks, msg.planned, strict=True)},
-                {rank: len(r) for rank, r in zip(ranks, msg.planned, strict=True)},
-            )
-        return kept
-
-    def _check_planned(
-        self, planned: _Planned, sender: int, ranges: Iterable[frames.Range], what: str
-    ) -> None:
-        """ApplyError unless every one of `ranges` (of sender rank `sender`'s `what`) is one
-        the plan routes from that rank to this one."""
-        allowed = planned.ranges.get(sender)
-        if allowed is None:
-            raise ApplyError(
-                f"sender rank {sender}'s {what}: the plan has it write nothing to engine "
-                f"rank {self.rank}",
-                ErrorCode.UNAUTHORIZED,
-            )
-        stray = next((r for r in ranges if r not in allowed), None)
-        if stray is not None:
-            raise ApplyError(
-                f"sender rank {sender}'s {what} names range {stray}, not one the plan routes "
-                f"from it to engine rank {self.rank}",
-                ErrorCode.UNAUTHORIZED,
-            )
 
     def _check_ranges(self, ranges: Iterable[frames.Range], spent: int) -> int:
         """`spent` plus the bytes of `ranges`, once each is blocks a plan could write here
