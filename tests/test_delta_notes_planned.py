@@ -17,16 +17,16 @@ import torch
 
 from weightwire.harness.localcluster import LocalCluster
 from weightwire.protocol.errors import ErrorCode, WeightwireError
-from weightwire.protocol.peer import BucketLanded, LandedPart, VersionStart
+from weightwire.protocol.peer import BucketLanded, LandedPart, PeerMsg, VersionStart
 
 from .conftest import NETNS, NETNS_WHY
-from .test_delta_forgery import delta_pair, forge, weights
+from .test_delta_forgery import delta_pair, failed_then_lands, forge, weights
 from .test_delta_forgery import hosts as hosts  # the module's cluster
 
 pytestmark = pytest.mark.skipif(not NETNS, reason=f"needs namespaces: {NETNS_WHY}")
 
 
-def note(job: str, rank: int, ranges: tuple[tuple[int, int, int, int, int], ...]) -> list:  # type: ignore[type-arg]
+def note(job: str, rank: int, ranges: tuple[tuple[int, int, int, int, int], ...]) -> list[PeerMsg]:
     """Version 2 started by trainer rank `rank` of host0, and a bucket of it landed."""
     parts = tuple(LandedPart(slot=s, ranges=ranges) for s in range(4))
     return [
@@ -46,12 +46,7 @@ def test_a_bucket_naming_an_unplanned_range_fails_the_version(hosts: LocalCluste
             tr.publish(2, {"w": weights(2)})
         assert err.value.code is ErrorCode.UNAUTHORIZED, err.value
         assert f"range ({region}, 64, 64, 1, 0)" in err.value.message, err.value.message
-        with pytest.raises(WeightwireError):
-            eng.wait(2, timeout_s=10)
-        for version in (3, 4):
-            tr.publish(version, {"w": weights(version)})
-            eng.wait(version)
-            assert torch.equal(dst, weights(version)), version
+        failed_then_lands(tr, eng, dst)
 
 
 def test_a_bucket_under_a_rank_not_planned_from_its_node_is_dropped(
