@@ -59,6 +59,7 @@ class _Early:
 
     version: int
     base: int  # the version the rank held verified when its first bucket came
+    planned: Planned | None  # what its plan routes here (a bucket's ranges are among it)
     sums: dict[tuple[int, frames.Range], int] = field(default_factory=dict)
     applied: set[tuple[int, int]] = field(default_factory=set)  # (sender, payload offset)
     nbytes: int = 0
@@ -163,23 +164,23 @@ class DeltaReceiver:
             # a version that never ended here (no ApplyVersion) may still be writing on
             # the helper: never beside the next one's bytes
             self.wait_buckets()
-            early = self._early = _Early(msg.version, self.held)
+            early = self._early = _Early(msg.version, self.held, planned)
             self.held = -1  # its bytes are changing: nothing verified until it verifies
         if early.error is not None:
             return
         if self._beside is not None and (self._busy is None or self._busy.done()):
             self.wait_buckets()
-            self._busy = self._beside.submit(self._apply_bucket, early, msg, planned)
+            self._busy = self._beside.submit(self._apply_bucket, early, msg)
         else:  # the helper is busy with the bucket before: this one beside it, here
-            self._apply_bucket(early, msg, planned)
+            self._apply_bucket(early, msg)
 
-    def _apply_bucket(self, early: _Early, msg: ApplyBucket, planned: Planned | None) -> None:
+    def _apply_bucket(self, early: _Early, msg: ApplyBucket) -> None:
         t0 = time.perf_counter()
         try:
             with early.lock:
                 early.checked = self._check_ranges(msg.ranges, early.checked)
-            if msg.plan and planned is not None:
-                planned.check(msg.sender, msg.ranges, f"bucket {msg.bucket}")
+            if msg.plan and early.planned is not None:
+                early.planned.check(msg.sender, msg.ranges, f"bucket {msg.bucket}")
             ranges = set(msg.ranges)
             hashed = self._host(ranges)
             taken: dict[frames.Range, list[int]] = {}
