@@ -172,3 +172,36 @@ def test_plan_delta_verifies_bucket_by_bucket(capsys: pytest.CaptureFixture[str]
     applied = json.loads(capsys.readouterr().out)["delta"]
     assert applied["apply_busy_s"] > 0 and applied["simulated_s"] > d["simulated_s"], applied
     assert applied["simulated_s"] >= applied["apply_busy_s"]
+
+
+def test_expect_names_each_trailers_sender_and_planned_ranges() -> None:
+    """Per trailer slot of a delta area the engine rank's Expect names the sender (node,
+    rank) and the ranges the plan routes from it there: exactly what that sender's
+    trailer says (`trailer_ranges`, in plan order)."""
+    import torch
+
+    from weightwire.plan.delta import add_delta, trailer_ranges
+    from weightwire.plan.planner import plan
+    from weightwire.protocol.regions import RegionDescriptor
+    from weightwire.protocol.tensors import Box, Piece
+
+    from .planlib import engine, trainer
+
+    g = {n: torch.zeros(64, 256, dtype=torch.bfloat16) for n in ("w", "v")}
+    halves = [{n: Box.rows((64, 256), 32 * r, 32 * r + 32) for n in g} for r in (0, 1)]
+    trainers = [trainer(f"t{r}", r, g, halves[r]) for r in (0, 1)]
+    pieces = [
+        (n, "bfloat16", (64, 256), (Piece(source=n, box=Box.full((64, 256)), dst_offset=0),))
+        for n in g
+    ]
+    engines = [engine("e", 0, pieces)]
+    area = RegionDescriptor(id=9, node="e", kind="cpu", length=64 << 10)
+    plans = add_delta(plan("j", trainers, engines), {("e", 0): area})
+    (exp,) = plans["e"].expects
+    assert len(exp.senders) == len(exp.planned) == len(exp.trailers) == 2
+    for (node, rank), planned in zip(exp.senders, exp.planned, strict=True):
+        (rp,) = plans[node].sends
+        (t,) = rp.trailers
+        assert rp.rank == rank and t.dst_offset == exp.trailers[exp.senders.index((node, rank))][0]
+        assert list(planned) == trailer_ranges(rp, t) and planned
+    assert not set(exp.planned[0]) & set(exp.planned[1])  # each rank its own rows
