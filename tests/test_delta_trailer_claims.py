@@ -11,7 +11,8 @@ applied the payload into rank 1's bytes, and with rank 1's checksum of `b0` take
 bucket landed the version could even complete. The plan now tells the engine which
 ranges each trailer's sender may write there (`Expect.planned`): the version fails
 (`unauthorized`, naming the range) before anything of it is applied, is never reported
-complete, `b0` holds rank 1's bytes bitwise, and the next version (dense) lands bitwise."""
+complete, `b0` holds rank 1's bytes bitwise, and the next version (dense) lands bitwise.
+The engine's tensors in host memory, and (marked `gpu`) in GPU memory."""
 
 from __future__ import annotations
 
@@ -29,7 +30,9 @@ from weightwire.protocol.errors import ErrorCode, WeightwireError
 from weightwire.protocol.plan import RankPlan, trailer_capacity
 
 from .conftest import FAST, NETNS, serve
-from .test_delta_e2e import SMALL, bitwise
+from .test_delta_e2e import SMALL
+
+GPU = torch.cuda.is_available()
 
 _jobs = itertools.count()
 COLS = 64  # bf16 rows of 128 bytes; tensor i has 16 + 4 i of them (never one strided write)
@@ -66,7 +69,14 @@ def align(n: int, to: int = 64) -> int:
     return -(-n // to) * to
 
 
-def forge_trailers(tr: Trainer, b: frames.Range, forged_b: torch.Tensor) -> None:
+def bitwise(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
+    """`got`'s tensors (on any device) hold `want`'s bytes."""
+    return all(
+        torch.equal(t.cpu().view(torch.uint8), want[n].view(torch.uint8)) for n, t in got.items()
+    )
+
+
+def forge_trailers(tr: Trainer, b: frames.Range, forged_b: torch.Tensor, gpu: bool) -> None:
     """Rank 0's trailer of version FORGED_AT claims `b0` (range `b`) in place of some of its
     own ranges, and a payload packed after it that leaves `forged_b` there; its checksum
     is what the engine would find."""
@@ -102,7 +112,7 @@ def forge_trailers(tr: Trainer, b: frames.Range, forged_b: torch.Tensor) -> None
         else:
             raise AssertionError("no room for the forged payload in the trailer slot")
         claimed = [*ranges[drop:], b]
-        sums = [*parts[drop:], digest.range_digest([new], False)]
+        sums = [*parts[drop:], digest.range_digest([new], gpu)]  # as the engine will hash
         data = frames.trailer(
             frames.TrailerHead(
                 sender=plan.rank,
@@ -142,12 +152,21 @@ def publish_both(trs: list[Trainer], version: int) -> dict[int, BaseException]:
     return errors
 
 
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not GPU, reason="no GPU here")]
+        ),
+    ],
+)
 def test_a_trailer_claiming_another_ranks_range_fails_and_writes_nothing(
-    cluster: LocalCluster,
+    cluster: LocalCluster, device: str
 ) -> None:
     job = f"trailer-claims{next(_jobs)}"
     w0 = tensors(0)
-    dst = {n: torch.zeros_like(t) for n, t in w0.items()}
+    dst = {n: torch.zeros_like(t, device=device) for n, t in w0.items()}
     eng = Engine(0, 1, socket=cluster.daemons[1].socket, job=job, timeout_s=30, delta_area=1.0)
     trs = [
         Trainer(r, 2, socket=cluster.daemons[0].socket, job=job, timeout_s=30, delta="on")
@@ -163,7 +182,7 @@ def test_a_trailer_claiming_another_ranks_range_fails_and_writes_nothing(
         b = b_range(trs[1].plan())
         forged_b = tensors(FORGED_AT)["b0"].clone()
         forged_b.view(-1)[:4] = 7.0  # not rank 1's
-        forge_trailers(trs[0], b, forged_b)
+        forge_trailers(trs[0], b, forged_b, device == "cuda")
         errors = publish_both(trs, FORGED_AT)
         assert bitwise({"b0": dst["b0"]}, tensors(FORGED_AT)), "rank 1's bytes were overwritten"
         err = errors.get(0)
