@@ -430,7 +430,7 @@ def test_sampling_skipped_only_after_a_delta_well_inside_its_limit(pair: Pair) -
         stats = pair.tr.publish(v)
         pair.eng.wait(v)
         assert bitwise(pair.dst, pair.w), f"version {v} differs"
-        sent.append((pair.tr.delta.sampled, stats.nbytes / total, len(pair.tr.delta._fill)))
+        sent.append((pair.tr.delta.sampled, stats.nbytes / total, len(pair.tr.delta.host.fill)))
     slots = sent[0][2]
     assert slots > 1  # several delta slots, each went delta
     s1, s2, off, s4, s5, s6, s7, s8 = sent

@@ -8,15 +8,14 @@ device (GPU memory for GPU staging, host memory for the CPU replica): the bytes 
 last version this rank packed, the same for every destination. A destination gets
 a delta only when it verifiably holds that version (its last verdict); otherwise it gets
 the bucket dense. After each bucket the shadow takes the new bytes: a scatter of the
-changes where a delta was computed, a copy elsewhere.
+changes where a delta was computed, a copy elsewhere. On the host path, which slots are
+compared and in which unit (bytes or elements) is `hostclaims`' choice.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import Literal
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
@@ -26,38 +25,12 @@ from weightwire.protocol.local import PublishResult
 from weightwire.protocol.plan import Bucket, DeltaSlot, RankPlan
 
 from . import codec, digest, frames, hostpass, scan
+from .hostclaims import HOST_KINDS, HostClaims, Mode
 from .inplace import InPlace, Planned
 from .replan import unchanged
 from .trailers import Dst, SourceBytes, Trailers, src_blocks
 
-Mode = Literal["off", "auto", "on"]
-SAMPLE_MARGIN = 1.0
-"""A slot goes dense without a full compare when its sampled density gives a payload this
-many times its capacity (a wrong guess costs bytes, never correctness)."""
-SKIP_FILL = 0.5
-"""A slot skips the sampling pass when, the last time it was compared (the last delta
-version; dense versions in between, `off` or to a destination that lost its base, leave
-it be), it went delta with at most this fraction of the changes that fit (its `limit`).
-The compare stops at the limit anyway, so a wrong guess costs a compare up to it and a
-dense payload, never correctness. A slot that went dense, or came closer to its limit,
-is sampled first."""
-SPARES = 4
-"""Host compare buffers kept for the next bucket's payloads (the largest): a payload's
-changes go into memory already paged in (bounded by a few payloads' capacity)."""
-HOST_KINDS = (codec.Kind.POS32, codec.Kind.BLOCK16)
-"""The host path's encodings: BLOCK16, compiled at both ends, and POS32 (a few changes).
-BITMAP took 0.28 s to encode and 0.9 s to decode per 256 MiB bucket at 18 % density, a
-version slower than dense: where BLOCK16 cannot fit, the slot goes dense."""
-HOST_UNIT = 1
-"""What the host path compares and encodes for 2-byte elements, unless a bucket's samples
-say otherwise (`DeltaSender._unit_of`): bytes. A payload says its width, so the engine
-applies bytes as it applies FP8 codes. A bf16 element that Adam moves by an ULP or a few
-changes in its low byte only (the high byte, sign and seven exponent bits, about once in
-256 ULP steps), so a changed element costs 2 bytes of position and 1 of value instead of
-2 and 2: 25 % fewer bytes at RL learning rates; the compare is no slower (bound by
-memory either way). Where updates are large enough to change both bytes, a changed
-element would cost 6 bytes instead of 4, and the bucket compares elements. The stats
-count elements either way (`scan.Changes.pairs`)."""
+__all__ = ["DeltaSender", "Mode"]
 
 
 class DeltaSender:
@@ -78,12 +51,12 @@ class DeltaSender:
         self._changed = 0
         self._compared = 0
         self.phases: dict[str, float] = {}  # seconds of the last version, by phase (host path)
-        self._spare: list[scan.Buffers] = []  # host compare buffers, reused bucket to bucket
-        # (bucket, slot index) -> changes / limit of the slot's payload, where it went delta
-        # the last time it was compared (the host path; see SKIP_FILL)
-        self._fill: dict[tuple[int, int], float] = {}
-        self._unit: dict[int, int] = {}  # bucket -> the unit its 2-byte slots compared in
-        self.sampled = 0  # delta slots of the last version that were sampled first
+        self.host = HostClaims()  # the host path's compare choices
+
+    @property
+    def sampled(self) -> int:
+        """Delta slots of the last version that were sampled before their compare."""
+        return self.host.sampled
 
     @property
     def shadow_bytes(self) -> int:
@@ -93,7 +66,7 @@ class DeltaSender:
         if plan.plan_hash != self.plan_hash:  # a replan: whose bytes are still known?
             kept = unchanged(self._plan, plan, self.held) if self.shadow is not None else {}
             self.plan_hash, self.held = plan.plan_hash, kept
-            self._fill, self._unit = {}, {}  # another plan's buckets and slots
+            self.host.forget()  # another plan's buckets and slots
             if not kept:
                 self.shadow_version, self.shadow = -1, None
         self._plan = plan
@@ -105,7 +78,8 @@ class DeltaSender:
         self._trailers.begin(plan)
         self._version = version
         self._base = self.shadow_version
-        self._changed = self._compared = self.sampled = 0
+        self._changed = self._compared = 0
+        self.host.begin()
         self.phases = {"sample": 0.0, "scan": 0.0, "copy": 0.0, "encode": 0.0}
 
     def in_place(
@@ -186,7 +160,7 @@ class DeltaSender:
         assert self.shadow is not None
         shadow = self.shadow.numpy()
         t0 = time.perf_counter()
-        jobs = self._claims(b, new, shadow)
+        jobs = self.host.claims(b, new, shadow, self._wants_delta, self.mode)
         self._tick("sample", t0)
         hashed = [self._trailers.hashed(wr) for wr in b.writes]
         gpu = [
@@ -199,7 +173,7 @@ class DeltaSender:
             if hashed[i] and not gpu[i] and wr.src_region < 0
         }
         done = hostpass.run(b, new, shadow, list(jobs.values()), hashers)
-        self._learn_unit(b.index, jobs.values())
+        self.host.learn(b.index, jobs.values())
         self._changed += done.changed
         self._compared += done.compared
         self.phases["scan"] += done.scan_s
@@ -227,115 +201,12 @@ class DeltaSender:
                 ds = job.slot
                 sent.append((b.index, index, nbytes))
                 self._trailers.sent(ds, nbytes)
-                self._fill[(b.index, index)] = job.changes.k / max(1, job.changes.limit)
-        kept = [job.changes.buffers() for job in jobs.values() if not job.dense]
-        self._spare = sorted(self._spare + kept, key=lambda s: s.low.size)[-SPARES:]
+                self.host.sent(b.index, index, job)
+        self.host.done(jobs.values())
         return sent
 
     def _tick(self, phase: str, since: float) -> None:
         self.phases[phase] = self.phases.get(phase, 0.0) + time.perf_counter() - since
-
-    def _claims(
-        self, b: Bucket, new: Planned | InPlace, shadow: np.ndarray
-    ) -> dict[int, hostpass.Job]:
-        """Compare jobs for bucket b's delta slots that may go delta (by index): each
-        sampled first unless its last payload went delta well inside its limit
-        (`SKIP_FILL`), all compared in one unit (`_unit_of`)."""
-        looks: dict[int, _Look] = {}
-        for index, ds in enumerate(b.deltas):
-            if self._wants_delta(ds):
-                fill = self._fill.pop((b.index, index), 1.0)
-                look = self._look(b, ds, new, shadow, sample=fill > SKIP_FILL)
-                if look is not None:
-                    looks[index] = look
-        unit = self._unit_of(b.index, looks.values())
-        jobs = {}
-        for index, look in looks.items():
-            job = self._claim(look, unit if look.slot.width == 2 else 1)
-            if job is not None:
-                jobs[index] = job
-        return jobs
-
-    def _look(
-        self, b: Bucket, ds: DeltaSlot, new: Planned | InPlace, shadow: np.ndarray, sample: bool
-    ) -> _Look | None:
-        """Slot `ds`'s blocks, and its density sampled by bytes and by elements if
-        `sample`; None when it goes dense (a block not aligned to its elements)."""
-        look = _Look(
-            ds, [(off, length, i) for i in ds.writes for off, length in src_blocks(b.writes[i])]
-        )
-        self.sampled += sample
-        for off, length, _ in look.blocks:
-            for at, piece in new.pieces(off, length):
-                a, old = piece.numpy(), shadow[at : at + piece.numel()]
-                if not scan.aligned(a, old, ds.width):
-                    return None
-                if sample:
-                    for w in {1, ds.width}:
-                        c, m = scan.sample(a, old, w)
-                        look.changed[w] = look.changed.get(w, 0) + c
-                        look.compared[w] = look.compared.get(w, 0) + m
-        return look
-
-    def _unit_of(self, bucket: int, looks: Iterable[_Look]) -> int:
-        """What a bucket's 2-byte slots compare and encode: bytes (`HOST_UNIT`) or
-        elements, whichever the sampled slots' BLOCK16 bodies say is smaller (an element
-        changed in both bytes costs 6 bytes as bytes, 4 as an element); unsampled, what
-        the bucket's last compare found (`_learn_unit`), bytes at first."""
-        size = {1: 0.0, 2: 0.0}
-        sampled = False
-        for look in looks:
-            if look.slot.width != 2 or not look.compared.get(2):
-                continue
-            sampled = True
-            n = look.bytes // 2
-            for w in (1, 2):
-                k = look.changed[w] * (n * 2 // w) / look.compared[w]
-                size[w] += codec.body_size(codec.Kind.BLOCK16, n * 2 // w, int(k), w)
-        if sampled:
-            self._unit[bucket] = 1 if size[1] <= size[2] else 2
-        return self._unit.get(bucket, HOST_UNIT)
-
-    def _learn_unit(self, bucket: int, jobs: Iterable[hostpass.Job]) -> None:
-        """The unit a bucket's next compare uses, by what its 2-byte slots' compare found
-        (`scan.Changes.pairs`: elements changed in both bytes): bytes unless elements
-        would have cost less."""
-        as_bytes = as_elements = 0
-        for job in jobs:
-            ch = job.changes
-            if job.slot.width != 2 or not ch.k:
-                continue
-            pairs = int(ch.pairs[0])
-            changed = (ch.k - pairs, ch.k) if ch.width == 1 else (ch.k, ch.k + pairs)
-            as_elements, as_bytes = as_elements + changed[0], as_bytes + changed[1]
-        if as_bytes:
-            self._unit[bucket] = 1 if 3 * as_bytes <= 4 * as_elements else 2
-
-    def _claim(self, look: _Look, w: int) -> hostpass.Job | None:
-        """A compare job for `look`'s slot in units of `w` bytes; None when it goes dense:
-        a sampled density that would not fit, or dense no larger."""
-        ds = look.slot
-        n = look.bytes // w
-        room = ds.capacity - frames.body_offset(len(ds.writes))
-        limit = codec.max_changes(n, w, room, HOST_KINDS)  # more changes than this cannot fit
-        if limit < 0:
-            return None
-        compared = look.compared.get(w, 0)
-        if compared and compared < n:  # sampled: go dense unless it may well fit
-            estimate = look.changed[w] * n // compared
-            kind = codec.best_kind(n, estimate, w, allow_dense=False, kinds=HOST_KINDS)
-            size = codec.body_size(kind, n, estimate, w)
-            dense_is_smaller = self.mode == "auto" and size >= n * w
-            if size > SAMPLE_MARGIN * room or dense_is_smaller:
-                self._changed += look.changed[ds.width]  # the stats count elements
-                self._compared += look.compared[ds.width]
-                return None
-        starts, start = [], 0
-        for off, length, i in look.blocks:
-            starts.append((off, length, start, i))
-            start += length // w
-        spare = self._spare.pop() if self._spare else None
-        return hostpass.Job(ds, n, scan.Changes(n, w, limit, spare=spare), starts)
 
     def _head(
         self, b: Bucket, ds: DeltaSlot, n: int, k: int, kinds: tuple[codec.Kind, ...], w: int
@@ -438,8 +309,9 @@ class DeltaSender:
         if out.is_cuda:
             torch.cuda.current_stream(out.device).synchronize()
         self.shadow_version = self._version if self.shadow is not None else -1
-        self.last_density = self._changed / self._compared if self._compared else 0.0
-        self.last_compared = self._compared
+        changed, compared = self._changed + self.host.changed, self._compared + self.host.compared
+        self.last_density = changed / compared if compared else 0.0
+        self.last_compared = compared
         return tuple(lengths)
 
     def settle(self, version: int, plan: RankPlan, result: PublishResult | None) -> None:
@@ -451,23 +323,8 @@ class DeltaSender:
 
     def abandon(self) -> None:
         """The version failed on this side: the shadow may be half moved on."""
-        self.shadow_version, self.held, self._fill = -1, {}, {}  # everything dense next
-        self._unit = {}
-
-
-@dataclass
-class _Look:
-    """A delta slot before its compare: its source blocks (staging offset, length, write
-    index) and, if sampled, the changes and the units compared by unit width."""
-
-    slot: DeltaSlot
-    blocks: list[tuple[int, int, int]]
-    changed: dict[int, int] = field(default_factory=dict)
-    compared: dict[int, int] = field(default_factory=dict)
-
-    @property
-    def bytes(self) -> int:
-        return sum(length for _, length, _ in self.blocks)
+        self.shadow_version, self.held = -1, {}  # everything dense next
+        self.host.forget()
 
 
 def _cat(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
