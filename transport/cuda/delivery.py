@@ -81,7 +81,8 @@ class Delivery:
 
     def deliver(self, node: str, imms: list[int]) -> bool:
         """Immediates of finished copies, to whichever transport owns the destination;
-        False if no one is there to take them (disconnected meanwhile)."""
+        False if no one is there to take them (disconnected meanwhile), or another
+        daemon's channel could not take them in time (`channel.SEND_WAIT_S`)."""
         if node == self.node:
             self.receive(imms, self.node)
             return True
@@ -92,8 +93,7 @@ class Delivery:
         path = self._peer_path(node)
         if path is None:
             return False
-        self._channel.send_imms(path, self.node, imms)
-        return True
+        return self._channel.send_imms(path, self.node, imms)
 
     def take(
         self, imms: list[int], source: str, from_loop: asyncio.AbstractEventLoop | None
