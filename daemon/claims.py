@@ -64,7 +64,7 @@ def claims(
                 )
                 continue
             members.setdefault(r.replica, []).append((node, r))
-    held = {**recalled(members), **held}
+    held = {**held, **recalled(members, held)}
     out: dict[int, Replica] = {}
     taken: dict[int, str] = {}  # engine rank -> which replica, where
     kept = {rid for rid, ms in members.items() if _holders(held.get(rid), ms) is not None}
@@ -93,25 +93,44 @@ def claims(
     return out, refused
 
 
-def recalled(members: Mapping[int, list[Member]]) -> dict[int, Replica]:
+def recalled(
+    members: Mapping[int, list[Member]], held: Mapping[int, Replica] | None = None
+) -> dict[int, Replica]:
     """The replicas the adverts say were planned (`RankAdvert.replica_plan`): each one's
-    ranks that hold one replica plan, where they make the whole replica. A coordinator that
-    restarted knows no replica it planned: a claimant there at the time used to get the
-    whole replica refused, its serving ranks with it, until the claimant left."""
+    ranks that hold one replica plan, where they make the whole replica (of several such
+    groups, the one `held` names, else the first by plan). A coordinator that restarted
+    knows no replica it planned: a claimant there at the time used to get the whole replica
+    refused, its serving ranks with it, until the claimant left.
+
+    They win over `held`: a coordinator that restarted and heard the claimant's host first
+    planned the claimant as the replica, knowing no other rank of it, and kept that pick
+    when the serving ranks came back holding the replica's plan (the serving rank was
+    refused, the claimant kept the replica). A replica this coordinator planned is recalled
+    as its own once its ranks advertise its plan, or stays held while no ranks say they
+    serve another plan of that replica."""
+    held = held or {}
     out: dict[int, Replica] = {}
     for rid, ms in members.items():
         plans: dict[str, list[Member]] = {}
         for m in ms:
             if m[1].replica_plan:
                 plans.setdefault(m[1].replica_plan, []).append(m)
+        whole: list[Replica] = []
         for _, group in sorted(plans.items()):
             size = group[0][1].replica_size
             ranks = {r.rank for _, r in group}
             alike = all(r.replica_size == size for _, r in group)
             if alike and len(group) == len(ranks) == size:
-                out[rid] = Replica(rid, size, tuple(sorted(group, key=lambda m: m[1].rank)))
-                break
+                whole.append(Replica(rid, size, tuple(sorted(group, key=lambda m: m[1].rank))))
+        mine = held.get(rid)
+        ours = [r for r in whole if mine is not None and _key(r) == _key(mine)]
+        if ours or whole:
+            out[rid] = (ours or whole)[0]
     return out
+
+
+def _key(rep: Replica) -> frozenset[tuple[str, int, int]]:
+    return frozenset((n, r.rank, r.replica_size) for n, r in rep.ranks)
 
 
 def _holders(planned: Replica | None, ms: list[Member]) -> list[Member] | None:

@@ -162,6 +162,22 @@ def until(what: str, check: Callable[[], object], timeout_s: float = 20.0) -> No
         time.sleep(0.1)
 
 
+def restart_coordinator(c: LocalCluster) -> None:
+    """SIGKILL the coordinator (host0) and start it again on its port."""
+    c.daemons[0].proc.send_signal(signal.SIGKILL)
+    c.daemons[0].proc.wait(10)
+    port = int(c.daemons[0].endpoint.rsplit(":", 1)[1])
+    c.start_daemon(0, coordinator=True, peer_port=port)
+
+
+def planned(c: LocalCluster, job: str) -> Callable[[], bool]:
+    def check() -> bool:
+        jobs = fetch(c.daemons[0].socket)["coordination"]["jobs"]
+        return bool(jobs.get(job, {}).get("plan"))
+
+    return check
+
+
 def test_a_restarted_coordinator_refuses_only_the_claimant(three: LocalCluster) -> None:
     """The coordinator restarts while a claimant of a serving replica is there. It knew no
     replica it had planned: it refused the whole replica (its serving rank too, told
@@ -179,17 +195,9 @@ def test_a_restarted_coordinator_refuses_only_the_claimant(three: LocalCluster) 
         )  # fmt: skip
         twin.register({"w": torch.zeros_like(s.w)})
         refused(twin, s.version + 1)
-        c.daemons[0].proc.send_signal(signal.SIGKILL)
-        c.daemons[0].proc.wait(10)
-        port = int(c.daemons[0].endpoint.rsplit(":", 1)[1])
-        c.start_daemon(0, coordinator=True, peer_port=port)
+        restart_coordinator(c)
         c.wait_joined()
-
-        def planned() -> bool:
-            jobs = fetch(c.daemons[0].socket)["coordination"]["jobs"]
-            return bool(jobs.get(job, {}).get("plan"))
-
-        until("the restarted coordinator never planned the serving replica", planned)
+        until("the restarted coordinator never planned the serving replica", planned(c, job))
         until(
             "the claimant was not refused again",
             lambda: fetch(c.daemons[2].socket)["rank_problems"],
@@ -274,3 +282,40 @@ def test_a_replica_refused_whole_is_cleared_when_the_rank_it_conflicted_with_lea
             "the refusal stayed after the rank it conflicted with left",
             lambda: fetch(c.daemons[1].socket)["rank_problems"] == {},
         )
+
+
+def test_a_restarted_coordinator_that_hears_the_claimant_first_gives_the_replica_back(
+    three: LocalCluster,
+) -> None:
+    """As above, but the claimant's host joins the restarted coordinator first (host1, which
+    serves the replica, is stopped meanwhile): knowing no other rank of replica 0, the
+    coordinator plans the claimant as the replica. When host1 comes back advertising the
+    replica plan it serves, the coordinator kept its own pick: the serving rank was refused
+    `duplicate` and the claimant kept the replica (CI, once in three runs: host1 joined a
+    plan's time after host2). Now the replica the ranks say they serve is theirs again: the
+    claimant alone is refused, and the replica gets the next versions bitwise."""
+    c = three
+    job = "replica-claimed-restart-claimant-first"
+    with ExitStack() as stack:
+        s = Serving(c, job, stack, trainer=2, engine=1)
+        twin = stack.enter_context(
+            Engine(1, 2, socket=c.daemons[2].socket, job=job, timeout_s=10, replica=0,
+                   replica_size=1)
+        )  # fmt: skip
+        twin.register({"w": torch.zeros_like(s.w)})
+        refused(twin, s.version + 1)
+        c.daemons[1].proc.send_signal(signal.SIGSTOP)
+        try:
+            restart_coordinator(c)
+            until("the restarted coordinator never planned the claimant", planned(c, job))
+        finally:
+            c.daemons[1].proc.send_signal(signal.SIGCONT)
+        c.wait_joined()
+        until(
+            "the claimant was not refused again",
+            lambda: fetch(c.daemons[2].socket)["rank_problems"],
+        )
+        assert fetch(c.daemons[1].socket)["rank_problems"] == {}  # the serving rank: not refused
+        s.next()  # the replica keeps serving, bitwise
+        s.next()
+        refused(twin, s.version + 1)
