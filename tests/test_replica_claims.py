@@ -14,6 +14,7 @@ Real daemons, each host in its own network namespace."""
 from __future__ import annotations
 
 import signal
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -288,11 +289,12 @@ def test_a_restarted_coordinator_that_hears_the_claimant_first_gives_the_replica
     three: LocalCluster,
 ) -> None:
     """As above, but the claimant's host joins the restarted coordinator first (host1, which
-    serves the replica, is stopped meanwhile): knowing no other rank of replica 0, the
+    serves the replica, cannot reach host0 meanwhile: a blackhole route in its namespace;
+    it keeps running, its ranks and its peers stay): knowing no other rank of replica 0, the
     coordinator plans the claimant as the replica. When host1 comes back advertising the
     replica plan it serves, the coordinator kept its own pick: the serving rank was refused
-    `duplicate` and the claimant kept the replica (CI, once in three runs: host1 joined a
-    plan's time after host2). Now the replica the ranks say they serve is theirs again: the
+    `duplicate` and the claimant kept the replica (CI, once in three runs: host1 joined 2 ms
+    after that plan was made). Now the replica the ranks say they serve is theirs again: the
     claimant alone is refused, and the replica gets the next versions bitwise."""
     c = three
     job = "replica-claimed-restart-claimant-first"
@@ -304,12 +306,17 @@ def test_a_restarted_coordinator_that_hears_the_claimant_first_gives_the_replica
         )  # fmt: skip
         twin.register({"w": torch.zeros_like(s.w)})
         refused(twin, s.version + 1)
-        c.daemons[1].proc.send_signal(signal.SIGSTOP)
+
+        def route(op: str) -> None:
+            blackhole = ["blackhole", f"{c.address(0)}/32"]
+            subprocess.run([*c.prefix(1), "ip", "route", op, *blackhole], check=True)
+
+        route("add")
         try:
             restart_coordinator(c)
             until("the restarted coordinator never planned the claimant", planned(c, job))
         finally:
-            c.daemons[1].proc.send_signal(signal.SIGCONT)
+            route("del")
         c.wait_joined()
         until(
             "the claimant was not refused again",
