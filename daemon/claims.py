@@ -13,7 +13,7 @@ and was dropped from the plan without a word (or, sizes disagreeing, withdrew th
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from weightwire.protocol.peer import Advertise, RankAdvert
@@ -44,10 +44,13 @@ def _refuse(message: str, members: list[Member]) -> Refusal:
 
 
 def claims(
-    adverts: Mapping[str, Advertise], held: Mapping[int, Replica]
+    adverts: Mapping[str, Advertise],
+    held: Mapping[int, Replica],
+    made: Collection[str] = (),
 ) -> tuple[dict[int, Replica], list[Refusal]]:
     """The replicas of an elastic job's adverts (complete or not), and the ranks refused.
-    `held`: the replicas planned last, whose ranks keep them while they all advertise."""
+    `held`: the replicas planned last, whose ranks keep them while they all advertise;
+    `made`: the replica plans this coordinator made (`recalled`)."""
     members: dict[int, list[Member]] = {}
     refused: list[Refusal] = []
     for node, adv in sorted(adverts.items()):
@@ -64,7 +67,7 @@ def claims(
                 )
                 continue
             members.setdefault(r.replica, []).append((node, r))
-    held = {**held, **recalled(members, held)}
+    held = {**held, **recalled(members, held, made)}
     out: dict[int, Replica] = {}
     taken: dict[int, str] = {}  # engine rank -> which replica, where
     kept = {rid for rid, ms in members.items() if _holders(held.get(rid), ms) is not None}
@@ -94,20 +97,24 @@ def claims(
 
 
 def recalled(
-    members: Mapping[int, list[Member]], held: Mapping[int, Replica] | None = None
+    members: Mapping[int, list[Member]],
+    held: Mapping[int, Replica] | None = None,
+    made: Collection[str] = (),
 ) -> dict[int, Replica]:
     """The replicas the adverts say were planned (`RankAdvert.replica_plan`): each one's
-    ranks that hold one replica plan, where they make the whole replica (of several such
-    groups, the one `held` names, else the first by plan). A coordinator that restarted
-    knows no replica it planned: a claimant there at the time used to get the whole replica
-    refused, its serving ranks with it, until the claimant left.
+    ranks that hold one replica plan, where they make the whole replica. A coordinator that
+    restarted knows no replica it planned: a claimant there at the time used to get the
+    whole replica refused, its serving ranks with it, until the claimant left.
 
     They win over `held`: a coordinator that restarted and heard the claimant's host first
     planned the claimant as the replica, knowing no other rank of it, and kept that pick
     when the serving ranks came back holding the replica's plan (the serving rank was
-    refused, the claimant kept the replica). A replica this coordinator planned is recalled
-    as its own once its ranks advertise its plan, or stays held while no ranks say they
-    serve another plan of that replica."""
+    refused, the claimant kept the replica). Of several groups that serve plans of one
+    replica, one serving a plan this coordinator never made (`made`: it predates this
+    coordinator) goes first, then the one `held` names, then the first by plan: the
+    claimant, planned first and advertising that plan again, kept the replica. A group
+    serving a plan made here that the coordinator holds no more (stale: its ranks have not
+    heard the newer plan yet) does not take the replica from the ranks that hold it."""
     held = held or {}
     out: dict[int, Replica] = {}
     for rid, ms in members.items():
@@ -115,17 +122,19 @@ def recalled(
         for m in ms:
             if m[1].replica_plan:
                 plans.setdefault(m[1].replica_plan, []).append(m)
-        whole: list[Replica] = []
-        for _, group in sorted(plans.items()):
+        whole: list[tuple[str, Replica]] = []
+        for plan, group in sorted(plans.items()):
             size = group[0][1].replica_size
             ranks = {r.rank for _, r in group}
             alike = all(r.replica_size == size for _, r in group)
             if alike and len(group) == len(ranks) == size:
-                whole.append(Replica(rid, size, tuple(sorted(group, key=lambda m: m[1].rank))))
-        mine = held.get(rid)
-        ours = [r for r in whole if mine is not None and _key(r) == _key(mine)]
-        if ours or whole:
-            out[rid] = (ours or whole)[0]
+                rep = Replica(rid, size, tuple(sorted(group, key=lambda m: m[1].rank)))
+                whole.append((plan, rep))
+        mine = _key(held[rid]) if rid in held else None
+        # a plan made here, not held now, is stale: it does not take a held replica over
+        whole = [w for w in whole if mine is None or w[0] not in made or _key(w[1]) == mine]
+        if whole:
+            out[rid] = min(whole, key=lambda w: (w[0] in made, _key(w[1]) != mine))[1]
     return out
 
 

@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # numpy loads with the planner, only in a daemon that coordin
     from weightwire.plan.compact import Compact, PlanSet
 
 _enc = msgspec.msgpack.Encoder(order="deterministic")
+MADE_KEPT = 1024  # replica plans a job remembers making (a few bytes each)
 
 
 def is_elastic(adverts: Mapping[str, Advertise]) -> bool:
@@ -125,6 +126,14 @@ class Elastic:
     parts: dict[int, ReplicaPlan] = field(default_factory=dict)  # replica -> its plan
     held: dict[int, Replica] = field(default_factory=dict)  # replicas planned last (claims.py)
     told: dict[tuple[str, int], str] = field(default_factory=dict)  # refused (node, rank): why
+    made: dict[str, None] = field(default_factory=dict)  # replica plans made here (claims.py)
+
+    def remember(self, plan_hash: str) -> None:
+        """A replica plan this coordinator made (the last MADE_KEPT of them)."""
+        self.made.pop(plan_hash, None)
+        self.made[plan_hash] = None
+        while len(self.made) > MADE_KEPT:
+            del self.made[next(iter(self.made))]
 
 
 def node_hashes(packs: str, parts: Iterable[ReplicaPlan]) -> tuple[dict[str, str], str]:

@@ -57,7 +57,7 @@ class ElasticPlanning:
             self.problem(job, PlanError("; ".join(problems), code=ErrorCode.DUPLICATE))
             return
         el = job.elastic
-        replicas, refused = claims(job.adverts, el.held)
+        replicas, refused = claims(job.adverts, el.held, el.made)
         self._tell(job, refused)
         live = {r: rep for r, rep in replicas.items() if rep.complete}
         if not live:
@@ -84,6 +84,7 @@ class ElasticPlanning:
             part = await self._replica(job, trainers, rep, inputs, stop)
             if part is not None:
                 el.parts[r] = part
+                el.remember(part.plan_hash)
                 el.packs = el.packs or part.packs
                 planned.append(r)
         el.held = {r: p.replica for r, p in el.parts.items()}
@@ -223,7 +224,7 @@ def lacking(job: Job) -> list[str]:
     """What an elastic job lacks before it can be planned: trainer ranks, or a complete
     engine replica (each incomplete one's absent ranks)."""
     missing = collect(job, elastic=True)[2]
-    replicas, _ = claims(job.adverts, job.elastic.held)
+    replicas, _ = claims(job.adverts, job.elastic.held, job.elastic.made)
     if not any(rep.complete for rep in replicas.values()):
         missing.append(_incomplete(replicas.values()))
     return missing

@@ -47,10 +47,29 @@ def test_the_coordinators_pick_stays_while_no_other_ranks_serve_a_plan_of_it() -
     assert refused_nodes(refused) == {"host2"}
 
 
-def test_of_two_groups_serving_plans_of_a_replica_the_one_held_keeps_it() -> None:
-    """Both hosts advertise a plan of replica 0: the one the coordinator holds keeps it,
-    whichever plan sorts first."""
+def test_of_two_groups_serving_plans_of_a_replica_one_from_before_the_coordinator_wins() -> None:
+    """The claimant, planned first by the restarted coordinator, advertises that plan (B,
+    made here) by the time host1 comes back serving A (made by the coordinator before):
+    host1 keeps the replica (the claimant, held and serving a plan, used to keep it)."""
     held = {0: Replica(0, 1, (("host2", rank(1, "B")),))}
-    replicas, refused = claims(adverts(host1=rank(0, "A"), host2=rank(1, "B")), held)
+    replicas, refused = claims(adverts(host1=rank(0, "A"), host2=rank(1, "B")), held, {"B"})
+    assert [n for n, _ in replicas[0].ranks] == ["host1"]
+    assert refused_nodes(refused) == {"host2"}
+
+
+def test_of_two_groups_serving_plans_made_here_the_one_held_keeps_it() -> None:
+    """Both plans were made by this coordinator (one is stale: its ranks have not heard the
+    newer plan yet): the replica it holds keeps it, whichever plan sorts first."""
+    held = {0: Replica(0, 1, (("host2", rank(1, "B")),))}
+    replicas, refused = claims(adverts(host1=rank(0, "A"), host2=rank(1, "B")), held, {"A", "B"})
     assert [n for n, _ in replicas[0].ranks] == ["host2"]
     assert refused_nodes(refused) == {"host1"}
+
+
+def test_a_stale_plan_made_here_does_not_take_a_held_replica() -> None:
+    """The claimant still advertises the plan made for it (B) after the replica went back
+    to host1, whose rank advertises none now (its plan withdrawn meanwhile): host1 keeps it."""
+    held = {0: Replica(0, 1, (("host1", rank(0)),))}
+    replicas, refused = claims(adverts(host1=rank(0), host2=rank(1, "B")), held, {"A", "B"})
+    assert [n for n, _ in replicas[0].ranks] == ["host1"]
+    assert refused_nodes(refused) == {"host2"}
