@@ -191,9 +191,8 @@ class HostClaims:
             ch = job.changes
             if job.slot.width != 2 or not ch.k:
                 continue
-            pairs = int(ch.pairs[0])
-            changed = (ch.k - pairs, ch.k) if ch.width == 1 else (ch.k, ch.k + pairs)
-            as_elements, as_bytes = as_elements + changed[0], as_bytes + changed[1]
+            elements, nbytes = scan.two_byte_counts(ch.k, int(ch.pairs[0]), ch.width)
+            as_elements, as_bytes = as_elements + elements, as_bytes + nbytes
         if as_bytes:
             self.unit[bucket] = 1 if 3 * as_bytes <= 4 * as_elements else 2
 

@@ -168,10 +168,10 @@ def run(
             found, pairs = min(seg.k, seg.limit + 1), int(seg.pairs[0])
             for job, at in need:
                 _take(job, seg, at, fits, direct[id(job)])
-        element = first.slot.width  # the stats count the slot's elements, not compare units
-        paired = element == 2 and first.changes.width == 1
-        stats.changed += found - pairs if paired else found
-        stats.compared += a.size // (element if paired else first.changes.width)
+        if first.slot.width == 2:  # the stats count the slot's elements, not compare units
+            found = scan.two_byte_counts(found, pairs, first.changes.width)[0]
+        stats.changed += found
+        stats.compared += a.size // first.slot.width
         stats.scan_s += time.perf_counter() - t0
     for job in jobs:
         job.finish()

@@ -118,6 +118,13 @@ class Changes:
         self.k = k + m
 
 
+def two_byte_counts(k: int, pairs: int, unit: int) -> tuple[int, int]:
+    """(elements, bytes) changed of a stream of 2-byte elements, from a compare in units of
+    `unit` bytes that found `k` changes, `pairs` of the elements changed in both bytes
+    (`Changes.pairs`)."""
+    return (k - pairs, k) if unit == 1 else (k, k + pairs)
+
+
 def compiled() -> bool:
     return _kernel is not None
 
