@@ -179,6 +179,32 @@ def planned(c: LocalCluster, job: str) -> Callable[[], bool]:
     return check
 
 
+def claimed(c: LocalCluster, job: str, stack: ExitStack) -> tuple[Serving, Engine]:
+    """Replica 0 served from host1 to a trainer on host2, and a claimant of it on host2
+    (rank 1 of size 1), refused."""
+    s = Serving(c, job, stack, trainer=2, engine=1)
+    twin = stack.enter_context(
+        Engine(1, 2, socket=c.daemons[2].socket, job=job, timeout_s=10, replica=0,
+               replica_size=1)
+    )  # fmt: skip
+    twin.register({"w": torch.zeros_like(s.w)})
+    refused(twin, s.version + 1)
+    return s, twin
+
+
+def only_the_claimant_refused(c: LocalCluster, s: Serving, twin: Engine) -> None:
+    """After a coordinator restart: the claimant is refused again, the serving rank is not,
+    and the replica gets the next versions bitwise."""
+    until(
+        "the claimant was not refused again",
+        lambda: fetch(c.daemons[2].socket)["rank_problems"],
+    )
+    assert fetch(c.daemons[1].socket)["rank_problems"] == {}  # the serving rank: not refused
+    s.next()  # the replica keeps serving, bitwise
+    s.next()
+    refused(twin, s.version + 1)
+
+
 def test_a_restarted_coordinator_refuses_only_the_claimant(three: LocalCluster) -> None:
     """The coordinator restarts while a claimant of a serving replica is there. It knew no
     replica it had planned: it refused the whole replica (its serving rank too, told
@@ -189,24 +215,11 @@ def test_a_restarted_coordinator_refuses_only_the_claimant(three: LocalCluster) 
     c = three
     job = "replica-claimed-restart"
     with ExitStack() as stack:
-        s = Serving(c, job, stack, trainer=2, engine=1)
-        twin = stack.enter_context(
-            Engine(1, 2, socket=c.daemons[2].socket, job=job, timeout_s=10, replica=0,
-                   replica_size=1)
-        )  # fmt: skip
-        twin.register({"w": torch.zeros_like(s.w)})
-        refused(twin, s.version + 1)
+        s, twin = claimed(c, job, stack)
         restart_coordinator(c)
         c.wait_joined()
         until("the restarted coordinator never planned the serving replica", planned(c, job))
-        until(
-            "the claimant was not refused again",
-            lambda: fetch(c.daemons[2].socket)["rank_problems"],
-        )
-        assert fetch(c.daemons[1].socket)["rank_problems"] == {}  # the serving rank: not refused
-        s.next()  # the replica keeps serving, bitwise
-        s.next()
-        refused(twin, s.version + 1)
+        only_the_claimant_refused(c, s, twin)
 
 
 def test_a_refused_claimant_is_cleared_once_its_claim_conflicts_no_more(
@@ -299,13 +312,7 @@ def test_a_restarted_coordinator_that_hears_the_claimant_first_gives_the_replica
     c = three
     job = "replica-claimed-restart-claimant-first"
     with ExitStack() as stack:
-        s = Serving(c, job, stack, trainer=2, engine=1)
-        twin = stack.enter_context(
-            Engine(1, 2, socket=c.daemons[2].socket, job=job, timeout_s=10, replica=0,
-                   replica_size=1)
-        )  # fmt: skip
-        twin.register({"w": torch.zeros_like(s.w)})
-        refused(twin, s.version + 1)
+        s, twin = claimed(c, job, stack)
 
         def route(op: str) -> None:
             blackhole = ["blackhole", f"{c.address(0)}/32"]
@@ -318,11 +325,4 @@ def test_a_restarted_coordinator_that_hears_the_claimant_first_gives_the_replica
         finally:
             route("del")
         c.wait_joined()
-        until(
-            "the claimant was not refused again",
-            lambda: fetch(c.daemons[2].socket)["rank_problems"],
-        )
-        assert fetch(c.daemons[1].socket)["rank_problems"] == {}  # the serving rank: not refused
-        s.next()  # the replica keeps serving, bitwise
-        s.next()
-        refused(twin, s.version + 1)
+        only_the_claimant_refused(c, s, twin)
